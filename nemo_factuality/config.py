@@ -1,0 +1,75 @@
+"""Typed config loading: a dataclass schema holds every default; YAML and CLI overrides change it.
+
+``load_config(Schema, "klcf", ["reward.weights.recall=2.0"], group="serve")`` reads
+``conf/serve/klcf.yaml`` on top of ``Schema()`` and applies Hydra-style ``key=value``
+overrides. Unknown keys anywhere raise ``ConfigError`` naming the key and the file, so a typo
+never runs silently with a default.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import is_dataclass
+from pathlib import Path
+from typing import Any, Sequence, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConfigError(ValueError):
+    """A config file or override does not fit its schema."""
+
+
+def conf_dir() -> Path:
+    """Directory holding the YAML configs (``$NEMO_FACTUALITY_CONF`` or the repo's ``conf/``)."""
+    return Path(os.environ.get("NEMO_FACTUALITY_CONF", REPO_ROOT / "conf"))
+
+
+def resolve_config_path(config_name: str, group: str | None = None) -> Path:
+    """Find ``config_name`` as a path, or as ``conf/<group>/<config_name>.yaml``."""
+    direct = Path(config_name)
+    if direct.suffix in (".yaml", ".yml") and direct.exists():
+        return direct
+    base = conf_dir() / group if group else conf_dir()
+    candidate = base / f"{config_name}.yaml"
+    if candidate.exists():
+        return candidate
+    available = sorted(p.stem for p in base.glob("*.yaml")) if base.exists() else []
+    raise ConfigError(f"Config {config_name!r} not found at {candidate}. Available in {base}: {available or '(none)'}")
+
+
+def load_config(
+    schema: type[T] | T,
+    config_name: str | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    group: str | None = None,
+) -> T:
+    """Merge schema defaults ← YAML ← ``key=value`` overrides; return a typed object (schema instance)."""
+    if not (is_dataclass(schema)):
+        raise TypeError(f"schema must be a dataclass type or instance, got {schema!r}")
+    merged: DictConfig = OmegaConf.structured(schema)
+    source = "schema defaults"
+    try:
+        if config_name:
+            path = resolve_config_path(config_name, group)
+            source = str(path)
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise ConfigError(f"Overrides must look like key=value, got {bad}")
+        source = f"command-line overrides {list(overrides)}"
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"Invalid config from {source}: {err}") from err
+
+
+def to_yaml(cfg: Any) -> str:
+    """Render a config object (dataclass or DictConfig) as YAML for logs and run directories."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg) if is_dataclass(cfg) else cfg)

@@ -1,0 +1,85 @@
+"""Build a tiny byte-level BPE tokenizer (with a chat template) and tiny Qwen2/Llama models locally.
+
+Nothing is downloaded: the tokenizer is trained on a built-in corpus in about a second and the
+models are built from configs with a fixed seed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+
+_CORPUS = [
+    "The Eiffel Tower is located in Paris, France, and was completed in 1889.",
+    "Marie Curie won the Nobel Prize in Physics in 1903 and in Chemistry in 1911.",
+    "<think>The question asks about the capital. Paris is the capital of France.</think><answer>Paris</answer>",
+    "Albert Einstein was born in Ulm in 1879. He developed the theory of relativity.",
+    "東京は日本の首都です。 北京是中国的首都。 Café naïve résumé — emoji 🙂🚀 and combining e\u0301.",
+    "I don't know. I'm not sure about that person. Unknown facts should be avoided.",
+    "Water boils at 100 degrees Celsius at sea level. The Moon orbits the Earth.",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10 numbers and punctuation: ; : ! ? ( ) [ ] { } \" '",
+]
+
+
+def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 400):
+    """Train a byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast``.
+
+    Args:
+        out_dir: if given, ``save_pretrained`` there (``tokenizer.json``, config, chat template).
+        vocab_size: BPE vocabulary size including the 256 byte symbols and specials.
+
+    Returns:
+        The HF fast tokenizer (with offsets mapping support and a ChatML-like template).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<pad>",
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        hf.save_pretrained(str(out_dir))
+    return hf
+
+
+def build_tiny_causal_lm(family: str = "qwen2", *, vocab_size: int = 512, tie_word_embeddings: bool = False,
+                         num_layers: int = 2, seed: int = 0, out_dir: str | Path | None = None):
+    """A 2-layer GQA ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` built from config (float32, CPU)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=256,
+                  tie_word_embeddings=tie_word_embeddings)
+    torch.manual_seed(seed)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        raise ValueError(f"family must be 'qwen2' or 'llama', got {family!r}")
+    model.eval()
+    if out_dir is not None:
+        model.save_pretrained(str(out_dir))
+    return model
