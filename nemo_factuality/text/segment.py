@@ -1,0 +1,128 @@
+"""Sentence segmentation that keeps exact character spans, with ``<think>``/``<answer>`` sections.
+
+Every returned ``Sentence`` satisfies ``sentence.span.slice(response) == sentence.text``: spans
+point into the exact response string, so token alignment never re-tokenises a sentence.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nemo_factuality.registry import SEGMENTERS
+from nemo_factuality.types import FactualityInputError, Sentence, Span
+
+# Common abbreviations after which a period does not end a sentence (lower-cased, without the dot).
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof sr jr st vs etc e.g i.e u.s u.k no fig al approx inc ltd co corp gen col lt sgt jan feb mar "
+    "apr jun jul aug sep sept oct nov dec mt ft".split()
+)
+# A sentence ends at . ! ? (optionally followed by closing quotes/brackets) and then whitespace,
+# or at CJK full-width terminators (no whitespace needed), or at a line break.
+_BOUNDARY = re.compile(r"(?<=[.!?])[\"'”’)\]]*\s+|(?<=[。！？])|\n+")
+_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A region of the response: ``think``, ``answer`` or plain ``response`` text."""
+
+    name: str
+    span: Span
+
+
+def find_sections(response: str) -> list[Section]:
+    """Split a response into think / answer / response regions (tags themselves are excluded).
+
+    Without any tags the whole response is one ``response`` section. An unclosed ``<think>`` or
+    ``<answer>`` runs to the end of the text (truncated generations).
+    """
+    tagged: list[Section] = []
+    for name, pattern in (("think", _THINK), ("answer", _ANSWER)):
+        for m in pattern.finditer(response):
+            tagged.append(Section(name, Span(m.start(1), m.end(1))))
+    tagged.sort(key=lambda s: s.span.start)
+    sections: list[Section] = []
+    cursor = 0
+    for sec in tagged:
+        if sec.span.start < cursor:  # nested/overlapping tags: keep the first region
+            continue
+        gap = _strip_tags(response, cursor, sec.span.start)
+        if gap is not None:
+            sections.append(Section("response", gap))
+        sections.append(sec)
+        cursor = sec.span.end
+    tail = _strip_tags(response, cursor, len(response))
+    if tail is not None:
+        sections.append(Section("response", tail))
+    return sections
+
+
+def _strip_tags(text: str, start: int, end: int) -> Span | None:
+    """The part of ``text[start:end]`` that is not a tag or whitespace, or None if nothing is left."""
+    chunk = re.sub(r"</?(think|answer)>", lambda m: " " * len(m.group(0)), text[start:end])
+    left = len(chunk) - len(chunk.lstrip())
+    right = len(chunk.rstrip())
+    if right <= left:
+        return None
+    return Span(start + left, start + right)
+
+
+def _is_abbreviation(text: str, period_index: int) -> bool:
+    """True if the period at ``period_index`` closes an abbreviation or an initial ("J. K.")."""
+    m = re.search(r"([A-Za-z][A-Za-z.]*)$", text[:period_index])
+    if not m:
+        return False
+    word = m.group(1).lower()
+    return word in _ABBREVIATIONS or (len(word) == 1 and text[m.start(1)].isupper())
+
+
+def split_sentences(text: str, start: int = 0, end: int | None = None) -> list[Span]:
+    """Sentence spans (whitespace-trimmed) inside ``text[start:end]``."""
+    end = len(text) if end is None else end
+    spans: list[Span] = []
+    sent_start = start
+    for m in _BOUNDARY.finditer(text, start, end):
+        cut = m.start()
+        if cut > 0 and text[cut - 1] == "." and "\n" not in m.group(0) and _is_abbreviation(text, cut - 1):
+            continue
+        _append_trimmed(text, sent_start, cut, spans)
+        sent_start = m.end()
+    _append_trimmed(text, sent_start, end, spans)
+    return spans
+
+
+def _append_trimmed(text: str, start: int, end: int, out: list[Span]) -> None:
+    chunk = text[start:end]
+    left = len(chunk) - len(chunk.lstrip())
+    right = len(chunk.rstrip())
+    if right > left:
+        out.append(Span(start + left, start + right))
+
+
+@SEGMENTERS.register("regex")
+class RegexSegmenter:
+    """Rule-based sentence splitter (no model download), section-aware.
+
+    Args:
+        max_chars: responses longer than this raise ``FactualityInputError`` (guards rewards against
+            pathological inputs; raise it in config for very long documents).
+    """
+
+    def __init__(self, max_chars: int = 200_000) -> None:
+        self.max_chars = max_chars
+
+    def split(self, response: str) -> list[Sentence]:
+        if not isinstance(response, str):
+            raise FactualityInputError(f"response must be str, got {type(response).__name__}")
+        if len(response) > self.max_chars:
+            raise FactualityInputError(
+                f"response has {len(response)} characters, more than segmenter.max_chars={self.max_chars}; "
+                "raise that limit if such responses are expected"
+            )
+        sentences: list[Sentence] = []
+        for section in find_sections(response):
+            for span in split_sentences(response, section.span.start, section.span.end):
+                sentences.append(Sentence(len(sentences), span.slice(response), span, section.name))  # type: ignore[arg-type]
+        return sentences
