@@ -103,10 +103,16 @@ class JudgeReply:
     cached: bool = False
     latency_s: float = 0.0
     attempts: int = 1
+    finish_reason: str | None = None  # "length" means the judge hit max_tokens
+    logprobs: tuple[Mapping[str, Any], ...] | None = None  # chat logprobs ``content`` entries, when requested
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.text is not None
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
 
 
 @runtime_checkable

@@ -1,1 +1,1 @@
-"""judge"""
+"""LLM judges behind OpenAI-compatible endpoints: client, cache and reply parsers."""

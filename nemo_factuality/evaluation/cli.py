@@ -1,0 +1,200 @@
+"""``nemo-factuality eval``: score responses with FActScore, SAFE F1@K, VeriScore and HalluLens.
+
+    nemo-factuality eval --input F.jsonl --output report.json [--group-by FIELD] [--k 64,100,178]
+                         [--gamma 0,10] [--config-name NAME] [key=value ...]
+    nemo-factuality eval --demo --output outputs/demo
+
+Records without labels are fact-checked first with the configured pipeline
+(``conf/eval/<config-name>.yaml``, ``pipeline:`` block). Writes ``report.json``, ``report.md``
+and ``precision_vs_claims.png`` (all via temp file + rename, so a failure leaves nothing half-written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from nemo_factuality.config import load_config
+from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
+from nemo_factuality.evaluation.render import render_markdown, render_plot
+from nemo_factuality.types import FactualityInputError, Label
+
+log = logging.getLogger(__name__)
+DATA_DIR = Path(__file__).resolve().parents[1] / "data"
+
+_LABEL_FROM_VERDICT = {
+    Label.SUPPORTED: "supported",
+    Label.NOT_SUPPORTED: "not_supported",
+    Label.NOT_ENOUGH_INFO: "not_supported",
+    Label.IRRELEVANT: "irrelevant",
+}
+
+
+@dataclass
+class EvalConfig:
+    """Typed schema for ``conf/eval/*.yaml``: the pipeline used when records carry no labels."""
+
+    pipeline: dict[str, Any] = field(default_factory=lambda: {
+        "segmenter": {"name": "regex"},
+        "extractor": {"name": "identity"},
+        "evidence": {"name": "none"},
+        "verifier": {"name": "kb_exact", "store_path": "???"},
+    })
+    topic_field: str = "topic"
+    materials_field: str = "materials"
+
+
+def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """Read JSONL as ``(file:line, record)``; invalid UTF-8 or JSON names the line."""
+    out = []
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise FactualityInputError(f"{where}: invalid UTF-8 at byte {err.start}; re-encode the file as UTF-8") from None
+            if not text.strip():
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise FactualityInputError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(obj, dict):
+                raise FactualityInputError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
+            out.append((where, obj))
+    return out
+
+
+def _needs_checking(raw: dict[str, Any]) -> bool:
+    claims = raw.get("claims", "missing")
+    if claims == "missing":
+        return True
+    return isinstance(claims, list) and any(isinstance(c, dict) and "label" not in c for c in claims)
+
+
+def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig) -> None:
+    """Fill ``claims`` (with labels) in place for records that have none, using the configured pipeline."""
+    todo = [raw for _, raw in rows if _needs_checking(raw)]
+    if not todo:
+        return
+    from nemo_factuality.pipeline import build_pipeline
+
+    pipeline = build_pipeline(cfg.pipeline)
+    log.info("fact-checking %d unlabelled records with %s", len(todo), pipeline)
+    batch = 32
+    for start in tqdm(range(0, len(todo), batch), desc="fact-checking", unit="batch"):
+        chunk = todo[start : start + batch]
+        checks = pipeline.check(
+            [r.get("prompt", "") for r in chunk],
+            [r.get("response", "") for r in chunk],
+            topics=[r.get(cfg.topic_field) for r in chunk],
+            materials=[tuple(r.get(cfg.materials_field) or ()) for r in chunk],
+        )
+        for raw, check in zip(chunk, checks):
+            by_id = {v.claim_id: v for v in check.verdicts}
+            if check.abstained or not check.claims:
+                raw["claims"] = None
+                continue
+            labelled, unparseable = [], 0
+            for claim in check.claims:
+                verdict = by_id.get(claim.id)
+                if verdict is None or verdict.label is Label.UNPARSEABLE:
+                    unparseable += 1
+                    continue
+                labelled.append({"text": claim.text, "label": _LABEL_FROM_VERDICT[verdict.label]})
+            raw["claims"] = labelled
+            raw["unparseable"] = unparseable
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise SystemExit(f"{flag} values must be positive integers, got {text!r}")
+    return values
+
+
+def _floats(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise SystemExit(f"{flag} values must be >= 0, got {text!r}")
+    return values
+
+
+def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="nemo-factuality eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--input", type=Path, help="JSONL records (omit with --demo)")
+    p.add_argument("--output", type=Path, required=True, help="report.json path, or a directory to write it in")
+    p.add_argument("--demo", action="store_true", help="evaluate the packaged demo records against the demo knowledge store")
+    p.add_argument("--group-by", default=None, help="record field to group results by")
+    p.add_argument("--k", default="64,100,178", help="SAFE F1@K values (comma-separated)")
+    p.add_argument("--gamma", default="0,10", help="FActScore length-penalty gammas (comma-separated)")
+    p.add_argument("--hallulens-k", type=int, default=32)
+    p.add_argument("--config-name", default=None, help="conf/eval/<name>.yaml for the fact-checking pipeline")
+    args, overrides = p.parse_known_args(list(argv))
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        p.error(f"unrecognised arguments {bad} (config overrides look like key=value)")
+    if not args.demo and args.input is None:
+        p.error("--input is required unless --demo is given")
+    return args, overrides
+
+
+def _demo_inputs(workdir: Path) -> tuple[Path, list[str]]:
+    """Build the demo knowledge store in ``workdir`` and return the demo records + pipeline overrides."""
+    from nemo_factuality.knowledge.store import build_store
+
+    kb = workdir / "demo_kb.sqlite"
+    if not kb.exists():
+        build_store(DATA_DIR / "demo_passages.jsonl", kb, facts_jsonl=DATA_DIR / "demo_facts.jsonl", progress=False)
+    return DATA_DIR / "demo_eval.jsonl", [f"pipeline.verifier.store_path={kb}", "pipeline.evidence.name=none"]
+
+
+def main(argv: Sequence[str]) -> int:
+    args, overrides = _parse_args(argv)
+    out_json = args.output if args.output.suffix == ".json" else args.output / "report.json"
+    input_path = args.input
+    if args.demo:
+        input_path, demo_overrides = _demo_inputs(out_json.parent)
+        overrides = demo_overrides + overrides
+        args.group_by = args.group_by or "domain"
+    cfg = load_config(EvalConfig, args.config_name, overrides, group="eval")
+    opts = EvalOptions(ks=_ints(args.k, "--k"), gammas=_floats(args.gamma, "--gamma"), hallulens_k=args.hallulens_k,
+                       extra={"input": str(input_path), "group_by": args.group_by})
+    rows = read_jsonl(input_path)
+    label_with_pipeline(rows, cfg)
+    records: list[EvalRecord] = [parse_record(raw, where=where, group_by=args.group_by) for where, raw in
+                                 tqdm(rows, desc="scoring", unit="rec", disable=len(rows) < 1000)]
+    report = to_json_safe(build_report(records, opts))
+    _atomic_write(out_json, lambda p: p.write_text(json.dumps(report, indent=2), encoding="utf-8"))
+    _atomic_write(out_json.with_suffix(".md"), lambda p: p.write_text(render_markdown(report), encoding="utf-8"))
+    _atomic_write(out_json.parent / "precision_vs_claims.png", lambda p: render_plot(records, p))
+    print(render_markdown(report))
+    log.info("wrote %s, %s and %s", out_json, out_json.with_suffix(".md"), out_json.parent / "precision_vs_claims.png")
+    return 0

@@ -1,0 +1,175 @@
+"""Records with labelled claims → the evaluation report (pure functions, no I/O).
+
+A record is ``{"id", "prompt", "response", "claims": null | [{"text", "label"}], ...}`` where
+``claims: null`` means the response abstained and labels are ``supported``, ``not_supported``
+or ``irrelevant``. Each metric keeps its public tool's convention:
+
+* SAFE F1@K: irrelevant claims excluded; averaged over items with at least one S/NS claim.
+* FActScore: irrelevant counted as not supported; ``null`` or zero claims = abstained.
+* VeriScore: the group is the domain; K = upper median / max of claim totals; irrelevant
+  claims count in the total (VeriScore has no irrelevant class); items without claims skipped.
+* HalluLens LongWiki: one row per claim, irrelevant = not supported; abstentions excluded.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from nemo_factuality.metrics import aggregate_f1_at_k, factscore, longwiki_scores
+from nemo_factuality.metrics.veriscore import domain_k, model_stats
+from nemo_factuality.types import FactualityInputError
+
+LABELS = ("supported", "not_supported", "irrelevant")
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One response with its labelled claims (``claims is None`` = abstained)."""
+
+    id: str
+    prompt: str
+    response: str
+    claims: tuple[tuple[str, str], ...] | None  # (text, label)
+    group: str = "all"
+    unparseable: int = 0  # claims whose verdict could not be read (excluded, reported)
+
+    def count(self, label: str) -> int:
+        return sum(1 for _, lab in (self.claims or ()) if lab == label)
+
+
+@dataclass
+class EvalOptions:
+    ks: tuple[int, ...] = (64, 100, 178)
+    gammas: tuple[float, ...] = (0, 10)
+    hallulens_k: int = 32
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_record(raw: Mapping[str, Any], *, where: str, group_by: str | None = None) -> EvalRecord:
+    """Validate one JSON record; errors name ``where`` (file:line) and the field."""
+    for key in ("id", "prompt", "response"):
+        if key not in raw:
+            raise FactualityInputError(f"{where}: missing field {key!r}")
+    if not isinstance(raw["response"], str):
+        raise FactualityInputError(f"{where}: field 'response' must be a string")
+    claims_raw = raw.get("claims")
+    claims: tuple[tuple[str, str], ...] | None = None
+    if claims_raw is not None:
+        if not isinstance(claims_raw, list):
+            raise FactualityInputError(f"{where}: field 'claims' must be null or a list")
+        parsed = []
+        for j, c in enumerate(claims_raw):
+            if not isinstance(c, Mapping) or "text" not in c or "label" not in c:
+                raise FactualityInputError(f"{where}: claims[{j}] needs 'text' and 'label'")
+            label = str(c["label"]).strip().lower()
+            if label not in LABELS:
+                raise FactualityInputError(f"{where}: claims[{j}].label {c['label']!r} is not one of {LABELS}")
+            parsed.append((str(c["text"]), label))
+        claims = tuple(parsed)
+    group = "all"
+    if group_by:
+        if group_by not in raw:
+            raise FactualityInputError(f"{where}: --group-by field {group_by!r} is missing from this record")
+        group = str(raw[group_by])
+    return EvalRecord(str(raw["id"]), str(raw["prompt"]), raw["response"], claims, group, int(raw.get("unparseable", 0)))
+
+
+def _safe_block(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, float]:
+    counts = [(r.count("supported"), r.count("not_supported")) for r in records]
+    counts = [(s, ns) for s, ns in counts if s + ns > 0]
+    return aggregate_f1_at_k(counts, ks)
+
+
+def _factscore_block(records: Sequence[EvalRecord], gammas: Sequence[float]) -> dict[str, Any]:
+    decisions = [None if not r.claims else [lab == "supported" for _, lab in r.claims] for r in records]
+    out = {}
+    for gamma in gammas:
+        res = factscore(decisions, gamma=gamma)
+        block = {"score": res.score, "respond_ratio": res.respond_ratio, "num_facts_per_response": res.num_facts_per_response}
+        if res.init_score is not None:
+            block["init_score"] = res.init_score
+        out[f"gamma{_fmt_num(gamma)}"] = block
+    return out
+
+
+def _veriscore_block(records: Sequence[EvalRecord]) -> dict[str, float]:
+    triplets = [[r.count("supported"), len(r.claims), 1] for r in records if r.claims]
+    if not triplets:
+        return {"K_median": float("nan"), "K_max": float("nan"), "precision": float("nan"),
+                "f1@K_median": float("nan"), "f1@K_max": float("nan"), "n_items": 0}
+    k_med, k_max = domain_k({"model": triplets})
+    stats = model_stats("group", "model", triplets, k_med, k_max)
+    return {"K_median": k_med, "K_max": k_max, "precision": stats.P, "recall@K_median": stats.Rec_med,
+            "f1@K_median": stats.F1_med, "f1@K_max": stats.F1_max, "n_items": len(triplets)}
+
+
+def _hallulens_block(records: Sequence[EvalRecord], k: int) -> dict[str, float]:
+    rows = [(r.id, lab == "supported") for r in records if r.claims for _, lab in r.claims]
+    if not rows:
+        return {"precision": float("nan"), f"recall@{k}": float("nan"), f"f1@{k}": float("nan"), "med_n_claims": float("nan")}
+    res = longwiki_scores(rows, k=k)
+    return {"precision": res.overall_precision, f"recall@{k}": res.overall_recall, f"f1@{k}": res.overall_f1,
+            "med_n_claims": res.med_n_claims}
+
+
+def _fmt_num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def group_report(records: Sequence[EvalRecord], opts: EvalOptions) -> dict[str, Any]:
+    """Every metric block for one group of records."""
+    n_claims = [len(r.claims) for r in records if r.claims]
+    return {
+        "n_records": len(records),
+        "n_abstained": sum(1 for r in records if not r.claims),
+        "n_claims": sum(n_claims),
+        "n_unparseable_verdicts": sum(r.unparseable for r in records),
+        "claims_per_response": statistics.fmean(n_claims) if n_claims else float("nan"),
+        "label_counts": {lab: sum(r.count(lab) for r in records) for lab in LABELS},
+        "safe": _safe_block(records, opts.ks),
+        "factscore": _factscore_block(records, opts.gammas),
+        "veriscore": _veriscore_block(records),
+        "hallulens": _hallulens_block(records, opts.hallulens_k),
+    }
+
+
+def build_report(records: Iterable[EvalRecord], opts: EvalOptions) -> dict[str, Any]:
+    """``{"options": ..., "groups": {"all": {...}, <group>: {...}}}`` (groups in first-seen order)."""
+    recs = list(records)
+    if not recs:
+        raise FactualityInputError("no records to evaluate: the input is empty")
+    groups: dict[str, list[EvalRecord]] = {}
+    for r in recs:
+        groups.setdefault(r.group, []).append(r)
+    report: dict[str, Any] = {
+        "options": {"k": list(opts.ks), "gamma": list(opts.gammas), "hallulens_k": opts.hallulens_k, **opts.extra},
+        "groups": {"all": group_report(recs, opts)},
+    }
+    if set(groups) != {"all"}:
+        for name, members in groups.items():
+            report["groups"][name] = group_report(members, opts)
+    return report
+
+
+def precision_points(records: Iterable[EvalRecord]) -> list[tuple[int, float]]:
+    """(claims per response, SAFE precision) for each responding record with S+NS > 0 (for the plot)."""
+    pts = []
+    for r in records:
+        s, ns = r.count("supported"), r.count("not_supported")
+        if s + ns:
+            pts.append((len(r.claims or ()), s / (s + ns)))
+    return pts
+
+
+def to_json_safe(obj: Any) -> Any:
+    """Replace NaN/inf by None so the report is strict JSON."""
+    if isinstance(obj, float) and (math.isnan(obj) or math.isinf(obj)):
+        return None
+    if isinstance(obj, dict):
+        return {k: to_json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_json_safe(v) for v in obj]
+    return obj

@@ -1,0 +1,134 @@
+"""Evidence providers (registered in ``EVIDENCE``): where a verifier's passages come from.
+
+* ``none``: no evidence (KLCF's online truthfulness verifier judges from its own knowledge).
+* ``given``: the sample's own materials column (FSPO's ``knowledge`` paragraph).
+* ``bm25_sections``: RLFH — materials chunked into <= 64-word sections, BM25 top-3 with score > 0.
+* ``kb``: the embedded knowledge store, title-scoped when the sample has a topic (FActScore/KnowRL).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from typing import Sequence
+
+from nemo_factuality.interfaces import EvidenceQuery
+from nemo_factuality.registry import EVIDENCE
+from nemo_factuality.text.segment import split_sentences
+
+_TOKEN = re.compile(r"\w+")
+# A small English stop-word list (RLFH filters stop words before BM25).
+_STOP = frozenset("a an the of in on at to for and or but is are was were be been by with as from that this it its "
+                  "he she they his her their who what which when where how".split())
+
+
+@EVIDENCE.register("none")
+class NullEvidence:
+    def get_batch(self, queries: Sequence[EvidenceQuery]) -> list[list[str]]:
+        return [[] for _ in queries]
+
+
+@EVIDENCE.register("given")
+class GivenEvidence:
+    """The sample's own materials, unchanged (at most ``max_passages``)."""
+
+    def __init__(self, max_passages: int = 16) -> None:
+        self.max_passages = max_passages
+
+    def get_batch(self, queries: Sequence[EvidenceQuery]) -> list[list[str]]:
+        return [list(q.materials[: self.max_passages]) for q in queries]
+
+
+def _terms(text: str) -> list[str]:
+    return [t for t in _TOKEN.findall(text.lower()) if t not in _STOP]
+
+
+def chunk_sections(materials: Sequence[str], max_words: int = 64, title: str | None = None) -> list[str]:
+    """Sentences appended until a section would exceed ``max_words`` words (RLFH), title-prefixed."""
+    sections: list[str] = []
+    for doc in materials:
+        current: list[str] = []
+        n_words = 0
+        for span in split_sentences(doc):
+            sent = span.slice(doc)
+            words = len(sent.split())
+            if current and n_words + words > max_words:
+                sections.append(" ".join(current))
+                current, n_words = [], 0
+            current.append(sent)
+            n_words += words
+        if current:
+            sections.append(" ".join(current))
+    return [f"{title}: {s}" if title else s for s in sections]
+
+
+def bm25_scores(query_terms: Sequence[str], docs: Sequence[Sequence[str]], k1: float = 1.5, b: float = 0.75,
+                epsilon: float = 0.25) -> list[float]:
+    """BM25Okapi scores with rank_bm25's IDF (negative IDFs floored at ``epsilon * mean idf``)."""
+    n = len(docs)
+    if n == 0:
+        return []
+    avgdl = sum(len(d) for d in docs) / n or 1.0
+    df = Counter(t for d in docs for t in set(d))
+    idf = {t: math.log(n - f + 0.5) - math.log(f + 0.5) for t, f in df.items()}
+    floor = epsilon * (sum(idf.values()) / len(idf)) if idf else 0.0
+    idf = {t: (v if v >= 0 else floor) for t, v in idf.items()}
+    scores = []
+    for d in docs:
+        tf = Counter(d)
+        s = 0.0
+        for q in query_terms:
+            f = tf.get(q, 0)
+            if f:
+                s += idf.get(q, 0.0) * f * (k1 + 1) / (f + k1 * (1 - b + b * len(d) / avgdl))
+        scores.append(s)
+    return scores
+
+
+@EVIDENCE.register("bm25_sections")
+class BM25Sections:
+    """RLFH retrieval over the sample's materials: sections of <= ``max_words_per_sec`` words, top ``top_k``.
+
+    Each sentence of the claim is a query; per-query scores are summed over queries (as RLFH does)
+    and sections with total score <= 0 are dropped.
+    """
+
+    def __init__(self, max_words_per_sec: int = 64, top_k: int = 3) -> None:
+        self.max_words, self.top_k = max_words_per_sec, top_k
+
+    def get_batch(self, queries: Sequence[EvidenceQuery]) -> list[list[str]]:
+        out = []
+        for q in queries:
+            sections = chunk_sections(q.materials, self.max_words, q.topic)
+            docs = [_terms(s) for s in sections]
+            sub_queries = [sp.slice(q.claim.text) for sp in split_sentences(q.claim.text)] or [q.prompt]
+            total = [0.0] * len(sections)
+            for sq in sub_queries:
+                for i, s in enumerate(bm25_scores(_terms(sq), docs)):
+                    total[i] += s
+            ranked = sorted((i for i in range(len(sections)) if total[i] > 0), key=lambda i: -total[i])
+            out.append([sections[i] for i in ranked[: self.top_k]])
+        return out
+
+
+@EVIDENCE.register("kb")
+class KnowledgeStoreEvidence:
+    """Top-``k`` passages from the embedded store; scoped to the sample's topic title when it has one."""
+
+    def __init__(self, store_path: str, k: int = 5, title_scoped: bool = True) -> None:
+        from nemo_factuality.knowledge.store import KnowledgeStore
+
+        self.store = KnowledgeStore(store_path)
+        self.k, self.title_scoped = k, title_scoped
+
+    def health(self) -> dict[str, str | None]:
+        return {"knowledge_store": self.store.health()}
+
+    def get_batch(self, queries: Sequence[EvidenceQuery]) -> list[list[str]]:
+        out = []
+        for q in queries:
+            title = q.topic if (self.title_scoped and q.topic) else None
+            query = f"{q.topic} {q.claim.text}" if q.topic else q.claim.text
+            out.append([p.text for p in self.store.search(query, k=self.k, title=title)])
+        return out

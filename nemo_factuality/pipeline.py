@@ -1,0 +1,163 @@
+"""The fact-checking pipeline: segment → extract claims → find evidence → verify, batched.
+
+Parts are chosen by registry name from config::
+
+    pipeline:
+      segmenter: {name: regex}
+      extractor: {name: rlfh}            # LLM extractors get the judge client
+      evidence:  {name: kb, store_path: kb.sqlite, k: 5}
+      verifier:  {name: llm_judge, style: safe}
+      judge: {base_url: http://judge:8000/v1, model: Qwen2.5-72B-Instruct, concurrency: 64, timeout_s: 60}
+
+Each stage runs once per batch (one ``extract_batch``, one ``get_batch``, one ``verify_batch``) so an
+LLM judge sees the whole batch at once and keeps ``concurrency`` requests in flight.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, Mapping, Sequence
+
+from nemo_factuality.interfaces import ClaimExtractor, EvidenceProvider, EvidenceQuery, Segmenter, Verifier, VerifyItem
+from nemo_factuality.registry import EVIDENCE, EXTRACTORS, SEGMENTERS, VERIFIERS, Registry
+from nemo_factuality.types import FactCheck, FactualityInputError, check_batch_columns
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JudgeConfig:
+    """An OpenAI-compatible judge endpoint (vLLM ``serve`` in production)."""
+
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str = "judge"
+    api_key: str | None = None
+    concurrency: int = 32
+    timeout_s: float = 60.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    cache_path: str | None = None
+
+
+@dataclass
+class PipelineConfig:
+    segmenter: dict[str, Any] = field(default_factory=lambda: {"name": "regex"})
+    extractor: dict[str, Any] = field(default_factory=lambda: {"name": "identity"})
+    evidence: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
+    verifier: dict[str, Any] = field(default_factory=lambda: {"name": "kb_exact", "store_path": "???"})
+    judge: JudgeConfig | None = None
+    # FActScore abstention rule applied to whole responses before extraction ("generic",
+    # "perplexity_ai" or None); an abstained response gets no claims.
+    abstain_detection: str | None = "generic"
+
+
+class FactualityPipeline:
+    """Composes the four stages; ``check`` returns one ``FactCheck`` per response."""
+
+    def __init__(self, segmenter: Segmenter, extractor: ClaimExtractor, evidence: EvidenceProvider,
+                 verifier: Verifier, abstain_detection: str | None = "generic") -> None:
+        self.segmenter, self.extractor, self.evidence, self.verifier = segmenter, extractor, evidence, verifier
+        self.abstain_detection = abstain_detection
+
+    def __repr__(self) -> str:
+        parts = (self.segmenter, self.extractor, self.evidence, self.verifier)
+        return "FactualityPipeline(" + " → ".join(type(p).__name__ for p in parts) + ")"
+
+    def health(self) -> dict[str, str | None]:
+        """Merged ``health()`` of the parts that report one (component → None or the failure)."""
+        out: dict[str, str | None] = {}
+        for part in (self.segmenter, self.extractor, self.evidence, self.verifier):
+            fn = getattr(part, "health", None)
+            if callable(fn):
+                out.update(fn())
+        return out
+
+    def check(self, prompts: Sequence[str], responses: Sequence[str], *, topics: Sequence[str | None] | None = None,
+              materials: Sequence[Sequence[str]] | None = None) -> list[FactCheck]:
+        """Fact-check a batch. Empty or whitespace-only responses are abstentions with no claims."""
+        n = len(responses)
+        check_batch_columns(n, {"prompts": prompts, "topics": topics, "materials": materials}, who="pipeline.check")
+        for i, r in enumerate(responses):
+            if not isinstance(r, str):
+                raise FactualityInputError(f"pipeline.check: responses[{i}] must be str, got {type(r).__name__}")
+        from nemo_factuality.metrics.abstain import is_response_abstained
+
+        sentences = [self.segmenter.split(r) if r.strip() and not is_response_abstained(r, self.abstain_detection) else []
+                     for r in responses]
+        claims = self.extractor.extract_batch(prompts, responses, sentences)
+        if len(claims) != n:
+            raise FactualityInputError(f"extractor {type(self.extractor).__name__} returned {len(claims)} lists for {n} responses")
+        index: list[tuple[int, int]] = []
+        queries: list[EvidenceQuery] = []
+        for i, cs in enumerate(claims):
+            for j, c in enumerate(cs):
+                index.append((i, j))
+                queries.append(EvidenceQuery(c, prompts[i], topics[i] if topics else None,
+                                             tuple(materials[i]) if materials else ()))
+        evidence = self.evidence.get_batch(queries) if queries else []
+        items = [VerifyItem(q.claim, tuple(ev), q.prompt, responses[i], q.topic)
+                 for (i, _), q, ev in zip(index, queries, evidence)]
+        verdicts = self.verifier.verify_batch(items) if items else []
+        if len(verdicts) != len(items):
+            raise FactualityInputError(f"verifier {type(self.verifier).__name__} returned {len(verdicts)} verdicts for {len(items)} claims")
+        out = [FactCheck(response=r, sentences=s, claims=list(c), abstained=not c)
+               for r, s, c in zip(responses, sentences, claims)]
+        for (i, _), v in zip(index, verdicts):
+            out[i].verdicts.append(v)
+        return out
+
+
+def _build(registry: Registry, spec: Mapping[str, Any], judge: Any) -> Any:
+    factory = registry.get(spec["name"]) if "name" in spec else None
+    extra = {}
+    if factory is not None and judge is not None:
+        try:
+            if "client" in inspect.signature(factory).parameters:
+                extra["client"] = judge
+        except (TypeError, ValueError):
+            pass
+    if factory is not None and "client" in _required(factory) and judge is None:
+        raise FactualityInputError(f"{registry.kind} {spec['name']!r} needs an LLM judge: set pipeline.judge.base_url/model")
+    for key, value in spec.items():
+        if value == "???":
+            raise FactualityInputError(f"{registry.kind} {spec['name']!r}: option {key!r} must be set (e.g. {key}=...)")
+    return registry.build(dict(spec), **extra)
+
+
+def _required(factory: Any) -> set[str]:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return set()
+    return {n for n, p in params.items() if p.default is inspect.Parameter.empty and n != "self"}
+
+
+def build_judge(cfg: JudgeConfig | Mapping[str, Any]) -> Any:
+    """An ``OpenAIJudgeClient`` from a judge config block."""
+    from nemo_factuality.judge.client import OpenAIJudgeClient
+
+    c = cfg if isinstance(cfg, JudgeConfig) else JudgeConfig(**dict(cfg))
+    return OpenAIJudgeClient(c.base_url, c.model, api_key=c.api_key, concurrency=c.concurrency, timeout_s=c.timeout_s,
+                             max_retries=c.max_retries, backoff_s=c.backoff_s, cache=c.cache_path)
+
+
+def build_pipeline(cfg: PipelineConfig | Mapping[str, Any], judge_client: Any = None) -> FactualityPipeline:
+    """Build the four stages by registry name; LLM-backed parts get ``client=judge_client``."""
+    raw = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+    defaults = asdict(PipelineConfig())
+    unknown = set(raw) - set(defaults)
+    if unknown:
+        raise FactualityInputError(f"pipeline config: unknown key(s) {sorted(unknown)}; expected {sorted(defaults)}")
+    merged = {**defaults, **raw}
+    judge = judge_client
+    if judge is None and merged.get("judge"):
+        judge = build_judge(merged["judge"])
+    return FactualityPipeline(
+        _build(SEGMENTERS, merged["segmenter"], judge),
+        _build(EXTRACTORS, merged["extractor"], judge),
+        _build(EVIDENCE, merged["evidence"], judge),
+        _build(VERIFIERS, merged["verifier"], judge),
+        abstain_detection=merged.get("abstain_detection"),
+    )

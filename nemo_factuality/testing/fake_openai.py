@@ -1,0 +1,203 @@
+"""A real HTTP server on loopback that speaks the OpenAI protocol with scripted replies.
+
+Tests and benchmarks point the real judge client at it, so timeouts, retries, malformed bodies,
+truncated completions and dropped connections all go through the production code path::
+
+    def script(req: dict) -> Reply:
+        prompt = req["messages"][-1]["content"]
+        return Reply("Correct") if "Paris" in prompt else Reply("Wrong", delay_s=0.05)
+
+    with ScriptedOpenAIServer(script) as server:
+        client = OpenAIJudgeClient(server.url, "judge")
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Mapping
+
+
+@dataclass
+class Reply:
+    """How the server answers one request."""
+
+    text: str = ""
+    delay_s: float = 0.0  # sleep before answering (timeouts, latency hiding)
+    status: int = 200  # HTTP status (500 → retry path, 400 → no-retry path)
+    malformed: bool = False  # a body that is not JSON
+    truncated: bool = False  # finish_reason "length"
+    drop: bool = False  # close the connection without any response
+    logprobs: list[dict[str, Any]] | None = None  # chat logprobs content entries, returned verbatim
+
+
+ScriptFn = Callable[[dict], "Reply | str"]
+
+
+@dataclass
+class _State:
+    requests: list[dict] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class ScriptedOpenAIServer:
+    """Threaded OpenAI-compatible server (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``).
+
+    Args:
+        script: ``fn(request_json) -> Reply | str``; called per request (from server threads).
+        by_substring: alternative to ``script``: the first key found in the last message picks the reply.
+        default: reply when no substring matches.
+        model: the model id listed by ``/v1/models``.
+    """
+
+    def __init__(self, script: ScriptFn | None = None, *, by_substring: Mapping[str, "Reply | str"] | None = None,
+                 default: "Reply | str" = "", model: str = "judge") -> None:
+        self.script = script
+        self.by_substring = dict(by_substring or {})
+        self.default = default
+        self.model = model
+        self.state = _State()
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> "ScriptedOpenAIServer":
+        handler = _make_handler(self)
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="scripted-openai", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._httpd = self._thread = None
+
+    def __enter__(self) -> "ScriptedOpenAIServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def port(self) -> int:
+        assert self._httpd is not None, "server not started"
+        return self._httpd.server_address[1]
+
+    @property
+    def url(self) -> str:
+        """Base URL ending in ``/v1`` (what OpenAI clients and vLLM users configure)."""
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def requests(self) -> list[dict]:
+        with self.state.lock:
+            return list(self.state.requests)
+
+    @property
+    def max_in_flight(self) -> int:
+        return self.state.max_in_flight
+
+    # ---------------------------------------------------------------- replies
+    def reply_for(self, request: dict) -> Reply:
+        if self.script is not None:
+            out = self.script(request)
+        else:
+            text = _last_text(request)
+            out = next((r for key, r in self.by_substring.items() if key in text), self.default)
+        return Reply(out) if isinstance(out, str) else out
+
+
+def _last_text(request: dict) -> str:
+    if "messages" in request and request["messages"]:
+        return str(request["messages"][-1].get("content", ""))
+    return str(request.get("prompt", ""))
+
+
+def _completion_body(request: dict, reply: Reply, chat: bool) -> dict:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if reply.truncated else "stop"}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": reply.text}
+        if reply.logprobs is not None:
+            choice["logprobs"] = {"content": reply.logprobs}
+    else:
+        choice["text"] = reply.text
+    return {
+        "id": f"cmpl-{int(time.time() * 1e6)}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": request.get("model", "judge"),
+        "choices": [choice],
+        "usage": {"prompt_tokens": len(_last_text(request).split()), "completion_tokens": len(reply.text.split()),
+                  "total_tokens": len(_last_text(request).split()) + len(reply.text.split())},
+    }
+
+
+def _make_handler(server: ScriptedOpenAIServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, fmt: str, *args: Any) -> None:  # keep test output clean
+            pass
+
+        def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802
+            if self.path.rstrip("/") in ("/v1/models", "/models"):
+                self._send(200, json.dumps({"object": "list", "data": [{"id": server.model, "object": "model"}]}).encode())
+            elif self.path.rstrip("/") == "/health":
+                self._send(200, b"{}")
+            else:
+                self._send(404, b'{"error": "not found"}')
+
+        def do_POST(self) -> None:  # noqa: N802
+            length = int(self.headers.get("Content-Length", 0))
+            try:
+                request = json.loads(self.rfile.read(length) or b"{}")
+            except json.JSONDecodeError:
+                self._send(400, b'{"error": "invalid JSON"}')
+                return
+            chat = self.path.rstrip("/").endswith("chat/completions")
+            if not chat and not self.path.rstrip("/").endswith("/completions"):
+                self._send(404, b'{"error": "not found"}')
+                return
+            st = server.state
+            with st.lock:
+                st.requests.append(request)
+                st.in_flight += 1
+                st.max_in_flight = max(st.max_in_flight, st.in_flight)
+            try:
+                reply = server.reply_for(request)
+                if reply.delay_s:
+                    time.sleep(reply.delay_s)
+                if reply.drop:
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                if reply.malformed:
+                    self._send(reply.status, b'{"choices": [ {"message": ')
+                elif reply.status != 200:
+                    self._send(reply.status, json.dumps({"error": {"message": reply.text or "scripted error"}}).encode())
+                else:
+                    self._send(200, json.dumps(_completion_body(request, reply, chat)).encode())
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client gave up (timeout); nothing to answer
+            finally:
+                with st.lock:
+                    st.in_flight -= 1
+
+    return Handler
