@@ -46,7 +46,7 @@ class PipelineConfig:
     segmenter: dict[str, Any] = field(default_factory=lambda: {"name": "regex"})
     extractor: dict[str, Any] = field(default_factory=lambda: {"name": "identity"})
     evidence: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
-    verifier: dict[str, Any] = field(default_factory=lambda: {"name": "kb_exact", "store_path": "???"})
+    verifier: dict[str, Any] = field(default_factory=lambda: {"name": "kb_exact"})  # needs store_path
     judge: JudgeConfig | None = None
     # FActScore abstention rule applied to whole responses before extraction ("generic",
     # "perplexity_ai" or None); an abstained response gets no claims.

@@ -46,7 +46,7 @@ class EvalConfig:
         "segmenter": {"name": "regex"},
         "extractor": {"name": "identity"},
         "evidence": {"name": "none"},
-        "verifier": {"name": "kb_exact", "store_path": "???"},
+        "verifier": {"name": "kb_exact"},  # store_path must be given: pipeline.verifier.store_path=kb.sqlite
     })
     topic_field: str = "topic"
     materials_field: str = "materials"

@@ -19,7 +19,7 @@ _ABBREVIATIONS = frozenset(
 )
 # A sentence ends at . ! ? (optionally followed by closing quotes/brackets) and then whitespace,
 # or at CJK full-width terminators (no whitespace needed), or at a line break.
-_BOUNDARY = re.compile(r"(?<=[.!?])[\"'”’)\]]*\s+|(?<=[。！？])|\n+")
+_BOUNDARY = re.compile(r"(?<=[.!?])(?P<close>[\"'”’)\]]*)\s+|(?<=[。！？])|\n+")
 _THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 
@@ -84,8 +84,9 @@ def split_sentences(text: str, start: int = 0, end: int | None = None) -> list[S
     spans: list[Span] = []
     sent_start = start
     for m in _BOUNDARY.finditer(text, start, end):
-        cut = m.start()
-        if cut > 0 and text[cut - 1] == "." and "\n" not in m.group(0) and _is_abbreviation(text, cut - 1):
+        stop = m.start()  # just after the terminator
+        cut = m.end("close") if m.group("close") is not None else stop  # keep closing quotes/brackets
+        if stop > 0 and text[stop - 1] == "." and "\n" not in m.group(0) and _is_abbreviation(text, stop - 1):
             continue
         _append_trimmed(text, sent_start, cut, spans)
         sent_start = m.end()

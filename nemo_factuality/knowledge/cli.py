@@ -1,0 +1,52 @@
+"""``nemo-factuality kb build|query``: build and query the embedded knowledge store.
+
+    nemo-factuality kb build --passages passages.jsonl --out kb.sqlite [--facts facts.jsonl] [--batch-size N]
+    nemo-factuality kb build --factscore-db enwiki-20230401.db --out kb.sqlite
+    nemo-factuality kb query --kb kb.sqlite "born in Ulm" [--title "Albert Einstein"] [-k 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-factuality kb", description="embedded knowledge store (SQLite FTS5)")
+    sub = p.add_subparsers(dest="action", required=True)
+    b = sub.add_parser("build", help="stream passages (and facts) from JSONL into a store")
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--passages", type=Path, help='JSONL lines {"title", "text"}')
+    src.add_argument("--factscore-db", type=Path, help="a FActScore documents(title, text) SQLite DB")
+    b.add_argument("--facts", type=Path, help='JSONL lines {"subject", "relation", "value", "text"}')
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--batch-size", type=int, default=10_000)
+    q = sub.add_parser("query", help="BM25 search")
+    q.add_argument("--kb", type=Path, required=True)
+    q.add_argument("text")
+    q.add_argument("--title")
+    q.add_argument("-k", type=int, default=5)
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    from nemo_factuality.knowledge.store import KnowledgeStore, build_store, docdb_to_jsonl
+
+    args = _parser().parse_args(list(argv))
+    if args.action == "build":
+        passages = args.passages
+        with tempfile.TemporaryDirectory() as tmp:
+            if args.factscore_db is not None:
+                passages = Path(tmp) / "passages.jsonl"
+                docdb_to_jsonl(args.factscore_db, passages)
+            out = build_store(passages, args.out, facts_jsonl=args.facts, batch_size=args.batch_size)
+        n_pass, n_facts = KnowledgeStore(out).count()
+        print(f"built {out}: {n_pass} passages, {n_facts} facts")
+        return 0
+    store = KnowledgeStore(args.kb)
+    for p in store.search(args.text, k=args.k, title=args.title):
+        print(json.dumps({"id": p.id, "title": p.title, "score": round(p.score, 4), "text": p.text}, ensure_ascii=False))
+    return 0

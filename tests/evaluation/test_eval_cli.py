@@ -1,0 +1,78 @@
+"""``nemo-factuality eval`` end to end: hand-computed report numbers, demo, grouping, bad input."""
+
+import json
+import math
+
+import pytest
+
+from nemo_factuality.cli import main as cli
+from nemo_factuality.types import FactualityInputError
+
+S, NS, IR = "supported", "not_supported", "irrelevant"
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def _rec(i, labels, group="a"):
+    claims = None if labels is None else [{"text": f"c{j}", "label": lab} for j, lab in enumerate(labels)]
+    return {"id": str(i), "prompt": "p", "response": "r", "claims": claims, "g": group}
+
+
+def test_report_numbers_by_hand(tmp_path):
+    recs = [_rec(1, [S, S, NS, IR]), _rec(2, [S]), _rec(3, None), _rec(4, [IR])]
+    out = tmp_path / "out" / "report.json"
+    assert cli(["eval", "--input", str(_write(tmp_path / "r.jsonl", recs)), "--output", str(out), "--k", "2", "--gamma", "0,10"]) == 0
+    g = json.loads(out.read_text())["groups"]["all"]
+    # SAFE over items with S+NS>0 (rec 1: S=2, NS=1; rec 2: S=1, NS=0); rec 4 has only IR -> excluded.
+    # rec1: P=2/3, R=min(1,2/2)=1, F1=2*(2/3)/(5/3)=0.8; rec2: P=1, R=1/2, F1=2*0.5/1.5=2/3.
+    assert g["safe"]["f1@2"] == pytest.approx((0.8 + 2 / 3) / 2, abs=1e-12)
+    assert g["safe"]["precision"] == pytest.approx((2 / 3 + 1) / 2, abs=1e-12) and g["safe"]["n_items"] == 2
+    # FActScore: IR = not supported; rec3 (null) abstains; rec4 responds with 0/1.
+    # gamma 0: mean(2/4, 1/1, 0/1) = 0.5; respond 3/4; facts/resp (4+1+1)/3 = 2.
+    fs0 = g["factscore"]["gamma0"]
+    assert fs0["score"] == pytest.approx(0.5) and fs0["respond_ratio"] == 0.75 and fs0["num_facts_per_response"] == 2
+    # gamma 10: penalties exp(1-10/4), exp(1-10), exp(1-10) -> 0.5*e^-1.5 + 1*e^-9 + 0
+    assert g["factscore"]["gamma10"]["score"] == pytest.approx((0.5 * math.exp(-1.5) + math.exp(-9)) / 3, abs=1e-12)
+    # VeriScore: totals [4, 1, 1] -> upper median 1, max 4; P = (2/4 + 1 + 0)/3 = 0.5
+    assert g["veriscore"]["K_median"] == 1 and g["veriscore"]["K_max"] == 4 and g["veriscore"]["precision"] == pytest.approx(0.5)
+    # HalluLens (k=32): per prompt P = 2/4, 1, 0; R = 2/32, 1/32, 0
+    assert g["hallulens"]["precision"] == pytest.approx(0.5)
+    assert (out.parent / "report.md").read_text().startswith("# Factuality evaluation")
+    assert (out.parent / "precision_vs_claims.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_group_by_and_demo(tmp_path):
+    recs = [_rec(1, [S], "x"), _rec(2, [NS], "y")]
+    out = tmp_path / "g"
+    assert cli(["eval", "--input", str(_write(tmp_path / "r.jsonl", recs)), "--output", str(out), "--group-by", "g"]) == 0
+    groups = json.loads((out / "report.json").read_text())["groups"]
+    assert set(groups) == {"all", "x", "y"} and groups["x"]["safe"]["precision"] == 1.0
+    demo = tmp_path / "demo"
+    assert cli(["eval", "--demo", "--output", str(demo)]) == 0
+    rep = json.loads((demo / "report.json").read_text())["groups"]
+    # careful responders are more precise than bold ones on the embedded knowledge store
+    assert rep["careful"]["safe"]["precision"] > rep["bold"]["safe"]["precision"]
+    assert rep["all"]["n_records"] == 36 and rep["hedging"]["n_abstained"] >= 1
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": []}\nnot json\n', r"r.jsonl:2: invalid JSON"),
+    (b'{"id": 1, "prompt": "p", "claims": []}\n', r"r.jsonl:1: missing field 'response'"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": [{"text": "c", "label": "maybe"}]}\n', r"label 'maybe' is not one of"),
+    (b'{"id": 1, "prompt": "p", "response": "\xff"}\n', r"r.jsonl:1: invalid UTF-8"),
+])
+def test_bad_input_is_named_and_nothing_written(tmp_path, content, needle):
+    src = tmp_path / "r.jsonl"
+    src.write_bytes(content)
+    with pytest.raises(FactualityInputError, match=needle):
+        cli(["eval", "--input", str(src), "--output", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+def test_group_by_missing_field(tmp_path):
+    with pytest.raises(FactualityInputError, match="--group-by field 'nope'"):
+        cli(["eval", "--input", str(_write(tmp_path / "r.jsonl", [_rec(1, [S])])), "--output", str(tmp_path / "o"),
+             "--group-by", "nope"])
