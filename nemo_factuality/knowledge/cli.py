@@ -2,7 +2,8 @@
 
     nemo-factuality kb build --passages passages.jsonl --out kb.sqlite [--facts facts.jsonl] [--batch-size N]
     nemo-factuality kb build --factscore-db enwiki-20230401.db --out kb.sqlite
-    nemo-factuality kb query --kb kb.sqlite "born in Ulm" [--title "Albert Einstein"] [-k 5]
+    nemo-factuality kb build --passages passages.jsonl --out kb.sqlite --dense      # + FAISS index
+    nemo-factuality kb query --kb kb.sqlite "born in Ulm" [--title "Albert Einstein"] [-k 5] [--dense]
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--facts", type=Path, help='JSONL lines {"subject", "relation", "value", "text"}')
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--batch-size", type=int, default=10_000)
+    b.add_argument("--dense", action="store_true", help="also embed passages into a FAISS index (retrieval extra)")
     q = sub.add_parser("query", help="BM25 search")
     q.add_argument("--kb", type=Path, required=True)
     q.add_argument("text")
     q.add_argument("--title")
     q.add_argument("-k", type=int, default=5)
+    q.add_argument("--dense", action="store_true", help="search the FAISS index instead of BM25")
     return p
 
 
@@ -43,10 +46,19 @@ def main(argv: Sequence[str]) -> int:
                 passages = Path(tmp) / "passages.jsonl"
                 docdb_to_jsonl(args.factscore_db, passages)
             out = build_store(passages, args.out, facts_jsonl=args.facts, batch_size=args.batch_size)
+        if args.dense:
+            from nemo_factuality.knowledge.dense import build_dense_index
+
+            print(f"dense index: {build_dense_index(out)}")
         n_pass, n_facts = KnowledgeStore(out).count()
         print(f"built {out}: {n_pass} passages, {n_facts} facts")
         return 0
-    store = KnowledgeStore(args.kb)
-    for p in store.search(args.text, k=args.k, title=args.title):
+    if args.dense:
+        from nemo_factuality.knowledge.dense import DenseIndex
+
+        searcher = DenseIndex(args.kb)
+    else:
+        searcher = KnowledgeStore(args.kb)
+    for p in searcher.search(args.text, k=args.k, title=args.title):
         print(json.dumps({"id": p.id, "title": p.title, "score": round(p.score, 4), "text": p.text}, ensure_ascii=False))
     return 0

@@ -116,14 +116,19 @@ class BM25Sections:
 class KnowledgeStoreEvidence:
     """Top-``k`` passages from the embedded store; scoped to the sample's topic title when it has one."""
 
-    def __init__(self, store_path: str, k: int = 5, title_scoped: bool = True) -> None:
+    def __init__(self, store_path: str, k: int = 5, title_scoped: bool = True, dense: bool = False) -> None:
         from nemo_factuality.knowledge.store import KnowledgeStore
 
         self.store = KnowledgeStore(store_path)
+        if dense:  # embedding search (GTR-style in FActScore/KnowRL) instead of BM25
+            from nemo_factuality.knowledge.dense import DenseIndex
+
+            self.store = DenseIndex(store_path)  # same search(query, k, title) signature
         self.k, self.title_scoped = k, title_scoped
 
     def health(self) -> dict[str, str | None]:
-        return {"knowledge_store": self.store.health()}
+        store = getattr(self.store, "store", self.store)
+        return {"knowledge_store": store.health()}
 
     def get_batch(self, queries: Sequence[EvidenceQuery]) -> list[list[str]]:
         out = []

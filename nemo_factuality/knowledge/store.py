@@ -33,7 +33,8 @@ _SCHEMA = """
 CREATE TABLE passages (id INTEGER PRIMARY KEY, title TEXT NOT NULL, text TEXT NOT NULL, source TEXT);
 CREATE INDEX passages_title ON passages(title);
 CREATE VIRTUAL TABLE passages_fts USING fts5(title, text, content='passages', content_rowid='id',
-                                             tokenize='porter unicode61');
+                                             tokenize='unicode61');
+CREATE VIRTUAL TABLE passages_vocab USING fts5vocab(passages_fts, 'row');
 CREATE TABLE facts (id INTEGER PRIMARY KEY, subject TEXT NOT NULL, relation TEXT NOT NULL, value TEXT NOT NULL,
                     text TEXT, subject_norm TEXT NOT NULL, relation_norm TEXT NOT NULL, value_norm TEXT NOT NULL);
 CREATE INDEX facts_subject ON facts(subject_norm, relation_norm);
@@ -51,7 +52,7 @@ def fts_query(text: str) -> str | None:
     words = _WORD.findall(text)
     if not words:
         return None
-    return " OR ".join('"' + w.replace('"', '""') + '"' for w in words)
+    return " OR ".join('"' + w.replace('"', '""') + '"' for w in dict.fromkeys(words))
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,10 @@ class Fact:
 class KnowledgeStore:
     """Read-only access to a built store; safe to share across threads (one connection per thread)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, max_df_frac: float = 0.3, min_passages_for_pruning: int = 1000) -> None:
         self.path = Path(path)
+        self.max_df_frac, self.min_passages_for_pruning = max_df_frac, min_passages_for_pruning
+        self._count: int | None = None
         if not self.path.is_file():
             raise FileNotFoundError(f"knowledge store {self.path} does not exist; build it with "
                                     "'nemo-factuality kb build --passages F.jsonl --out kb.sqlite'")
@@ -93,7 +96,7 @@ class KnowledgeStore:
             names = {r[0] for r in self._conn().execute("SELECT name FROM sqlite_master")}
         except sqlite3.DatabaseError as err:
             raise FactualityInputError(f"{self.path} is not a readable SQLite knowledge store: {err}") from None
-        missing = {"passages", "passages_fts", "facts"} - names
+        missing = {"passages", "passages_fts", "passages_vocab", "facts"} - names
         if missing:
             raise FactualityInputError(f"{self.path} is not a nemo_factuality knowledge store (missing tables {sorted(missing)})")
 
@@ -110,9 +113,31 @@ class KnowledgeStore:
         c = self._conn()
         return c.execute("SELECT count(*) FROM passages").fetchone()[0], c.execute("SELECT count(*) FROM facts").fetchone()[0]
 
+    def _informative_terms(self, query: str) -> str:
+        """Drop terms that occur in more than ``max_df_frac`` of passages (stop words, in effect).
+
+        Such terms carry almost no BM25 weight (their IDF is near zero or floored) but make an OR
+        query touch nearly every row; dropping them keeps queries fast on millions of passages.
+        The rarest term is always kept.
+        """
+        words = list(dict.fromkeys(w.casefold() for w in _WORD.findall(query)))
+        if len(words) <= 1 or self._n_passages() < self.min_passages_for_pruning:
+            return " ".join(words)
+        conn = self._conn()
+        marks = ",".join("?" * len(words))
+        df = dict(conn.execute(f"SELECT term, doc FROM passages_vocab WHERE term IN ({marks})", words).fetchall())
+        limit = self.max_df_frac * self._n_passages()
+        kept = [w for w in words if df.get(w, 0) <= limit]
+        return " ".join(kept or [min(words, key=lambda w: df.get(w, 0))])
+
+    def _n_passages(self) -> int:
+        if self._count is None:
+            self._count = self._conn().execute("SELECT count(*) FROM passages").fetchone()[0]
+        return self._count
+
     def search(self, query: str, k: int = 5, title: str | None = None) -> list[Passage]:
         """Top-``k`` passages by BM25, optionally only those of one ``title`` (FActScore/KnowRL style)."""
-        match = fts_query(query)
+        match = fts_query(self._informative_terms(query))
         if match is None or k <= 0:
             return []
         sql = ("SELECT p.id, p.title, p.text, bm25(passages_fts) AS s FROM passages_fts "

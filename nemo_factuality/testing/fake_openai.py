@@ -14,6 +14,7 @@ truncated completions and dropped connections all go through the production code
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ class Reply:
 
 
 ScriptFn = Callable[[dict], "Reply | str"]
+
+
+class _Server(ThreadingHTTPServer):
+    # The socketserver default backlog of 5 drops bursts of new connections (clients then wait ~1 s
+    # for a SYN retransmit), which would make high-concurrency runs look slow for the wrong reason.
+    request_queue_size = 256
 
 
 @dataclass
@@ -68,7 +75,7 @@ class ScriptedOpenAIServer:
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "ScriptedOpenAIServer":
         handler = _make_handler(self)
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._httpd = _Server(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="scripted-openai", daemon=True)
         self._thread.start()
@@ -146,6 +153,12 @@ def _make_handler(server: ScriptedOpenAIServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
+        def setup(self) -> None:
+            super().setup()
+            # Headers and body go out as separate writes; without TCP_NODELAY, Nagle plus the peer's
+            # delayed ACK adds ~40 ms to every keep-alive response.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
         def log_message(self, fmt: str, *args: Any) -> None:  # keep test output clean
             pass
 
@@ -201,3 +214,33 @@ def _make_handler(server: ScriptedOpenAIServer) -> type[BaseHTTPRequestHandler]:
                     st.in_flight -= 1
 
     return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve scripted replies from a separate process (benchmarks: keeps the server off the client's GIL).
+
+    ``python -m nemo_factuality.testing.fake_openai --replies '{"needle": "text"}' --default X --delay-ms 50``
+    prints ``PORT <n>`` once listening, then serves until killed.
+    """
+    import argparse
+    import signal
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replies", default="{}", help="JSON object: substring of the last message -> reply text")
+    ap.add_argument("--default", default="")
+    ap.add_argument("--delay-ms", type=float, default=0.0)
+    args = ap.parse_args(argv)
+    delay = args.delay_ms / 1000
+    replies = {k: Reply(v, delay_s=delay) for k, v in json.loads(args.replies).items()}
+    server = ScriptedOpenAIServer(by_substring=replies, default=Reply(args.default, delay_s=delay)).start()
+    print(f"PORT {server.port}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

