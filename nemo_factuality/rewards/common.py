@@ -1,0 +1,58 @@
+"""Helpers the method rewards share: running the fact-check pipeline on guarded text, think/answer parsing."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Sequence
+
+from nemo_factuality.pipeline import FactualityPipeline, build_judge, build_pipeline
+from nemo_factuality.rewards.base import GuardConfig, dedup_claims, is_blank, neutralize_injection
+from nemo_factuality.types import FactCheck
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+
+
+def guarded_check(pipeline: FactualityPipeline, guards: GuardConfig, prompts: Sequence[str], completions: Sequence[str],
+                  **kwargs: Any) -> tuple[list[FactCheck | None], list[int]]:
+    """Fact-check non-blank completions after neutralising judge injections.
+
+    Returns one ``FactCheck`` per completion (``None`` for blank ones) and the injection hit counts.
+    Neutralised text has the same length as the original, so every span still indexes the completion.
+    """
+    texts, hits = [], []
+    for c in completions:
+        t, h = neutralize_injection(c) if guards.neutralize_injection else (c, 0)
+        texts.append(t)
+        hits.append(h)
+    live = [i for i, c in enumerate(completions) if not is_blank(c)]
+    checks: list[FactCheck | None] = [None] * len(completions)
+    if live:
+        sub_kwargs = {k: [v[i] for i in live] if v is not None else None for k, v in kwargs.items()}
+        results = pipeline.check([prompts[i] for i in live], [texts[i] for i in live], **sub_kwargs)
+        for i, res in zip(live, results):
+            if guards.dedup_claims:
+                res.claims, res.verdicts = dedup_claims(res.claims, res.verdicts)
+            checks[i] = res
+    return checks, hits
+
+
+def pipeline_from(spec: FactualityPipeline | Mapping[str, Any], judge: Any) -> FactualityPipeline:
+    return spec if isinstance(spec, FactualityPipeline) else build_pipeline(dict(spec), judge_client=judge)
+
+
+def judge_from(spec: Any) -> Any:
+    if spec is None or hasattr(spec, "complete_batch"):
+        return spec
+    return build_judge(spec)
+
+
+def extract_answer(text: str) -> str | None:
+    """The last ``<answer>...</answer>`` content, stripped (None if absent)."""
+    found = _ANSWER.findall(text)
+    return found[-1].strip() if found else None
+
+
+def extract_think(text: str) -> str | None:
+    found = _THINK.findall(text)
+    return found[-1] if found else None
