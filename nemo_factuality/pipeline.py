@@ -84,11 +84,18 @@ class FactualityPipeline:
                 raise FactualityInputError(f"pipeline.check: responses[{i}] must be str, got {type(r).__name__}")
         from nemo_factuality.metrics.abstain import is_response_abstained
 
-        sentences = [self.segmenter.split(r) if r.strip() and not is_response_abstained(r, self.abstain_detection) else []
-                     for r in responses]
-        claims = self.extractor.extract_batch(prompts, responses, sentences)
-        if len(claims) != n:
-            raise FactualityInputError(f"extractor {type(self.extractor).__name__} returned {len(claims)} lists for {n} responses")
+        live = [i for i, r in enumerate(responses) if r.strip() and not is_response_abstained(r, self.abstain_detection)]
+        sentences: list[list] = [[] for _ in responses]
+        for i in live:
+            sentences[i] = self.segmenter.split(responses[i])
+        # Abstained and empty responses never reach the extractor (no judge calls, no claims).
+        extracted = self.extractor.extract_batch([prompts[i] for i in live], [responses[i] for i in live],
+                                                 [sentences[i] for i in live]) if live else []
+        if len(extracted) != len(live):
+            raise FactualityInputError(f"extractor {type(self.extractor).__name__} returned {len(extracted)} lists for {len(live)} responses")
+        claims: list[list] = [[] for _ in responses]
+        for i, cs in zip(live, extracted):
+            claims[i] = cs
         index: list[tuple[int, int]] = []
         queries: list[EvidenceQuery] = []
         for i, cs in enumerate(claims):

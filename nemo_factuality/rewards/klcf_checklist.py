@@ -1,0 +1,73 @@
+"""KLCF's offline checklist builder: what the base model already knows, per prompt.
+
+sample base-model responses → extract claims → verify against the knowledge store → keep the
+supported claims, deduplicated per prompt → JSONL ``{"prompt", "checklist": [claims...], "n_responses"}``.
+
+Input JSONL: ``{"prompt": str, "responses": [str, ...]}`` (responses already sampled, e.g. with vLLM),
+or pass ``generate=fn(prompts) -> list[list[str]]`` to sample inside.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from tqdm import tqdm
+
+from nemo_factuality.knowledge.store import normalize
+from nemo_factuality.types import FactualityInputError, Label
+
+log = logging.getLogger(__name__)
+
+
+def checklist_for(pipeline: Any, prompt: str, responses: Sequence[str], topic: str | None = None,
+                  max_items: int | None = None) -> list[str]:
+    """Supported, deduplicated claims across ``responses`` to one prompt (first-seen order)."""
+    checks = pipeline.check([prompt] * len(responses), list(responses), topics=[topic] * len(responses))
+    seen, items = set(), []
+    for check in checks:
+        by_id = {v.claim_id: v for v in check.verdicts}
+        for claim in check.claims:
+            key = normalize(claim.text)
+            if key and key not in seen and by_id.get(claim.id) is not None and by_id[claim.id].label is Label.SUPPORTED:
+                seen.add(key)
+                items.append(claim.text)
+    return items[:max_items] if max_items else items
+
+
+def _read(path: Path) -> Iterable[tuple[int, dict]]:
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if line.strip():
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise FactualityInputError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+                if not isinstance(obj.get("prompt"), str):
+                    raise FactualityInputError(f"{path}:{lineno}: field 'prompt' missing or not a string")
+                yield lineno, obj
+
+
+def build_checklists(pipeline: Any, input_jsonl: str | Path, output_jsonl: str | Path, *,
+                     generate: Callable[[list[str]], list[list[str]]] | None = None, max_items: int | None = None) -> int:
+    """Write one checklist per prompt; returns the number of prompts. Output is written atomically."""
+    out = Path(output_jsonl)
+    tmp = out.with_name(f".{out.name}.tmp")
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for lineno, rec in tqdm(list(_read(Path(input_jsonl))), desc="checklists", unit="prompt"):
+            responses = rec.get("responses")
+            if responses is None:
+                if generate is None:
+                    raise FactualityInputError(f"{input_jsonl}:{lineno}: no 'responses' and no generate function given")
+                responses = generate([rec["prompt"]])[0]
+            items = checklist_for(pipeline, rec["prompt"], responses, rec.get("topic"), max_items)
+            fh.write(json.dumps({"prompt": rec["prompt"], "checklist": items, "n_responses": len(responses)},
+                                ensure_ascii=False) + "\n")
+            n += 1
+    os.replace(tmp, out)
+    log.info("wrote %d checklists to %s", n, out)
+    return n
