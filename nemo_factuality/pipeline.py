@@ -74,6 +74,23 @@ class FactualityPipeline:
                 out.update(fn())
         return out
 
+    def stats(self) -> dict[str, float]:
+        """Counters of the parts and of their judge clients (each client counted once), prefixed ``judge_``."""
+        out: dict[str, float] = {}
+        clients: dict[int, Any] = {}
+        for part in (self.segmenter, self.extractor, self.evidence, self.verifier):
+            st = getattr(part, "stats", None)
+            if isinstance(st, dict):
+                for k, v in st.items():
+                    out[k] = out.get(k, 0.0) + float(v)
+            client = getattr(part, "client", None)
+            if client is not None and hasattr(client, "stats"):
+                clients[id(client)] = client
+        for client in clients.values():
+            for k, v in client.stats.as_dict().items():
+                out[f"judge_{k}"] = out.get(f"judge_{k}", 0.0) + float(v)
+        return out
+
     def check(self, prompts: Sequence[str], responses: Sequence[str], *, topics: Sequence[str | None] | None = None,
               materials: Sequence[Sequence[str]] | None = None) -> list[FactCheck]:
         """Fact-check a batch. Empty or whitespace-only responses are abstentions with no claims."""

@@ -168,6 +168,7 @@ class RewardParts:
         out: dict[str, float] = {}
         for part in self._parts():
             st = getattr(part, "stats", None)
+            st = st() if callable(st) else st
             st = st.as_dict() if hasattr(st, "as_dict") else st
             if isinstance(st, dict):
                 for k, v in st.items():

@@ -1,1 +1,1 @@
-"""serving"""
+"""Reward servers on PyTriton (the only package that imports PyTriton) and their client."""

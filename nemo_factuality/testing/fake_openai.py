@@ -69,6 +69,7 @@ class ScriptedOpenAIServer:
         self.default = default
         self.model = model
         self.state = _State()
+        self.models_status = 200  # set to e.g. 503 to make health checks (GET /v1/models) fail
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -170,7 +171,9 @@ def _make_handler(server: ScriptedOpenAIServer) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def do_GET(self) -> None:  # noqa: N802
-            if self.path.rstrip("/") in ("/v1/models", "/models"):
+            if self.path.rstrip("/") in ("/v1/models", "/models") and server.models_status != 200:
+                self._send(server.models_status, b'{"error": "scripted outage"}')
+            elif self.path.rstrip("/") in ("/v1/models", "/models"):
                 self._send(200, json.dumps({"object": "list", "data": [{"id": server.model, "object": "model"}]}).encode())
             elif self.path.rstrip("/") == "/health":
                 self._send(200, b"{}")

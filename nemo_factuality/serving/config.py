@@ -1,0 +1,31 @@
+"""Typed schema for ``nemo-factuality serve`` (every default lives here; YAML in ``conf/serve/`` overrides it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ServeConfig:
+    # The method reward, built by name from nemo_factuality.registry.REWARDS: {name: klcf, ...kwargs}.
+    reward: dict[str, Any] = field(default_factory=lambda: {"name": "factalign", "pipeline": {}})
+    # Local path of the POLICY's tokenizer: NeMo-Aligner sends policy token ids, never text.
+    policy_tokenizer: str | None = None
+    # Text that starts the response in a rendered chat (None: derived from the tokenizer's chat template).
+    response_marker: str | None = None
+    host: str = "0.0.0.0"
+    http_port: int = 5555  # NeMo-Aligner's remote_rm.reward_model.port default
+    grpc_port: int = 5565
+    triton_metrics_port: int = 5575
+    health_port: int = 5580  # GET /health/live, /health/ready (JSON with reasons)
+    metrics_port: int = 5581  # Prometheus text format
+    reward_model_name: str = "reward_model"  # NeMo-Aligner's remote_rm.reward_model.name
+    rich_model_name: str = "factuality_reward"
+    max_batch_size: int = 256
+    preferred_batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])
+    max_queue_delay_us: int = 2000
+    # NeMo-Aligner cannot take NaN rewards: abstentions are sent as this value on the reward_model wire.
+    nan_reward: float = 0.0
+    health_check_interval_s: float = 5.0
+    workspace: str | None = None  # PyTriton workspace (default: a temporary directory)

@@ -1,0 +1,266 @@
+"""The factuality reward server on PyTriton: NeMo-Aligner's ``reward_model`` plus a richer ``factuality_reward``.
+
+* ``reward_model`` — exactly NeMo-Aligner 0.7.0's protocol: optional inputs ``sentences`` (bytes),
+  ``tokens`` (int64) and ``sequence_lengths`` (int64), output ``rewards`` float32 ``[B, 1]``. Token
+  ids are the *policy's*; they are decoded with the policy tokenizer and split at the assistant marker.
+  NaN (abstain) becomes ``nan_reward`` because Aligner cannot take NaN.
+* ``factuality_reward`` — the same inputs (+ ``prompt_lengths``) or ``prompts``/``completions`` bytes
+  and per-sample JSON ``columns``; outputs ``rewards [B, 1]`` (NaN kept), ``token_rewards [B, S]``
+  float32 and ``token_signs [B, S]`` int8 aligned to the tokens received (prompt positions 0), and
+  ``details [B, 1]`` JSON bytes (components, errors, response token count).
+
+Health: ``GET /health/live`` and ``/health/ready`` on ``health_port`` (ready = every downstream judge
+and knowledge store answers; the JSON names what is down). Prometheus metrics on ``metrics_port``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import sysconfig
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+
+from nemo_factuality.serving.config import ServeConfig
+from nemo_factuality.serving.decode import PayloadDecoder, decode_text, pad_rows
+from nemo_factuality.types import FactualityInputError, RewardBatch
+
+log = logging.getLogger(__name__)
+_BATCH_IDS = itertools.count(1)
+
+
+def ensure_python_backend_env() -> None:
+    """Triton's Python-backend stub links libpython; point it at this interpreter's (pyenv/conda installs)."""
+    libdir = sysconfig.get_config_var("LIBDIR")
+    current = os.environ.get("LD_LIBRARY_PATH", "")
+    if libdir and libdir not in current.split(":"):
+        os.environ["LD_LIBRARY_PATH"] = f"{libdir}:{current}" if current else libdir
+
+
+class _Metrics:
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("factuality_requests", "inference batches served", ["model"], registry=self.registry)
+        self.samples = Counter("factuality_samples", "samples scored", ["model"], registry=self.registry)
+        self.errors = Counter("factuality_request_errors", "batches that failed", ["model"], registry=self.registry)
+        self.latency = Histogram("factuality_batch_latency_seconds", "reward latency per batch", ["model"],
+                                 registry=self.registry)
+
+
+class _RewardStatsCollector:
+    """Exports the reward's own counters (claims verified, judge errors, cache hits) at scrape time."""
+
+    def __init__(self, reward: Any) -> None:
+        self.reward = reward
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        fn = getattr(self.reward, "stats", None)
+        stats = fn() if callable(fn) else {}
+        for name, value in sorted(stats.items()):
+            yield GaugeMetricFamily(f"factuality_reward_{name}", f"reward component counter {name}", value=float(value))
+
+
+class FactualityRewardServer:
+    """Owns the Triton server, the health endpoint and the metrics endpoint for one reward."""
+
+    def __init__(self, cfg: ServeConfig, reward: Any) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg, self.reward = cfg, reward
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.policy_tokenizer) if cfg.policy_tokenizer else None
+        self.decoder = PayloadDecoder(self.tokenizer, cfg.response_marker) if self.tokenizer is not None else None
+        self.metrics = _Metrics()
+        self._triton = None
+        self._http: list[ThreadingHTTPServer] = []
+        self._workspace: tempfile.TemporaryDirectory | None = None
+        self._lock = threading.Lock()  # the reward's judges keep their own concurrency; batches run one at a time
+
+    # ------------------------------------------------------------------ text extraction
+    def _texts(self, inputs: dict[str, np.ndarray]) -> tuple[list[str], list[str], list[tuple[int, ...]] | None, list[int]]:
+        """(prompts, completions, response token ids or None, response offsets in the token rows)."""
+        if "tokens" in inputs:
+            if "sequence_lengths" not in inputs:
+                raise FactualityInputError("'tokens' given without 'sequence_lengths' ([B, 1] int64)")
+            if inputs["tokens"].dtype != np.int64:
+                raise FactualityInputError(f"'tokens' must be int64, got {inputs['tokens'].dtype}")
+            if self.decoder is None:
+                raise FactualityInputError("this server has no policy tokenizer; set policy_tokenizer in the serve config")
+            samples = self.decoder.decode(inputs["tokens"], inputs["sequence_lengths"], inputs.get("prompt_lengths"))
+            return [s.prompt for s in samples], [s.response for s in samples], [s.response_ids for s in samples], \
+                [s.prompt_len for s in samples]
+        if "completions" in inputs:
+            completions = decode_text(inputs["completions"], "completions")
+            prompts = decode_text(inputs["prompts"], "prompts") if "prompts" in inputs else [""] * len(completions)
+            return prompts, completions, None, [0] * len(completions)
+        if "sentences" in inputs:
+            texts = decode_text(inputs["sentences"], "sentences")
+            marker = self.decoder.marker if self.decoder is not None else self.cfg.response_marker
+            if not marker:
+                raise FactualityInputError("'sentences' input needs response_marker (or policy_tokenizer) to split the prompt")
+            splits = [t.rsplit(marker, 1) if marker in t else ["", t] for t in texts]
+            return [s[0] for s in splits], [s[1] for s in splits], None, [0] * len(texts)
+        raise FactualityInputError("send 'tokens' + 'sequence_lengths', 'sentences', or 'completions' (+ 'prompts')")
+
+    def _columns(self, inputs: dict[str, np.ndarray], n: int, ids: list[tuple[int, ...]] | None) -> dict[str, list]:
+        columns: dict[str, list] = {}
+        if "columns" in inputs:
+            rows = [json.loads(t) if t else {} for t in decode_text(inputs["columns"], "columns")]
+            for k in sorted({k for r in rows for k in r}):
+                columns[k] = [r.get(k) for r in rows]
+        if ids is not None:
+            columns["completion_ids"] = [list(x) for x in ids]
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+            columns.setdefault("is_end", [bool(x) and x[-1] == eos for x in ids])
+        return columns
+
+    def _score(self, model: str, inputs: dict[str, np.ndarray]) -> tuple[RewardBatch, list[tuple[int, ...]] | None, list[int], int]:
+        batch_id = next(_BATCH_IDS)
+        start = time.perf_counter()
+        try:
+            prompts, completions, ids, offsets = self._texts(inputs)
+            columns = self._columns(inputs, len(completions), ids)
+            with self._lock:
+                result = self.reward(prompts, completions, **columns)
+        except Exception:
+            self.metrics.errors.labels(model).inc()
+            log.exception("batch %d (%s) failed", batch_id, model)
+            raise
+        elapsed = time.perf_counter() - start
+        self.metrics.requests.labels(model).inc()
+        self.metrics.samples.labels(model).inc(len(completions))
+        self.metrics.latency.labels(model).observe(elapsed)
+        log.info("batch %d (%s): %d samples in %.3f s", batch_id, model, len(completions), elapsed)
+        width = inputs["tokens"].shape[1] if "tokens" in inputs else max([len(t) for t in (result.token_rewards or [])] or [0])
+        return result, ids, offsets, width
+
+    # ------------------------------------------------------------------ infer functions
+    def infer_reward_model(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        result, _, _, _ = self._score(self.cfg.reward_model_name, inputs)
+        scores = np.where(np.isnan(result.scores), self.cfg.nan_reward, result.scores)
+        return {"rewards": scores.astype(np.float32).reshape(-1, 1)}
+
+    def infer_rich(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        result, ids, offsets, width = self._score(self.cfg.rich_model_name, inputs)
+        n = len(result)
+        width = max(width, 1)
+        token_rewards = pad_rows(result.token_rewards or [np.zeros(0)] * n, offsets, width, np.float32)
+        token_signs = pad_rows(result.token_signs or [np.zeros(0)] * n, offsets, width, np.int8)
+        details = []
+        for i in range(n):
+            d = {"components": {k: (None if math.isnan(v) else v) for k, v in result.sample_dict(i).items() if k != "score"},
+                 "n_response_tokens": len(ids[i]) if ids is not None else len((result.token_rewards or [[]] * n)[i]),
+                 "response_offset": offsets[i]}
+            if result.details is not None:
+                d["details"] = result.details[i]
+            if result.sentence_labels is not None:
+                d["sentence_labels"] = result.sentence_labels[i]
+            details.append(json.dumps(d, default=str).encode("utf-8"))
+        return {"rewards": result.scores.astype(np.float32).reshape(-1, 1), "token_rewards": token_rewards,
+                "token_signs": token_signs, "details": np.array(details, dtype=object).reshape(-1, 1)}
+
+    # ------------------------------------------------------------------ lifecycle
+    def health(self) -> dict[str, str | None]:
+        fn = getattr(self.reward, "health", None)
+        try:
+            return fn() if callable(fn) else {}
+        except Exception as err:  # a health probe must answer, and say why it could not check
+            return {"reward": f"health check raised {type(err).__name__}: {err}"}
+
+    def start(self) -> "FactualityRewardServer":
+        from pytriton.decorators import batch
+        from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
+        from pytriton.triton import Triton, TritonConfig
+
+        ensure_python_backend_env()
+        cfg = self.cfg
+        workspace = cfg.workspace
+        if workspace is None:
+            self._workspace = tempfile.TemporaryDirectory(prefix="nemo_factuality_triton_")
+            workspace = os.path.join(self._workspace.name, "ws")
+        triton_cfg = TritonConfig(http_address=cfg.host, http_port=cfg.http_port, grpc_address=cfg.host, grpc_port=cfg.grpc_port,
+                                  metrics_port=cfg.triton_metrics_port, allow_metrics=True, allow_gpu_metrics=False)
+        model_cfg = ModelConfig(batching=True, max_batch_size=cfg.max_batch_size,
+                                batcher=DynamicBatcher(max_queue_delay_microseconds=cfg.max_queue_delay_us,
+                                                       preferred_batch_size=list(cfg.preferred_batch_sizes)))
+        common = [Tensor(name="sentences", shape=(-1,), dtype=bytes, optional=True),
+                  Tensor(name="tokens", shape=(-1,), dtype=np.int64, optional=True),
+                  Tensor(name="sequence_lengths", shape=(-1,), dtype=np.int64, optional=True)]
+        self._triton = Triton(config=triton_cfg, workspace=workspace)
+        self._triton.bind(model_name=cfg.reward_model_name, infer_func=batch(self.infer_reward_model), inputs=common,
+                          outputs=[Tensor(name="rewards", shape=(1,), dtype=np.float32)], config=model_cfg)
+        rich_inputs = common + [Tensor(name=n, shape=(-1,), dtype=d, optional=True) for n, d in
+                                (("prompt_lengths", np.int64), ("prompts", bytes), ("completions", bytes), ("columns", bytes))]
+        rich_outputs = [Tensor(name="rewards", shape=(1,), dtype=np.float32), Tensor(name="token_rewards", shape=(-1,), dtype=np.float32),
+                        Tensor(name="token_signs", shape=(-1,), dtype=np.int8), Tensor(name="details", shape=(1,), dtype=bytes)]
+        self._triton.bind(model_name=cfg.rich_model_name, infer_func=batch(self.infer_rich), inputs=rich_inputs,
+                          outputs=rich_outputs, config=model_cfg)
+        self._triton.run()
+        self._start_http()
+        log.info("serving %s and %s on %s:%d (health :%d, metrics :%d)", cfg.reward_model_name, cfg.rich_model_name,
+                 cfg.host, cfg.http_port, cfg.health_port, cfg.metrics_port)
+        return self
+
+    def _start_http(self) -> None:
+        from prometheus_client import start_http_server
+
+        self.metrics.registry.register(_RewardStatsCollector(self.reward))
+        server, thread = start_http_server(self.cfg.metrics_port, addr=self.cfg.host, registry=self.metrics.registry)
+        self._http.append(server)
+        health = ThreadingHTTPServer((self.cfg.host, self.cfg.health_port), _health_handler(self))
+        threading.Thread(target=health.serve_forever, name="factuality-health", daemon=True).start()
+        self._http.append(health)
+
+    def stop(self) -> None:
+        for server in self._http:
+            server.shutdown()
+            server.server_close()
+        self._http.clear()
+        if self._triton is not None:
+            self._triton.stop()
+            self._triton = None
+        if self._workspace is not None:
+            self._workspace.cleanup()
+            self._workspace = None
+
+    def __enter__(self) -> "FactualityRewardServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _health_handler(server: FactualityRewardServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("health: " + fmt, *args)
+
+        def do_GET(self) -> None:  # noqa: N802
+            if self.path.rstrip("/") == "/health/live":
+                status, body = 200, {"live": True}
+            elif self.path.rstrip("/") == "/health/ready":
+                checks = server.health()
+                down = {k: v for k, v in checks.items() if v}
+                ready = server._triton is not None and not down
+                status, body = (200 if ready else 503), {"ready": ready, "checks": checks, "down": down}
+            else:
+                status, body = 404, {"error": "use /health/live or /health/ready"}
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return Handler

@@ -1,0 +1,228 @@
+"""The real PyTriton server in-process on loopback, called with NeMo-Aligner's exact payload."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytriton")
+
+from nemo_factuality.judge.client import OpenAIJudgeClient  # noqa: E402
+from nemo_factuality.pipeline import build_pipeline  # noqa: E402
+from nemo_factuality.rewards.rlfh import RLFHReward  # noqa: E402
+from nemo_factuality.serving.client import RemoteFactualityReward, RemoteRewardError  # noqa: E402
+from nemo_factuality.serving.config import ServeConfig  # noqa: E402
+from nemo_factuality.serving.server import FactualityRewardServer  # noqa: E402
+from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer  # noqa: E402
+from nemo_factuality.verify.llm_judge import InformativenessScorer  # noqa: E402
+
+PROMPTS = ["Tell me about Paris.", "Tell me about Rome.", "Who are you?"]
+RESPONSES = ["Paris is the capital of France. It has two airports.", "Rome is in Italy.", "I'm sorry, I can't say."]
+MODE = {"verify": "Correct"}
+
+
+def _judge(req):
+    content = req["messages"][-1]["content"]
+    if "atomic statements" in content:
+        resp = content.split("Response:")[-1].strip()
+        lines = []
+        for k, sent in enumerate(s.strip() + "." for s in resp.split(".") if s.strip()):
+            lines += [f">> Sentence {k + 1}: {sent}", f"* {sent}"]
+        return Reply("\n".join(lines) or "No statements")
+    if "Choose from" in content:
+        if MODE["verify"] == "slow":
+            return Reply("Correct", delay_s=1.5)
+        return Reply("Wrong" if "Rome" in content.split("Statement:")[-1] else MODE["verify"])
+    return Reply("3")
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_tokenizer_dir, tiny_tokenizer):
+    os.environ.setdefault("PYTRITON_HOME", tempfile.mkdtemp(prefix="pytriton_home_"))
+    judge = ScriptedOpenAIServer(_judge).start()
+    client = OpenAIJudgeClient(judge.url, "judge", timeout_s=5, max_retries=0)
+    pipe = build_pipeline({"extractor": {"name": "rlfh"}, "verifier": {"name": "llm_judge", "style": "rlfh"},
+                           "abstain_detection": None}, judge_client=client)
+    reward = RLFHReward(pipe, InformativenessScorer(client), tokenizer=tiny_tokenizer)
+    http, grpc, tmetrics, health, metrics = _free_ports(5)
+    cfg = ServeConfig(policy_tokenizer=str(tiny_tokenizer_dir), host="127.0.0.1", http_port=http, grpc_port=grpc,
+                      triton_metrics_port=tmetrics, health_port=health, metrics_port=metrics, max_queue_delay_us=500)
+    server = FactualityRewardServer(cfg, reward)
+    try:
+        server.start()
+        yield {"server": server, "reward": reward, "cfg": cfg, "judge": judge, "url": f"http://127.0.0.1:{http}"}
+    finally:
+        server.stop()
+        judge.stop()
+        client.close()
+
+
+def aligner_payload(tokenizer, prompts, responses, pad_to_length=128):
+    """Exactly what NeMo-Aligner's RemoteGPTRMClient sends: policy ids padded with 0, lengths [B, 1]."""
+    rows = []
+    for p, r in zip(prompts, responses):
+        prefix = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+        resp = tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((ids + resp, len(ids), resp))
+    tokens = np.zeros((len(rows), pad_to_length), dtype=np.int64)
+    for i, (ids, _, _) in enumerate(rows):
+        tokens[i, : len(ids)] = ids
+    lengths = np.array([[len(ids)] for ids, _, _ in rows], dtype=np.int64)
+    return tokens, lengths, rows
+
+
+def _infer(url, model, timeout=60, **inputs):
+    from pytriton.client import ModelClient
+
+    with ModelClient(url, model, init_timeout_s=30, inference_timeout_s=timeout) as c:
+        return c.infer_batch(**inputs)
+
+
+def test_reward_model_matches_in_process_on_aligner_payload(stack, tiny_tokenizer):
+    tokens, lengths, rows = aligner_payload(tiny_tokenizer, PROMPTS, RESPONSES)
+    out = _infer(stack["url"], "reward_model", tokens=tokens, sequence_lengths=lengths)
+    assert out["rewards"].shape == (3, 1) and out["rewards"].dtype == np.float32
+    expected = stack["reward"](PROMPTS, RESPONSES, completion_ids=[r for _, _, r in rows], is_end=[True] * 3).scores
+    np.testing.assert_allclose(out["rewards"][:, 0], np.nan_to_num(expected, nan=0.0).astype(np.float32), rtol=0, atol=1e-6)
+    assert out["rewards"][0, 0] > 0 > out["rewards"][1, 0]  # Rome's statement is judged Wrong
+
+
+def test_sentences_input(stack, tiny_tokenizer):
+    texts = [tiny_tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) + r
+             for p, r in zip(PROMPTS[:2], RESPONSES[:2])]
+    out = _infer(stack["url"], "reward_model", sentences=np.array([[t.encode()] for t in texts], dtype=object))
+    expected = stack["reward"](PROMPTS[:2], RESPONSES[:2]).scores
+    np.testing.assert_allclose(out["rewards"][:, 0], expected.astype(np.float32), atol=1e-5)
+
+
+def test_rich_model_token_rewards_aligned_to_policy_tokens(stack, tiny_tokenizer):
+    tokens, lengths, rows = aligner_payload(tiny_tokenizer, PROMPTS[:2], RESPONSES[:2], pad_to_length=96)
+    out = _infer(stack["url"], "factuality_reward", tokens=tokens, sequence_lengths=lengths)
+    assert out["token_rewards"].shape == (2, 96) and out["token_signs"].dtype == np.int8
+    inproc = stack["reward"](PROMPTS[:2], RESPONSES[:2], completion_ids=[r for _, _, r in rows], is_end=[True, True])
+    for i, (ids, prompt_len, resp) in enumerate(rows):
+        np.testing.assert_allclose(out["token_rewards"][i, prompt_len : prompt_len + len(resp)], inproc.token_rewards[i], atol=1e-6)
+        assert not out["token_rewards"][i, :prompt_len].any() and not out["token_rewards"][i, len(ids):].any()
+        details = json.loads(out["details"][i, 0])
+        assert details["n_response_tokens"] == len(resp) and details["response_offset"] == prompt_len
+
+
+def test_remote_client_equals_in_process(stack):
+    remote = RemoteFactualityReward(stack["url"])
+    got = remote(PROMPTS, RESPONSES)
+    ref = stack["reward"](PROMPTS, RESPONSES)
+    np.testing.assert_allclose(got.scores, ref.scores, atol=1e-5)
+    for a, b in zip(got.token_rewards, ref.token_rewards):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert set(got.components) == set(ref.components)
+
+
+@pytest.mark.parametrize("bad,needle", [
+    ({"tokens": np.zeros((1, 8), dtype=np.int64), "sequence_lengths": np.array([[9]], dtype=np.int64)}, "sequence_lengths=9"),
+    ({"tokens": np.ones((1, 8), dtype=np.int64), "sequence_lengths": np.array([[8]], dtype=np.int64)}, "response marker"),
+    ({"sentences": np.array([[b"\xff\xfe"]], dtype=object)}, "invalid UTF-8"),
+    ({"sequence_lengths": np.array([[3]], dtype=np.int64)}, "send 'tokens'"),
+])
+def test_malformed_inputs_get_clear_errors_and_server_keeps_serving(stack, tiny_tokenizer, bad, needle):
+    from pytriton.client.exceptions import PyTritonClientInferenceServerError
+
+    with pytest.raises(PyTritonClientInferenceServerError, match=needle):
+        _infer(stack["url"], "reward_model", **bad)
+    tokens, lengths, _ = aligner_payload(tiny_tokenizer, PROMPTS[:1], RESPONSES[:1])
+    assert _infer(stack["url"], "reward_model", tokens=tokens, sequence_lengths=lengths)["rewards"].shape == (1, 1)
+
+
+def test_wrong_dtype_is_refused(stack):
+    from pytriton.client.exceptions import PyTritonClientError
+
+    with pytest.raises(PyTritonClientError):
+        _infer(stack["url"], "reward_model", tokens=np.zeros((1, 4), dtype=np.int32), sequence_lengths=np.array([[4]], dtype=np.int64))
+
+
+def test_garbage_and_slow_judge_mid_batch(stack, tiny_tokenizer):
+    remote = RemoteFactualityReward(stack["url"])
+    try:
+        MODE["verify"] = "I refuse to answer"
+        garbage = remote(PROMPTS[:1], RESPONSES[:1])
+        assert stack["reward"].stats()["unparseable_verdicts"] >= 1  # counted, not silently defaulted
+        MODE["verify"] = "slow"  # judge slower than the client's 5 s... per call timeout is 5 s; 1.5 s delay is fine
+        slow = remote(PROMPTS[:1], RESPONSES[:1])
+        assert np.isfinite(slow.scores).all()
+        # a client that gives up (disconnects) does not take the server down
+        with pytest.raises(RemoteRewardError, match=r"reward.timeout_s"):
+            RemoteFactualityReward(stack["url"], timeout_s=0.2)(PROMPTS[:1], RESPONSES[:1])
+    finally:
+        MODE["verify"] = "Correct"
+    assert np.isfinite(garbage.scores).all()
+    time.sleep(1.5)  # let the abandoned batch finish
+    assert remote(PROMPTS[:1], RESPONSES[:1]).scores[0] > 0
+
+
+def test_readiness_reflects_judge_and_metrics_are_exported(stack):
+    base = f"http://127.0.0.1:{stack['cfg'].health_port}"
+    assert json.load(urllib.request.urlopen(base + "/health/live"))["live"] is True
+    assert json.load(urllib.request.urlopen(base + "/health/ready"))["ready"] is True
+    stack["judge"].models_status = 503
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(base + "/health/ready")
+        body = json.loads(err.value.read())
+        assert err.value.code == 503 and "judge:judge" in body["down"] and "HTTP 503" in body["down"]["judge:judge"]
+    finally:
+        stack["judge"].models_status = 200
+    text = urllib.request.urlopen(f"http://127.0.0.1:{stack['cfg'].metrics_port}/metrics").read().decode()
+    assert "factuality_requests_total" in text and "factuality_reward_claims_verified" in text
+    assert "factuality_batch_latency_seconds_bucket" in text
+
+
+def test_64_concurrent_clients_each_get_their_own_result_once(stack):
+    remote = RemoteFactualityReward(stack["url"])
+    samples = [(f"Tell me about city {i}.", f"City {i} has {i} parks. It is old.") for i in range(64)]
+    sequential = {i: remote([p], [r]).scores[0] for i, (p, r) in enumerate(samples[:8])}
+    results: dict[int, list[float]] = {i: [] for i in range(64)}
+    lock = threading.Lock()
+
+    def worker(i):
+        p, r = samples[i]
+        score = RemoteFactualityReward(stack["url"])([p], [r]).scores[0]
+        with lock:
+            results[i].append(score)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(64)]
+    deadline = time.time() + 120
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=max(deadline - time.time(), 0))
+    assert all(not t.is_alive() for t in threads), "concurrent requests did not finish within 120 s"
+    assert all(len(v) == 1 for v in results.values())
+    for i, score in sequential.items():
+        assert results[i][0] == pytest.approx(score, abs=1e-6)
+
+
+def test_client_error_names_url_model_and_key():
+    (port,) = _free_ports(1)
+    with pytest.raises(RemoteRewardError) as err:
+        RemoteFactualityReward(f"http://127.0.0.1:{port}", init_timeout_s=1, timeout_s=1)(["p"], ["r"])
+    msg = str(err.value)
+    assert f"127.0.0.1:{port}" in msg and "factuality_reward" in msg and "reward.timeout_s" in msg
