@@ -148,7 +148,7 @@ def test_knowrl_end_to_end(kb):
         think = "Ada Varga was born in 1917. Ada Varga grew up in Ostrava."
         comps = [f"{think}</think><answer>1917</answer>", f"{think}</think><answer>1930</answer>",
                  "Not sure.</think><answer>I don't know</answer>", "no answer tags", f"{think}</think><answer>???</answer>"]
-        for mode, expected_1 in (("gated", -1 + 2 * 0.0 + 1.0 * math.exp(1 - 10 / 2) - 0.0), ("additive", None)):
+        for mode in ("gated", "additive"):
             reward = KnowRLReward(pipe, grader, KnowRLConfig(combine=mode))
             out = reward(["When was Ada Varga born?"] * 5, comps, ground_truth=["1917"] * 5, topic=["Ada Varga"] * 5)
             fact = math.exp(1 - 10 / 2)  # 2/2 supported, gamma 10 length penalty
