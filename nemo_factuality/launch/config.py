@@ -1,0 +1,57 @@
+"""Typed schemas for ``nemo-factuality launch``: the stage (what runs) and the cluster profile (where)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ClusterProfile:
+    """``conf/cluster/<name>.yaml``: site settings, independent of the stage."""
+
+    account: str | None = None
+    partition: str | None = None
+    gpus_per_node: int = 8
+    cpus_per_task: int | None = None
+    mem: str | None = None  # e.g. "0" = all memory of the node
+    time_limit: str = "04:00:00"
+    container_image: str | None = None  # pyxis/enroot image (squashfs path or registry URI); None = bare metal
+    container_mounts: list[str] = field(default_factory=list)
+    container_workdir: str | None = None
+    env: dict[str, str] = field(default_factory=dict)  # NCCL / TE / HF settings exported to every step
+    log_root: str = "logs"
+    python: str = "python"
+
+
+@dataclass
+class ServerSpec:
+    """One long-running server step (reward server, critic, vLLM judge) in a het group."""
+
+    name: str = "server"
+    command: str = ""  # shell command; {port} is substituted
+    port: int = 5555
+    health_port: int | None = None  # where health_path is served, if not on `port` (our reward server: health_port)
+    health_path: str = "/health"
+    ready_deadline_s: int = 900
+    nodes: int = 1
+    gpus: int = 0
+
+
+@dataclass
+class LaunchConfig:
+    """``conf/launch/<stage>.yaml``: the het-job topology of one training stage."""
+
+    job_name: str = "factuality"
+    # group 0: the policy actor (trainer)
+    actor_nodes: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    trainer_command: str = "python -m nemo_factuality.launch.standins trainer --ckpt-dir {ckpt_dir} --steps 100"
+    ckpt_dir: str = "checkpoints/{job_name}"
+    # group 1: factuality reward server(s) and critic; group 2: vLLM judges (omitted when empty)
+    reward_servers: list[ServerSpec] = field(default_factory=list)
+    judges: list[ServerSpec] = field(default_factory=list)
+    # preemption: SIGUSR1 this many seconds before the time limit -> checkpoint -> requeue
+    signal_before_end_s: int = 300
+    max_restarts: int = 3
+    ckpt_grace_s: int = 120  # how long the trainer may take to write its checkpoint after USR1

@@ -1,0 +1,146 @@
+"""A real Slurm cluster on loopback for tests: slurmctld + two slurmd "nodes" (n1, n2), auth/none.
+
+Two NodeName entries on one host (different slurmd ports) are needed for heterogeneous jobs. Every
+daemon is stopped by PID in ``stop()``, and the state directory is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+CONF = """ClusterName=nftest
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/none
+CredType=cred/none
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.%n.pid
+SlurmctldPort={ctld_port}
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.%n.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1
+ReturnToService=2
+MpiDefault=none
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+KillWait=5
+NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={d1_port} CPUs=1 RealMemory=2000 State=UNKNOWN
+NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={d2_port} CPUs=1 RealMemory=2000 State=UNKNOWN
+PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=60 State=UP
+"""
+
+
+def _free_port(lo: int = 16800, hi: int = 16899) -> int:
+    for _ in range(200):
+        port = random.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port for Slurm daemons in 16800-16899")
+
+
+class SlurmCluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.conf = root / "slurm.conf"
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+
+    def start(self, timeout_s: float = 30) -> "SlurmCluster":
+        for d in ("state", "log", "spool/n1", "spool/n2"):
+            (self.root / d).mkdir(parents=True, exist_ok=True)
+        ports = set()
+        while len(ports) < 3:
+            ports.add(_free_port())
+        ctld, d1, d2 = sorted(ports)
+        self.conf.write_text(CONF.format(host=socket.gethostname(), root=self.root, ctld_port=ctld, d1_port=d1, d2_port=d2))
+        self._run(["slurmctld", "-c", "-f", str(self.conf)])
+        for node in ("n1", "n2"):
+            self._run(["slurmd", "-f", str(self.conf), "-N", node])
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True).stdout
+            states = dict(line.split() for line in out.splitlines() if line.strip())
+            if states.get("n1") == "idle" and states.get("n2") == "idle":
+                return self
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"Slurm nodes not idle after {timeout_s}s; see {self.root}/log")
+
+    def _run(self, cmd: list[str]) -> None:
+        res = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=30)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {res.stderr}")
+
+    def pids(self) -> list[int]:
+        out = []
+        for name in ("slurmctld.pid", "slurmd.n1.pid", "slurmd.n2.pid"):
+            f = self.root / name
+            if f.exists() and f.read_text().strip():
+                out.append(int(f.read_text().strip()))
+        return out
+
+    def sbatch(self, script: Path, cwd: Path, extra_env: dict[str, str] | None = None) -> str:
+        env = dict(self.env, **(extra_env or {}))
+        res = subprocess.run(["sbatch", "--parsable", str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
+        if res.returncode != 0:
+            raise RuntimeError(f"sbatch failed: {res.stderr}")
+        return res.stdout.strip().split(";")[0]
+
+    def job_state(self, job_id: str) -> tuple[str, str]:
+        out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], env=self.env, capture_output=True, text=True).stdout
+        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
+
+    def wait(self, job_id: str, states: tuple[str, ...], timeout_s: float) -> str:
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            state, _ = self.job_state(job_id)
+            if state in states:
+                return state
+            time.sleep(0.5)
+        subprocess.run(["scancel", job_id], env=self.env)
+        raise TimeoutError(f"job {job_id} not in {states} after {timeout_s}s (last {self.job_state(job_id)})")
+
+    def stop(self) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 15
+        while time.time() < deadline and any(_alive(p) for p in self.pids()):
+            time.sleep(0.2)
+        for pid in self.pids():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.root / "state", ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
