@@ -1,0 +1,51 @@
+"""``nemo-factuality convert hf-to-nemo | nemo-to-hf | verify``.
+
+    nemo-factuality convert hf-to-nemo --hf DIR --out model.nemo [--dtype bfloat16] [--extracted]
+    nemo-factuality convert nemo-to-hf --nemo model.nemo --out DIR
+    nemo-factuality convert verify --hf DIR --nemo model.nemo [--tp 2] [--tol 1e-5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+
+def main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="nemo-factuality convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="action", required=True)
+    a = sub.add_parser("hf-to-nemo", help="HF Llama/Qwen2 (or *ForSequenceClassification RM) -> .nemo")
+    a.add_argument("--hf", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    a.add_argument("--extracted", action="store_true", help="write the extracted-directory form instead of a tar")
+    a.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
+    b = sub.add_parser("nemo-to-hf", help=".nemo written by hf-to-nemo -> HF directory")
+    b.add_argument("--nemo", required=True)
+    b.add_argument("--out", required=True)
+    v = sub.add_parser("verify", help="compare Megatron-Core logits (from the .nemo) with the HF model")
+    v.add_argument("--hf", required=True)
+    v.add_argument("--nemo", required=True)
+    v.add_argument("--tp", type=int, default=1)
+    v.add_argument("--tol", type=float, default=1e-5)
+    args = p.parse_args(list(argv))
+    if args.action == "hf-to-nemo":
+        from nemo_factuality.convert.nemo_format import hf_to_nemo
+
+        print(hf_to_nemo(args.hf, args.out, dtype=args.dtype, extracted=args.extracted,
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by))
+        return 0
+    if args.action == "nemo-to-hf":
+        from nemo_factuality.convert.nemo_format import nemo_to_hf
+
+        print(nemo_to_hf(args.nemo, args.out))
+        return 0
+    cmd = [sys.executable, "-m", "nemo_factuality.convert.verify", "--hf", args.hf, "--nemo", args.nemo,
+           "--tp", str(args.tp), "--tol", str(args.tol)]
+    if args.tp > 1:  # one process per tensor-parallel rank
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.tp}", "--master_addr=127.0.0.1",
+               f"--master_port={os.environ.get('NF_VERIFY_PORT', '29650')}", "-m", "nemo_factuality.convert.verify"] + cmd[3:]
+    return subprocess.call(cmd)

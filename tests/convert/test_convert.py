@@ -1,0 +1,150 @@
+"""Converters: bit-exact vs Megatron-Bridge goldens, HF→NeMo→HF round trips, logits at TP=1/TP=2, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytest.importorskip("megatron.core")
+
+from nemo_factuality.convert.mapping import fuse_qkv, spec_from_hf_config, split_qkv  # noqa: E402
+from nemo_factuality.convert.nemo_format import hf_tensors, mcore_state  # noqa: E402
+from nemo_factuality.testing.paths import parity_dir  # noqa: E402
+from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer  # noqa: E402
+from nemo_factuality.types import FactualityInputError  # noqa: E402
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+
+
+def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Converters run in subprocesses: Megatron's process group and CPU shims stay out of the test process."""
+    return subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", *args], env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_hf_to_mcore_equals_megatron_bridge_bit_for_bit(family):
+    ours, _ = mcore_state(parity_dir() / "converters" / f"tiny_{family}_hf")
+    gold = load_file(str(parity_dir() / "converters" / f"bridge_{family}_mcore.safetensors"))
+    assert set(ours) == set(gold)
+    assert all(torch.equal(ours[k], gold[k]) for k in gold), [k for k in gold if not torch.equal(ours[k], gold[k])]
+
+
+def test_qkv_interleave_roundtrip_and_layout():
+    spec = spec_from_hf_config({"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "vocab_size": 10})
+    q, k, v = torch.arange(8.0).repeat_interleave(1).reshape(4, 2), torch.full((2, 2), -1.0), torch.full((2, 2), -2.0)
+    q = torch.arange(8 * 8.0).reshape(8, 8)
+    k = torch.arange(100, 104 * 1.0 + 4 * 8 - 4).reshape(4, 8)[:4]
+    v = -torch.arange(4 * 8.0).reshape(4, 8)
+    fused = fuse_qkv(q, k, v, spec)
+    # group 0 = q heads 0,1 (rows 0-3), k head 0 (rows 0-1 of k), v head 0; then group 1
+    assert torch.equal(fused[:4], q[:4]) and torch.equal(fused[4:6], k[:2]) and torch.equal(fused[6:8], v[:2])
+    assert torch.equal(fused[8:12], q[4:]) and torch.equal(fused[12:14], k[2:])
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, spec), (q, k, v)))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    out = {}
+    for name, family, tied in (("qwen2_untied", "qwen2", False), ("llama_tied", "llama", True)):
+        d = root / name
+        build_tiny_causal_lm(family, tie_word_embeddings=tied, vocab_size=500, out_dir=d)
+        build_tiny_tokenizer(d)
+        out[name] = d
+    bridge = root / "qwen2_bridge"
+    shutil.copytree(parity_dir() / "converters" / "tiny_qwen2_hf", bridge)
+    build_tiny_tokenizer(bridge)
+    out["qwen2_bridge"] = bridge
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen2_untied", "llama_tied"])
+def test_hf_nemo_hf_roundtrip_is_bit_exact(models, tmp_path, name):
+    nemo = tmp_path / "m.nemo"
+    res = _run("hf-to-nemo", "--hf", str(models[name]), "--out", str(nemo))
+    assert res.returncode == 0, res.stderr[-2000:]
+    members = tarfile.open(nemo).getnames()
+    assert {"./model_config.yaml", "./model_weights/metadata.json", "./tokenizer/tokenizer.json"} <= set(members)
+    with tarfile.open(nemo) as tar:
+        cfg = tar.extractfile("./model_config.yaml").read().decode()
+    assert "mcore_gpt: true" in cfg and "nemo:tokenizer" in cfg and f"share_embeddings_and_output_weights: {'true' if name.endswith('_tied') else 'false'}" in cfg
+    res = _run("nemo-to-hf", "--nemo", str(nemo), "--out", str(tmp_path / "back"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    a, b = hf_tensors(models[name]), hf_tensors(tmp_path / "back")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_logits_match_hf_at_tp1_and_tp2_from_one_checkpoint(models, tmp_path):
+    nemo = tmp_path / "bridge.nemo"
+    assert _run("hf-to-nemo", "--hf", str(models["qwen2_bridge"]), "--out", str(nemo)).returncode == 0
+    for tp in (1, 2):
+        res = _run("verify", "--hf", str(models["qwen2_bridge"]), "--nemo", str(nemo), "--tp", str(tp), timeout=300)
+        line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+        assert res.returncode == 0 and line, res.stdout[-1500:] + res.stderr[-3000:]
+        result = json.loads(line[-1])
+        assert result["tp"] == tp and result["max_abs_diff"] < 1e-5
+
+
+def test_reward_model_roundtrip(tmp_path):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=400, num_labels=1, pad_token_id=0)
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    build_tiny_tokenizer(tmp_path / "rm")
+    assert _run("hf-to-nemo", "--hf", str(tmp_path / "rm"), "--out", str(tmp_path / "rm.nemo")).returncode == 0
+    with tarfile.open(tmp_path / "rm.nemo") as tar:
+        cfg_text = tar.extractfile("./model_config.yaml").read().decode()
+    assert "reward_model_type: binary_ranking" in cfg_text and "MegatronGPTRewardModel" in cfg_text
+    assert _run("nemo-to-hf", "--nemo", str(tmp_path / "rm.nemo"), "--out", str(tmp_path / "back")).returncode == 0
+    a, b = hf_tensors(tmp_path / "rm"), hf_tensors(tmp_path / "back")
+    assert "score.weight" in b and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_inputs_fail_clearly(models, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(models["qwen2_untied"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="gpt2")))
+    res = _run("hf-to-nemo", "--hf", str(bad), "--out", str(tmp_path / "x.nemo"))
+    assert res.returncode != 0 and "unsupported model_type 'gpt2'" in res.stderr
+    (bad / "config.json").write_text(json.dumps(cfg))
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated shard
+    res = _run("hf-to-nemo", "--hf", str(bad), "--out", str(tmp_path / "x.nemo"))
+    assert res.returncode != 0 and "model.safetensors" in res.stderr and ("corrupted or truncated" in res.stderr)
+    shutil.copy2(models["qwen2_untied"] / "model.safetensors", bad / "model.safetensors")
+    (bad / "tokenizer.json").unlink()
+    res = _run("hf-to-nemo", "--hf", str(bad), "--out", str(tmp_path / "x.nemo"))
+    assert res.returncode != 0 and "no tokenizer files" in res.stderr
+    assert not (tmp_path / "x.nemo").exists()
+    (tmp_path / "junk.nemo").write_bytes(b"\x00" * 1000)
+    res = _run("nemo-to-hf", "--nemo", str(tmp_path / "junk.nemo"), "--out", str(tmp_path / "o"))
+    # zero bytes read as an empty tar archive: the error then names what the checkpoint lacks
+    assert res.returncode != 0 and ("neither a .nemo tar archive" in res.stderr or "missing model_weights" in res.stderr)
+    (tmp_path / "text.nemo").write_text("not a checkpoint at all")
+    res = _run("nemo-to-hf", "--nemo", str(tmp_path / "text.nemo"), "--out", str(tmp_path / "o"))
+    assert res.returncode != 0 and "neither a .nemo tar archive" in res.stderr
+
+
+def test_corrupted_weights_are_caught_by_the_manifest(models, tmp_path):
+    nemo = tmp_path / "m"
+    assert _run("hf-to-nemo", "--hf", str(models["qwen2_untied"]), "--out", str(nemo), "--extracted").returncode == 0
+    manifest = json.loads((nemo / "manifest.json").read_text())
+    key = next(iter(manifest["tensors"]))
+    manifest["tensors"][key]["sha256"] = "0" * 64
+    (nemo / "manifest.json").write_text(json.dumps(manifest))
+    res = _run("nemo-to-hf", "--nemo", str(nemo), "--out", str(tmp_path / "o"))
+    assert res.returncode != 0 and "does not match its manifest checksum" in res.stderr
