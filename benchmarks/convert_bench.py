@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -109,7 +108,6 @@ def main() -> None:
     for mode, label in (("ours", "ours (tensor-by-tensor read)"), ("baseline", "baseline (whole HF model in memory)")):
         r = rows[mode]
         print(f"{label:<36}{r['seconds']:>9.1f}{size_mb / r['seconds']:>9.1f}{r['peak_rss_mb']:>13.0f}")
-    _ = resource  # the children measure themselves
 
 
 if __name__ == "__main__":

@@ -63,9 +63,10 @@ def mcore_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     seq = tokens.shape[1]
     position_ids = torch.arange(seq).unsqueeze(0).expand_as(tokens)
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
+    device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(tokens, position_ids, mask)
-    return gather_from_tensor_model_parallel_region(logits)
+        logits = model(tokens.to(device), position_ids.to(device), mask.to(device))
+    return gather_from_tensor_model_parallel_region(logits).float().cpu()
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -87,6 +88,8 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16) -> dict:
     cpu.apply()
     if not dist.is_initialized():
         if "RANK" in os.environ:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
         else:
             from nemo_factuality.convert.nemo_format import ensure_process_group
@@ -98,6 +101,8 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16) -> dict:
         _, spec, _ = load_nemo_tensors(root, check_manifest=dist.get_rank() == 0)
         model = build_model(spec, tp).eval()
         load_into(model, str(root / "model_weights"))
+    if torch.cuda.is_available():  # the real Megatron CUDA path (no CPU shims are active then)
+        model = model.cuda()
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab, (2, seq), generator=gen)
     ours = mcore_logits(model, tokens)[..., : spec.vocab]
