@@ -20,7 +20,6 @@ from nemo_factuality.convert.mapping import fuse_qkv, spec_from_hf_config, split
 from nemo_factuality.convert.nemo_format import hf_tensors, mcore_state  # noqa: E402
 from nemo_factuality.testing.paths import parity_dir  # noqa: E402
 from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer  # noqa: E402
-from nemo_factuality.types import FactualityInputError  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
 
