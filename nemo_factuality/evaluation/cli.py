@@ -25,7 +25,8 @@ from tqdm import tqdm
 from nemo_factuality.config import load_config
 from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.evaluation.render import render_markdown, render_plot
-from nemo_factuality.types import FactualityInputError, Label
+from nemo_factuality.jsonl import iter_jsonl
+from nemo_factuality.types import Label
 
 log = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -54,24 +55,7 @@ class EvalConfig:
 
 def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """Read JSONL as ``(file:line, record)``; invalid UTF-8 or JSON names the line."""
-    out = []
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise FactualityInputError(f"{where}: invalid UTF-8 at byte {err.start}; re-encode the file as UTF-8") from None
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise FactualityInputError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(obj, dict):
-                raise FactualityInputError(f"{where}: each line must be a JSON object, got {type(obj).__name__}")
-            out.append((where, obj))
-    return out
+    return list(iter_jsonl(path))
 
 
 def _needs_checking(raw: dict[str, Any]) -> bool:

@@ -23,6 +23,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
+from nemo_factuality.jsonl import iter_jsonl
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
@@ -175,23 +176,11 @@ class KnowledgeStore:
 
 
 def _iter_jsonl(path: Path, required: tuple[str, ...]) -> Iterator[dict]:
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise FactualityInputError(f"{where}: invalid UTF-8 at byte {err.start}") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise FactualityInputError(f"{where}: invalid JSON ({err.msg})") from None
-            missing = [k for k in required if not isinstance(obj.get(k), str) or not obj.get(k).strip()]
-            if missing:
-                raise FactualityInputError(f"{where}: field(s) {missing} missing or not a non-empty string")
-            yield obj
+    for where, obj in iter_jsonl(path):
+        missing = [k for k in required if not isinstance(obj.get(k), str) or not obj.get(k).strip()]
+        if missing:
+            raise FactualityInputError(f"{where}: field(s) {missing} missing or not a non-empty string")
+        yield obj
 
 
 def _insert_batches(conn: sqlite3.Connection, sql: str, rows: Iterator[tuple], batch_size: int, bar: tqdm) -> int:
