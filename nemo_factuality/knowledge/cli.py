@@ -2,6 +2,7 @@
 
     nemo-factuality kb build --passages passages.jsonl --out kb.sqlite [--facts facts.jsonl] [--batch-size N]
     nemo-factuality kb build --factscore-db enwiki-20230401.db --out kb.sqlite
+    nemo-factuality kb build --demo --out kb.sqlite                                  # packaged demo data
     nemo-factuality kb build --passages passages.jsonl --out kb.sqlite --dense      # + FAISS index
     nemo-factuality kb query --kb kb.sqlite "born in Ulm" [--title "Albert Einstein"] [-k 5] [--dense]
 """
@@ -21,6 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="stream passages (and facts) from JSONL into a store")
     src = b.add_mutually_exclusive_group(required=True)
     src.add_argument("--passages", type=Path, help='JSONL lines {"title", "text"}')
+    src.add_argument("--demo", action="store_true", help="the packaged demo passages and facts (invented people)")
     src.add_argument("--factscore-db", type=Path, help="a FActScore documents(title, text) SQLite DB")
     b.add_argument("--facts", type=Path, help='JSONL lines {"subject", "relation", "value", "text"}')
     b.add_argument("--out", type=Path, required=True)
@@ -41,6 +43,9 @@ def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
     if args.action == "build":
         passages = args.passages
+        if args.demo:
+            data = Path(__file__).resolve().parents[1] / "data"
+            passages, args.facts = data / "demo_passages.jsonl", data / "demo_facts.jsonl"
         with tempfile.TemporaryDirectory() as tmp:
             if args.factscore_db is not None:
                 passages = Path(tmp) / "passages.jsonl"

@@ -83,8 +83,15 @@ def align_tokens(tokenizer: Any, text: str, token_ids: Sequence[int] | None = No
         return TokenAlignment(text, tuple(enc["input_ids"]), tuple(_fix_offsets(enc["offset_mapping"], len(text))))
     ids = [int(t) for t in token_ids]
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    if list(enc["input_ids"]) == ids:
-        return TokenAlignment(text, tuple(ids), tuple(_fix_offsets(enc["offset_mapping"], len(text))))
+    # Trailing special tokens (EOS, padding) cover no characters; strip them so the common case —
+    # the policy's ids are the tokenizer's own ids plus EOS — takes the fast offsets path.
+    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+    body = len(ids)
+    while body and ids[body - 1] in specials:
+        body -= 1
+    if list(enc["input_ids"]) == ids[:body]:
+        offsets = _fix_offsets(enc["offset_mapping"], len(text)) + [(len(text), len(text))] * (len(ids) - body)
+        return TokenAlignment(text, tuple(ids), tuple(offsets))
     return TokenAlignment(text, tuple(ids), tuple(_offsets_by_incremental_decode(tokenizer, ids, text)))
 
 

@@ -124,7 +124,7 @@ def test_het_job_waits_for_readiness_then_trains(slurm, tmp_path):
     batch_log = _sbatch_log(tmp_path, job)
     assert batch_log.index("factuality_reward ready") < batch_log.index("trainer finished with exit code 0")
     assert "training finished at step 40" in _log(tmp_path, job, "trainer")
-    assert "stand-in reward server" in _log(tmp_path, job, "factuality_reward")
+    assert "serving reward_model and factuality_reward" in _log(tmp_path, job, "factuality_reward")
 
 
 def test_server_that_never_gets_ready_fails_the_job_with_its_log(slurm, tmp_path):
@@ -163,7 +163,8 @@ def test_max_restarts_guard(slurm, tmp_path):
     assert "more than max_restarts=2" in _sbatch_log(tmp_path, job)
 
 
-def test_no_stand_in_processes_left(slurm):
-    time.sleep(1)
-    out = subprocess.run(["pgrep", "-f", "nemo_factuality.launch.standins"], capture_output=True, text=True).stdout
-    assert out.strip() == "", f"leftover stand-in processes: {out}"
+def test_no_step_processes_left(slurm):
+    time.sleep(2)
+    for pattern in ("nemo_factuality.launch.standins", "nemo-factuality serve", "tritonserver"):
+        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        assert out.strip() == "", f"leftover {pattern} processes: {out}"

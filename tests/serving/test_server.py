@@ -41,6 +41,8 @@ def _judge(req):
     if "Choose from" in content:
         if MODE["verify"] == "slow":
             return Reply("Correct", delay_s=1.5)
+        if MODE["verify"] == "down":
+            return Reply("upstream unavailable", status=503)
         return Reply("Wrong" if "Rome" in content.split("Statement:")[-1] else MODE["verify"])
     return Reply("3")
 
@@ -165,6 +167,10 @@ def test_garbage_and_slow_judge_mid_batch(stack, tiny_tokenizer):
         MODE["verify"] = "I refuse to answer"
         garbage = remote(PROMPTS[:1], RESPONSES[:1])
         assert stack["reward"].stats()["unparseable_verdicts"] >= 1  # counted, not silently defaulted
+        MODE["verify"] = "down"  # the verifying judge fails mid-batch: per-statement errors, server keeps serving
+        before = stack["reward"].stats().get("judge_errors", 0.0)
+        down = remote(PROMPTS[:2], RESPONSES[:2])
+        assert np.isfinite(down.scores).all() and stack["reward"].stats()["judge_errors"] >= before + 2
         MODE["verify"] = "slow"  # judge slower than the client's 5 s... per call timeout is 5 s; 1.5 s delay is fine
         slow = remote(PROMPTS[:1], RESPONSES[:1])
         assert np.isfinite(slow.scores).all()

@@ -53,7 +53,12 @@ def test_huge_and_wrong_type():
 def test_offsets_path_equals_incremental_decode_path(tiny_tokenizer, text):
     ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
     fast = align_tokens(tiny_tokenizer, text)
-    slow = align_tokens(tiny_tokenizer, text, ids + [tiny_tokenizer.eos_token_id])  # EOS forces the decode path
+    with_eos = align_tokens(tiny_tokenizer, text, ids + [tiny_tokenizer.eos_token_id])  # fast path + empty EOS range
+    from nemo_factuality.text.alignment import _offsets_by_incremental_decode
+
+    slow_offsets = _offsets_by_incremental_decode(tiny_tokenizer, ids + [tiny_tokenizer.eos_token_id], text)
+    assert list(with_eos.offsets) == slow_offsets  # both paths agree
+    slow = with_eos
     assert list(fast.token_ids) == ids
     assert slow.offsets[: len(ids)] == fast.offsets
     assert slow.offsets[-1] == (len(text), len(text))  # EOS covers no characters
