@@ -43,11 +43,13 @@ def render_plot(records: Sequence[EvalRecord], path: Path) -> None:
     groups: dict[str, list[EvalRecord]] = {}
     for r in records:
         groups.setdefault(r.group, []).append(r)
-    for name, members in groups.items():
+    for k, (name, members) in enumerate(groups.items()):
         pts = precision_points(members)
         if pts:
             xs, ys = zip(*pts)
-            ax.scatter(xs, ys, label=name, alpha=0.7)
+            # Claim counts are integers: shift each group a little so overlapping groups stay visible.
+            shift = (k - (len(groups) - 1) / 2) * 0.08
+            ax.scatter([x + shift for x in xs], ys, label=name, alpha=0.7)
     ax.set_xlabel("claims per response")
     ax.set_ylabel("precision (S / (S + NS))")
     ax.set_ylim(-0.05, 1.05)
