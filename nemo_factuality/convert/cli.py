@@ -2,7 +2,7 @@
 
     nemo-factuality convert hf-to-nemo --hf DIR --out model.nemo [--dtype bfloat16] [--extracted]
     nemo-factuality convert nemo-to-hf --nemo model.nemo --out DIR
-    nemo-factuality convert verify --hf DIR --nemo model.nemo [--tp 2] [--tol 1e-5]
+    nemo-factuality convert verify --hf DIR --nemo model.nemo [--tp 2] [--pp 2] [--tol 1e-5]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def main(argv: Sequence[str]) -> int:
     v.add_argument("--hf", required=True)
     v.add_argument("--nemo", required=True)
     v.add_argument("--tp", type=int, default=1)
+    v.add_argument("--pp", type=int, default=1)
     v.add_argument("--tol", type=float, default=1e-5)
     args = p.parse_args(list(argv))
     if args.action == "hf-to-nemo":
@@ -44,8 +45,8 @@ def main(argv: Sequence[str]) -> int:
         print(nemo_to_hf(args.nemo, args.out))
         return 0
     cmd = [sys.executable, "-m", "nemo_factuality.convert.verify", "--hf", args.hf, "--nemo", args.nemo,
-           "--tp", str(args.tp), "--tol", str(args.tol)]
-    if args.tp > 1:  # one process per tensor-parallel rank
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.tp}", "--master_addr=127.0.0.1",
+           "--tp", str(args.tp), "--pp", str(args.pp), "--tol", str(args.tol)]
+    if args.tp * args.pp > 1:  # one process per model-parallel rank
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.tp * args.pp}", "--master_addr=127.0.0.1",
                f"--master_port={os.environ.get('NF_VERIFY_PORT', '29650')}", "-m", "nemo_factuality.convert.verify"] + cmd[3:]
     return subprocess.call(cmd)

@@ -2,10 +2,11 @@
 
     python -m nemo_factuality.convert.verify --hf DIR --nemo FILE [--tol 1e-5]                  # TP=1
     torchrun --nproc_per_node=2 -m nemo_factuality.convert.verify --hf DIR --nemo FILE --tp 2    # TP=2
+    torchrun --nproc_per_node=2 -m nemo_factuality.convert.verify --hf DIR --nemo FILE --pp 2    # PP=2
 
 The Megatron model uses the local layer spec (no Transformer Engine), so it runs on CPU (gloo) as well
 as GPU; the dist checkpoint is resharded at load time for the requested TP. Prints one JSON line
-(rank 0) and exits non-zero when the max |Δlogit| exceeds ``--tol``.
+(from the last pipeline stage) and exits non-zero when the max |Δlogit| exceeds ``--tol``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 import torch
 
 
-def build_model(spec, tp: int):
+def build_model(spec, tp: int, pp: int = 1, pre_process: bool = True, post_process: bool = True):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -27,14 +28,18 @@ def build_model(spec, tp: int):
     cfg = TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
         num_query_groups=spec.kv_heads, ffn_hidden_size=spec.ffn, kv_channels=spec.head_dim,
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, use_cpu_initialization=True, pipeline_dtype=torch.float32,
         params_dtype=torch.float32, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
         layernorm_epsilon=spec.rms_eps, add_bias_linear=False, add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0,
         attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
+    scaling = spec.rope_scaling or {}
+    llama3 = scaling.get("rope_type", scaling.get("type")) == "llama3"
     return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.padded_vocab,
                     max_sequence_length=spec.max_positions, position_embedding_type="rope",
+                    pre_process=pre_process, post_process=post_process,
+                    rope_scaling=llama3, rope_scaling_factor=float(scaling.get("factor", 8.0)),
                     rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
                     share_embeddings_and_output_weights=spec.tied, parallel_output=True)
 
@@ -57,16 +62,39 @@ def load_into(model, weights_dir: str) -> None:
         raise RuntimeError(f"state dict mismatch: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
 
 
-def mcore_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+def mcore_logits(model, tokens: torch.Tensor, pp: int = 1) -> torch.Tensor | None:
+    """Full-vocabulary logits ``[B, S, V]`` on the last pipeline stage; None on other stages."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     seq = tokens.shape[1]
-    position_ids = torch.arange(seq).unsqueeze(0).expand_as(tokens)
-    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)
     device = next(model.parameters()).device
+    tokens = tokens.to(device)
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand_as(tokens)
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
+    if pp == 1:
+        with torch.no_grad():
+            logits = model(tokens, position_ids, mask)
+        return gather_from_tensor_model_parallel_region(logits).float().cpu()
+    captured: dict[str, torch.Tensor] = {}
+
+    def forward_step(data_iterator, stage_model):
+        batch = next(data_iterator)
+        output = stage_model(*batch)
+
+        def keep_logits(out):
+            captured["logits"] = out.detach()
+            return out.sum() * 0.0, {}
+
+        return output, keep_logits
+
     with torch.no_grad():
-        logits = model(tokens.to(device), position_ids.to(device), mask.to(device))
-    return gather_from_tensor_model_parallel_region(logits).float().cpu()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(tokens, position_ids, mask)]),
+                                    model=[model], num_microbatches=1, seq_length=seq, micro_batch_size=tokens.shape[0],
+                                    forward_only=True)
+    if "logits" not in captured:
+        return None
+    return gather_from_tensor_model_parallel_region(captured["logits"]).float().cpu()
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -77,7 +105,7 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
         return model(tokens).logits[..., :vocab]
 
 
-def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16) -> dict:
+def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -95,19 +123,23 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16) -> dict:
             from nemo_factuality.convert.nemo_format import ensure_process_group
 
             ensure_process_group()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
     with opened_nemo(nemo) as root:
         _, spec, _ = load_nemo_tensors(root, check_manifest=dist.get_rank() == 0)
-        model = build_model(spec, tp).eval()
+        model = build_model(spec, tp, pp, parallel_state.is_pipeline_first_stage(),
+                            parallel_state.is_pipeline_last_stage()).eval()
         load_into(model, str(root / "model_weights"))
     if torch.cuda.is_available():  # the real Megatron CUDA path (no CPU shims are active then)
         model = model.cuda()
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab, (2, seq), generator=gen)
-    ours = mcore_logits(model, tokens)[..., : spec.vocab]
-    result = {"tp": tp, "shape": list(ours.shape)}
-    if dist.get_rank() == 0:
+    ours = mcore_logits(model, tokens, pp)
+    result: dict = {"tp": tp, "pp": pp}
+    reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    if reporter and ours is not None:
+        ours = ours[..., : spec.vocab]
+        result["shape"] = list(ours.shape)
         ref = hf_logits(hf_dir, tokens, spec.vocab)
         result["max_abs_diff"] = float((ours - ref).abs().max())
         result["ok"] = result["max_abs_diff"] <= tol
@@ -120,12 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf", required=True)
     ap.add_argument("--nemo", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--tol", type=float, default=1e-5)
     args = ap.parse_args(argv)
-    result = run(args.hf, args.nemo, args.tp, args.tol)
-    if int(os.environ.get("RANK", "0")) == 0:
+    result = run(args.hf, args.nemo, args.tp, args.tol, pp=args.pp)
+    if "max_abs_diff" in result:  # the reporting rank (last pipeline stage, TP rank 0)
         print(json.dumps(result), flush=True)
-        return 0 if result.get("ok") else 1
+        return 0 if result["ok"] else 1
     return 0
 
 

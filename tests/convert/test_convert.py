@@ -84,15 +84,16 @@ def test_hf_nemo_hf_roundtrip_is_bit_exact(models, tmp_path, name):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_logits_match_hf_at_tp1_and_tp2_from_one_checkpoint(models, tmp_path):
+def test_logits_match_hf_at_tp1_tp2_pp2_from_one_checkpoint(models, tmp_path):
     nemo = tmp_path / "bridge.nemo"
     assert _run("hf-to-nemo", "--hf", str(models["qwen2_bridge"]), "--out", str(nemo)).returncode == 0
-    for tp in (1, 2):
-        res = _run("verify", "--hf", str(models["qwen2_bridge"]), "--nemo", str(nemo), "--tp", str(tp), timeout=300)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        res = _run("verify", "--hf", str(models["qwen2_bridge"]), "--nemo", str(nemo), "--tp", str(tp), "--pp", str(pp),
+                   timeout=300)
         line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
         assert res.returncode == 0 and line, res.stdout[-1500:] + res.stderr[-3000:]
         result = json.loads(line[-1])
-        assert result["tp"] == tp and result["max_abs_diff"] < 1e-5
+        assert (result["tp"], result["pp"]) == (tp, pp) and result["max_abs_diff"] < 1e-5
 
 
 def test_reward_model_roundtrip(tmp_path):
