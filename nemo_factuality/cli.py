@@ -39,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     target, _ = COMMANDS[command]
     module_name, func_name = target.split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    return int(func(rest) or 0)
+    from nemo_factuality.types import FactualityInputError
+
+    try:
+        return int(func(rest) or 0)
+    except FactualityInputError as err:  # bad input: say what is wrong, no traceback
+        print(f"nemo-factuality {command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

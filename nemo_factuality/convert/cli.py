@@ -1,7 +1,7 @@
 """``nemo-factuality convert hf-to-nemo | nemo-to-hf | verify``.
 
-    nemo-factuality convert hf-to-nemo --hf DIR --out model.nemo [--dtype bfloat16] [--extracted]
-    nemo-factuality convert nemo-to-hf --nemo model.nemo --out DIR
+    nemo-factuality convert hf-to-nemo --hf DIR --out model.nemo [--dtype bfloat16] [--extracted] [--tp 8 --pp 2]
+    nemo-factuality convert nemo-to-hf --nemo model.nemo --out DIR [--hf-config config.json]
     nemo-factuality convert verify --hf DIR --nemo model.nemo [--tp 2] [--pp 2] [--tol 1e-5]
 """
 
@@ -23,9 +23,14 @@ def main(argv: Sequence[str]) -> int:
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     a.add_argument("--extracted", action="store_true", help="write the extracted-directory form instead of a tar")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=None)
+    a.add_argument("--tp", type=int, default=1, help="pre-shard for this tensor-parallel size (any TP can still load it)")
+    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size written into model_config.yaml")
+    a.add_argument("--restart", action="store_true", help="discard an unfinished conversion instead of resuming it")
     b = sub.add_parser("nemo-to-hf", help=".nemo written by hf-to-nemo -> HF directory")
     b.add_argument("--nemo", required=True)
     b.add_argument("--out", required=True)
+    b.add_argument("--hf-config", default=None, help="the original config.json, for checkpoints that do not pack one")
+    b.add_argument("--max-shard-size-gb", type=float, default=5.0)
     v = sub.add_parser("verify", help="compare Megatron-Core logits (from the .nemo) with the HF model")
     v.add_argument("--hf", required=True)
     v.add_argument("--nemo", required=True)
@@ -36,13 +41,13 @@ def main(argv: Sequence[str]) -> int:
     if args.action == "hf-to-nemo":
         from nemo_factuality.convert.nemo_format import hf_to_nemo
 
-        print(hf_to_nemo(args.hf, args.out, dtype=args.dtype, extracted=args.extracted,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by))
+        print(hf_to_nemo(args.hf, args.out, dtype=args.dtype, extracted=args.extracted, tp=args.tp, pp=args.pp,
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, restart=args.restart))
         return 0
     if args.action == "nemo-to-hf":
         from nemo_factuality.convert.nemo_format import nemo_to_hf
 
-        print(nemo_to_hf(args.nemo, args.out))
+        print(nemo_to_hf(args.nemo, args.out, hf_config=args.hf_config, max_shard_bytes=int(args.max_shard_size_gb * 1e9)))
         return 0
     cmd = [sys.executable, "-m", "nemo_factuality.convert.verify", "--hf", args.hf, "--nemo", args.nemo,
            "--tp", str(args.tp), "--pp", str(args.pp), "--tol", str(args.tol)]

@@ -15,6 +15,7 @@ Transforms (why they exist):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from nemo_factuality.types import FactualityInputError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
+Getter = Callable[[str], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -140,32 +142,54 @@ def _pad_vocab(t: torch.Tensor, s: ModelSpec) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(s.padded_vocab - t.shape[0], *t.shape[1:])], dim=0)
 
 
-def hf_to_mcore(get: Callable[[str], torch.Tensor], s: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield Megatron-Core (local spec) tensors one at a time; ``get(hf_key)`` reads one HF tensor."""
+def _embedding_to_mcore(get: Getter, s: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    yield "embedding.word_embeddings.weight", _pad_vocab(_check("embed_tokens", get("model.embed_tokens.weight"), (s.vocab, s.hidden)), s)
+
+
+def _layer_to_mcore(get: Getter, s: ModelSpec, i: int) -> Iterator[tuple[str, torch.Tensor]]:
     h, d = s.hidden, s.head_dim
-    qkv_rows = (s.heads + 2 * s.kv_heads) * d
-    yield "embedding.word_embeddings.weight", _pad_vocab(_check("embed_tokens", get("model.embed_tokens.weight"), (s.vocab, h)), s)
-    for i in range(s.num_layers):
-        p = f"model.layers.{i}.self_attn."
-        q, k, v = (get(p + f"{n}_proj.weight") for n in "qkv")
-        _check(p + "q_proj.weight", q, (s.heads * d, h))
-        _check(p + "k_proj.weight", k, (s.kv_heads * d, h))
-        _check(p + "v_proj.weight", v, (s.kv_heads * d, h))
-        yield f"decoder.layers.{i}.self_attention.linear_qkv.weight", _check("linear_qkv", fuse_qkv(q, k, v, s), (qkv_rows, h))
-        if s.qkv_bias:
-            yield f"decoder.layers.{i}.self_attention.linear_qkv.bias", fuse_qkv(*(get(p + f"{n}_proj.bias") for n in "qkv"), s)
-        gate, up = get(f"model.layers.{i}.mlp.gate_proj.weight"), get(f"model.layers.{i}.mlp.up_proj.weight")
-        _check("gate_proj", gate, (s.ffn, h))
-        _check("up_proj", up, (s.ffn, h))
-        yield f"decoder.layers.{i}.mlp.linear_fc1.weight", torch.cat([gate, up], dim=0)
-        for hf_key, mc_key in LAYER_COPY.items():
-            yield mc_key.format(i), get(hf_key.format(i))
+    p = f"model.layers.{i}.self_attn."
+    q, k, v = (get(p + f"{n}_proj.weight") for n in "qkv")
+    _check(p + "q_proj.weight", q, (s.heads * d, h))
+    _check(p + "k_proj.weight", k, (s.kv_heads * d, h))
+    _check(p + "v_proj.weight", v, (s.kv_heads * d, h))
+    yield f"decoder.layers.{i}.self_attention.linear_qkv.weight", _check("linear_qkv", fuse_qkv(q, k, v, s), ((s.heads + 2 * s.kv_heads) * d, h))
+    del q, k, v
+    if s.qkv_bias:
+        yield f"decoder.layers.{i}.self_attention.linear_qkv.bias", fuse_qkv(*(get(p + f"{n}_proj.bias") for n in "qkv"), s)
+    gate, up = get(f"model.layers.{i}.mlp.gate_proj.weight"), get(f"model.layers.{i}.mlp.up_proj.weight")
+    _check("gate_proj", gate, (s.ffn, h))
+    _check("up_proj", up, (s.ffn, h))
+    fc1 = torch.cat([gate, up], dim=0)
+    del gate, up
+    yield f"decoder.layers.{i}.mlp.linear_fc1.weight", fc1
+    for hf_key, mc_key in LAYER_COPY.items():
+        yield mc_key.format(i), get(hf_key.format(i))
+
+
+def _head_to_mcore(get: Getter, s: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
     for hf_key, mc_key in GLOBAL_COPY.items():
-        yield mc_key, _check(hf_key, get(hf_key), (h,))
+        yield mc_key, _check(hf_key, get(hf_key), (s.hidden,))
     if s.reward_head:
-        yield "rm_head.weight", _check("score.weight", get("score.weight"), (1, h))
+        yield "rm_head.weight", _check("score.weight", get("score.weight"), (1, s.hidden))
     elif not s.tied:
-        yield "output_layer.weight", _pad_vocab(_check("lm_head", get("lm_head.weight"), (s.vocab, h)), s)
+        yield "output_layer.weight", _pad_vocab(_check("lm_head", get("lm_head.weight"), (s.vocab, s.hidden)), s)
+
+
+def hf_to_mcore_groups(get: Getter, s: ModelSpec) -> list[tuple[str, Callable[[], Iterator[tuple[str, torch.Tensor]]]]]:
+    """The conversion as named groups (``embedding``, ``layer.<i>``, ``head``), each a lazy tensor stream.
+
+    A group is the unit a streaming writer stores and resumes; nothing is read until a group is iterated.
+    """
+    groups = [("embedding", partial(_embedding_to_mcore, get, s))]
+    groups += [(f"layer.{i}", partial(_layer_to_mcore, get, s, i)) for i in range(s.num_layers)]
+    return groups + [("head", partial(_head_to_mcore, get, s))]
+
+
+def hf_to_mcore(get: Getter, s: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield Megatron-Core (local spec) tensors one at a time; ``get(hf_key)`` reads one HF tensor."""
+    for _, produce in hf_to_mcore_groups(get, s):
+        yield from produce()
 
 
 def mcore_to_hf(get: Callable[[str], torch.Tensor], s: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:

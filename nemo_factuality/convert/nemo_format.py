@@ -1,13 +1,18 @@
-"""Read HF checkpoints tensor by tensor, write/read ``.nemo`` archives with Megatron-Core ``torch_dist`` weights.
+"""HF ↔ ``.nemo`` (Megatron-Core ``torch_dist`` weights), streamed tensor by tensor, resumable.
 
 ``.nemo`` layout written here (what NeMo / NeMo-Aligner 0.7.0 restore):
 
-    model_config.yaml        mcore GPT config (activation, norm, rotary base, qkv_bias, tied embeddings, ...)
+    model_config.yaml        mcore GPT config (activation, norm, rotary base, qkv_bias, tied embeddings, TP/PP, ...)
     model_weights/           Megatron-Core dist checkpoint (torch_dist): keys ``model.<mcore name>`` with the
-                             Transformer Engine layer-norm names; per-layer tensors stacked on a leading layer axis
+                             Transformer Engine layer-norm names; per-layer tensors stacked on a leading layer axis,
+                             chunked as a TP=``tp`` run would store them (see ``layout``)
     tokenizer/               the HF tokenizer files (config points at them: ``nemo:tokenizer``, never a Hub id)
     hf_config.json           the source config.json (makes NeMo → HF exact)
     manifest.json            sha256 of every converted tensor (checked by the reverse converter and ``verify``)
+
+Memory: one HF layer's tensors at a time (read with ``readinto``, see ``safetensors_io``). Work goes
+to ``.<out>.partial/`` next to the output; rerunning the same command after an interruption resumes
+at the first unwritten group, and the output appears only when complete (rename at the end).
 """
 
 from __future__ import annotations
@@ -21,31 +26,34 @@ import tarfile
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 import yaml
 from tqdm import tqdm
 
-from nemo_factuality.convert.mapping import ModelSpec, from_te_name, spec_from_hf_config, to_te_name
+from nemo_factuality.convert.layout import check_parallelism, checkpoint_name, chunks_for
+from nemo_factuality.convert.mapping import ModelSpec, hf_to_mcore_groups, mcore_to_hf, spec_from_hf_config
+from nemo_factuality.convert.safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsReader, write_sharded
+from nemo_factuality.convert.torch_dist import TorchDistReader, TorchDistWriter
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+JOB_FILE = "job.json"
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    data = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).hexdigest()
 
 
 class HFCheckpoint:
-    """Lazy tensor access over the safetensors shards of an HF model directory."""
+    """Lazy tensor access over the safetensors shards of an HF model directory (validated on open)."""
 
     def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
         self.path = Path(path)
         cfg = self.path / "config.json"
         if not cfg.is_file():
@@ -54,48 +62,35 @@ class HFCheckpoint:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = sorted(set(weight_map.values()))
+        elif (self.path / "model.safetensors").is_file():
+            weight_map, self.files = None, ["model.safetensors"]
         else:
-            single = self.path / "model.safetensors"
-            if not single.is_file():
-                raise FactualityInputError(f"{self.path}: no model.safetensors or model.safetensors.index.json (only safetensors is supported)")
-            weight_map = None
-        self._handles: dict[str, object] = {}
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-        for name in files:
-            try:
-                self._handles[name] = safe_open(str(self.path / name), "pt")
-            except Exception as err:  # safetensors raises its own error types for bad headers
-                raise FactualityInputError(f"{self.path / name} is corrupted or truncated ({err}); re-download or re-save the shard") from None
-        self.weight_map = weight_map or {k: "model.safetensors" for k in self._handles["model.safetensors"].keys()}
+            raise FactualityInputError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
+                                       "(only safetensors is supported; re-save with save_pretrained(safe_serialization=True))")
+        missing = [f for f in self.files if not (self.path / f).is_file()]
+        if missing:
+            raise FactualityInputError(f"{self.path}: shards listed in the index are missing: {missing[:3]}")
+        self.reader = SafetensorsReader(self.path / f for f in self.files)
+        if weight_map is not None and set(weight_map) - set(self.reader.keys()):
+            raise FactualityInputError(f"{self.path}: the index lists tensors no shard holds: {sorted(set(weight_map) - set(self.reader.keys()))[:3]}")
 
     def keys(self) -> list[str]:
-        return list(self.weight_map)
+        return self.reader.keys()
 
     def get(self, key: str) -> torch.Tensor:
-        if key not in self.weight_map:
+        if key not in self.reader.entries:
             raise FactualityInputError(f"{self.path}: tensor {key!r} not found; is this the right family? (keys like "
-                                       f"{sorted(self.weight_map)[:3]})")
-        name = self.weight_map[key]
-        try:
-            return self._handles[name].get_tensor(key)
-        except Exception as err:
-            raise FactualityInputError(f"{self.path / name}: cannot read tensor {key!r} ({err}); the shard is corrupted or truncated") from None
+                                       f"{sorted(self.reader.keys())[:3]})")
+        return self.reader.get(key)
+
+    def fingerprint(self) -> dict:
+        """What identifies this source for resuming: file names, sizes and modification times."""
+        files = ["config.json", *self.files]
+        return {f: [(self.path / f).stat().st_size, int((self.path / f).stat().st_mtime)] for f in files}
 
 
-def ensure_process_group() -> None:
-    """Megatron's dist_checkpointing needs a process group; create a 1-process gloo group if none exists."""
-    import torch.distributed as dist
-
-    from nemo_factuality.convert import cpu
-
-    cpu.apply()
-    if dist.is_initialized():
-        return
-    store = tempfile.mkdtemp(prefix="nf_pg_")
-    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
-
-
-def nemo_model_config(spec: ModelSpec, dtype: str) -> dict:
+def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1) -> dict:
     """The ``model_config.yaml`` NeMo's MegatronGPTModel / Aligner reward models read."""
     cfg = {
         "mcore_gpt": True, "num_layers": spec.num_layers, "hidden_size": spec.hidden, "ffn_hidden_size": spec.ffn,
@@ -107,7 +102,7 @@ def nemo_model_config(spec: ModelSpec, dtype: str) -> dict:
         "make_vocab_size_divisible_by": spec.divisor,
         "override_vocab_size": spec.vocab, "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": 0.02,
         "precision": {"float32": 32, "bfloat16": "bf16", "float16": 16}[dtype], "megatron_amp_O2": False,
-        "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "dist_ckpt_format": "torch_dist",
+        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "dist_ckpt_format": "torch_dist",
         "tokenizer": {"library": "huggingface", "type": "nemo:tokenizer", "model": "nemo:tokenizer/tokenizer.json",
                       "use_fast": True},
         "target": "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel",
@@ -121,78 +116,120 @@ def nemo_model_config(spec: ModelSpec, dtype: str) -> dict:
     return cfg
 
 
-def _layer_key(key: str) -> tuple[str, int] | None:
-    """``decoder.layers.3.x`` → (``decoder.layers.x``, 3); None for non-layer keys."""
-    parts = key.split(".")
-    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers" and parts[2].isdigit():
-        return ".".join(parts[:2] + parts[3:]), int(parts[2])
-    return None
-
-
-def _sharded(mcore: dict[str, torch.Tensor], spec: ModelSpec) -> dict:
+def megatron_sharded_state_dict(mcore: dict[str, torch.Tensor], spec: ModelSpec) -> dict:
+    """The same tensors as Megatron ShardedTensors (for ``dist_checkpointing.save``: the whole-model reference path)."""
     from megatron.core.dist_checkpointing import ShardedTensor
 
     out = {}
     for key, t in mcore.items():
-        stacked = _layer_key(key)
-        if stacked is None:
-            name = "model." + key
-            out[name] = ShardedTensor.from_rank_offsets(name, t, replica_id=0)
+        fqn, layer = checkpoint_name(key)
+        if layer is None:
+            out[fqn] = ShardedTensor.from_rank_offsets(fqn, t, replica_id=0)
         else:
-            base, layer = stacked
-            name = "model." + to_te_name(base)
-            out[f"{name}.{layer}"] = ShardedTensor.from_rank_offsets(name, t, (0, layer, spec.num_layers), replica_id=0,
-                                                                     prepend_axis_num=1)
+            out[f"{fqn}.{layer}"] = ShardedTensor.from_rank_offsets(fqn, t, (0, layer, spec.num_layers), replica_id=0,
+                                                                    prepend_axis_num=1)
     return out
 
 
-def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", extracted: bool = False,
-               make_vocab_size_divisible_by: int | None = None) -> Path:
-    """Convert an HF Llama/Qwen2 (or sequence-classification RM) directory to ``.nemo`` (or an extracted dir)."""
-    from megatron.core import dist_checkpointing
-
-    from nemo_factuality.convert.mapping import hf_to_mcore
-
-    if dtype not in _DTYPES:
-        raise FactualityInputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    hf = HFCheckpoint(hf_dir)
-    spec = spec_from_hf_config(hf.config, make_vocab_size_divisible_by)
-    tok_files = [f for f in TOKENIZER_FILES if (Path(hf_dir) / f).is_file()]
-    if not any(f in tok_files for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+def _tokenizer_files(hf_dir: Path) -> list[str]:
+    found = [f for f in TOKENIZER_FILES if (hf_dir / f).is_file()]
+    if not any(f in found for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise FactualityInputError(f"{hf_dir} has no tokenizer files (tokenizer.json / tokenizer.model / vocab.json): "
                                    "save the tokenizer next to the weights; a .nemo must carry its tokenizer")
-    out = Path(out)
-    work = Path(tempfile.mkdtemp(prefix=".nemo_build_", dir=out.parent if out.parent.exists() else None))
-    try:
-        mcore, manifest = {}, {}
-        n_expected = len(hf.keys())
-        for key, t in tqdm(hf_to_mcore(hf.get, spec), desc="hf→mcore", unit="tensor", total=None, leave=False):
-            t = t.to(_DTYPES[dtype]).contiguous()
-            mcore[key] = t
-            manifest[key] = {"shape": list(t.shape), "dtype": dtype, "sha256": tensor_sha256(t)}
-        log.info("converted %d HF tensors into %d Megatron-Core tensors", n_expected, len(mcore))
-        ensure_process_group()
-        (work / "model_weights").mkdir()
-        dist_checkpointing.save(_sharded(mcore, spec), str(work / "model_weights"))
-        (work / "model_config.yaml").write_text(yaml.safe_dump(nemo_model_config(spec, dtype), sort_keys=False))
-        (work / "hf_config.json").write_text(json.dumps(hf.config, indent=2))
-        (work / "manifest.json").write_text(json.dumps({"family": spec.family, "tensors": manifest}, indent=1))
-        (work / "tokenizer").mkdir()
-        for f in tok_files:
-            shutil.copy2(Path(hf_dir) / f, work / "tokenizer" / f)
-        if extracted:
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(work, out)
-        else:
-            tmp_tar = out.with_name(f".{out.name}.partial")
-            with tarfile.open(tmp_tar, "w") as tar:
-                for item in sorted(work.iterdir()):
-                    tar.add(item, arcname=f"./{item.name}")
-            os.replace(tmp_tar, out)
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
+    return found
+
+
+def _open_work_dir(work: Path, job: dict, restart: bool) -> None:
+    """Create the work dir, or keep it when it holds a partial run of the same job (then we resume)."""
+    job_file = work / JOB_FILE
+    if work.exists() and not restart:
+        previous = json.loads(job_file.read_text()) if job_file.is_file() else None
+        if previous == job:
+            return
+        shown = ("source", "dtype", "tp", "pp", "extracted")
+        raise FactualityInputError(f"{work} holds an unfinished conversion with other inputs or settings (it has "
+                                   f"{previous and {k: previous.get(k) for k in shown}}, this run has "
+                                   f"{ {k: job[k] for k in shown} }, or the source files changed since); "
+                                   "pass --restart to discard it, or rerun with its settings to resume it")
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    job_file.write_text(json.dumps(job))
+
+
+def _write_weights(hf: HFCheckpoint, spec: ModelSpec, weights: Path, dtype: str, tp: int) -> dict:
+    """Stream every group into ``weights`` (skipping groups a previous run finished); returns the manifest."""
+    writer = TorchDistWriter(weights)
+    done = writer.groups_done()
+    groups = hf_to_mcore_groups(hf.get, spec)
+    if done:
+        log.info("resuming: %d of %d groups already written in %s", len(done), len(groups), weights)
+    manifest: dict[str, dict] = {}
+    for group, produce in tqdm(groups, desc="hf→nemo", unit="group"):
+        if group in done:
+            manifest.update(done[group])
+            continue
+        entries: dict[str, dict] = {}  # filled while the group streams; stored with the group's journal record
+
+        def chunks(produce=produce, entries=entries):
+            for key, t in produce():
+                t = t.to(_DTYPES[dtype]).contiguous()
+                entries[key] = {"shape": list(t.shape), "dtype": dtype, "sha256": tensor_sha256(t)}
+                yield from chunks_for(key, t, spec, tp)
+
+        writer.write_group(group, chunks(), extra=entries)
+        manifest.update(entries)
+        _maybe_simulate_crash(len(writer.groups_done()))
+    writer.finish()
+    return manifest
+
+
+def _maybe_simulate_crash(groups_written: int) -> None:
+    """Fault injection for the resume test: ``NF_CONVERT_CRASH_AFTER_GROUPS=k`` kills the process like SIGKILL."""
+    limit = os.environ.get("NF_CONVERT_CRASH_AFTER_GROUPS")
+    if limit and groups_written >= int(limit):
+        os._exit(137)
+
+
+def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", extracted: bool = False,
+               make_vocab_size_divisible_by: int | None = None, tp: int = 1, pp: int = 1, restart: bool = False) -> Path:
+    """Convert an HF Llama/Qwen2 (or sequence-classification RM) directory to ``.nemo`` (or an extracted dir).
+
+    ``tp``/``pp`` pre-shard for that layout: vocabulary padded to ``divisor × tp``, chunks as a TP run stores
+    them, and ``model_config.yaml`` set to it. Any TP/PP can still load the result.
+    """
+    if dtype not in _DTYPES:
+        raise FactualityInputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    hf_dir, out = Path(hf_dir).resolve(), Path(out).resolve()
+    hf = HFCheckpoint(hf_dir)
+    spec = spec_from_hf_config(hf.config, make_vocab_size_divisible_by, tp=tp)
+    check_parallelism(spec, tp, pp)
+    tok_files = _tokenizer_files(hf_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = out.parent / f".{out.name}.partial"
+    job = {"format": 2, "source": str(hf_dir), "files": hf.fingerprint(), "dtype": dtype, "tp": tp, "pp": pp,
+           "divisor": spec.divisor, "extracted": extracted}
+    _open_work_dir(work, job, restart)
+    manifest = _write_weights(hf, spec, work / "model_weights", dtype, tp)
+    (work / "model_config.yaml").write_text(yaml.safe_dump(nemo_model_config(spec, dtype, tp, pp), sort_keys=False))
+    (work / "hf_config.json").write_text(json.dumps(hf.config, indent=2))
+    (work / "manifest.json").write_text(json.dumps({"family": spec.family, "tensors": manifest}, indent=1))
+    (work / "tokenizer").mkdir(exist_ok=True)
+    for f in tok_files:
+        shutil.copy2(hf_dir / f, work / "tokenizer" / f)
+    (work / JOB_FILE).unlink()
+    if extracted:
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(work, out)
+    else:
+        tmp_tar = out.with_name(f".{out.name}.tar.partial")
+        with tarfile.open(tmp_tar, "w") as tar:
+            for item in sorted(work.iterdir()):
+                tar.add(item, arcname=f"./{item.name}")
+        os.replace(tmp_tar, out)
+        shutil.rmtree(work)
+    log.info("wrote %s (%d tensors, TP=%d PP=%d, %s)", out, len(manifest), tp, pp, dtype)
     return out
 
 
@@ -203,9 +240,11 @@ def opened_nemo(path: str | Path) -> Iterator[Path]:
     if path.is_dir():
         yield path
         return
+    if not path.is_file():
+        raise FactualityInputError(f"{path} does not exist")
     if not tarfile.is_tarfile(path):
         raise FactualityInputError(f"{path} is neither a .nemo tar archive nor an extracted checkpoint directory")
-    with tempfile.TemporaryDirectory(prefix="nemo_extract_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="nemo_extract_", dir=path.parent) as tmp:
         try:
             with tarfile.open(path) as tar:
                 tar.extractall(tmp, filter="data")
@@ -214,61 +253,91 @@ def opened_nemo(path: str | Path) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def load_nemo_tensors(root: Path, check_manifest: bool = True) -> tuple[dict[str, torch.Tensor], ModelSpec, dict]:
-    """Megatron-Core (local spec) tensors, the model spec and the HF config from an opened checkpoint."""
-    from megatron.core import dist_checkpointing
-
-    for needed in ("model_weights", "hf_config.json", "model_config.yaml"):
+def read_nemo_config(root: Path, hf_config_path: str | Path | None = None) -> tuple[dict, dict]:
+    """(model_config.yaml, HF config) of an opened checkpoint; the HF config is derived when not packed."""
+    for needed in ("model_weights", "model_config.yaml"):
         if not (root / needed).exists():
-            raise FactualityInputError(f"checkpoint is missing {needed}; was it written by nemo-factuality convert?")
-    hf_config = json.loads((root / "hf_config.json").read_text())
-    divisor = yaml.safe_load((root / "model_config.yaml").read_text()).get("make_vocab_size_divisible_by")
-    spec = spec_from_hf_config(hf_config, divisor)
-    ensure_process_group()
-    try:
-        plain = dist_checkpointing.load_plain_tensors(str(root / "model_weights"))
-    except Exception as err:
-        raise FactualityInputError(f"cannot read the dist checkpoint in {root / 'model_weights'}: {err}") from None
-    tensors: dict[str, torch.Tensor] = {}
-    for name, t in plain.items():
-        if not isinstance(t, torch.Tensor):
-            continue
-        key = from_te_name(name[len("model."):] if name.startswith("model.") else name)
-        if key.startswith("decoder.layers."):
-            rest = key[len("decoder.layers."):]
-            for layer in range(t.shape[0]):
-                tensors[f"decoder.layers.{layer}.{rest}"] = t[layer].contiguous()
-        else:
-            tensors[key] = t
-    if check_manifest and (root / "manifest.json").is_file():
-        verify_manifest(tensors, json.loads((root / "manifest.json").read_text())["tensors"])
-    return tensors, spec, hf_config
+            raise FactualityInputError(f"checkpoint is missing {needed}; is this a NeMo mcore GPT checkpoint?")
+    nemo_cfg = yaml.safe_load((root / "model_config.yaml").read_text())
+    if hf_config_path is not None:
+        return nemo_cfg, json.loads(Path(hf_config_path).read_text())
+    if (root / "hf_config.json").is_file():
+        return nemo_cfg, json.loads((root / "hf_config.json").read_text())
+    from nemo_factuality.convert.nemo_config import hf_config_from_nemo
+
+    weights = TorchDistReader(root / "model_weights")
+    return nemo_cfg, hf_config_from_nemo(nemo_cfg, weights)
 
 
-def verify_manifest(tensors: dict[str, torch.Tensor], manifest: dict) -> None:
-    missing = sorted(set(manifest) - set(tensors))
-    if missing:
-        raise FactualityInputError(f"checkpoint lacks tensors listed in its manifest: {missing[:5]}")
-    for key, meta in manifest.items():
-        if tensor_sha256(tensors[key]) != meta["sha256"]:
-            raise FactualityInputError(f"tensor {key!r} does not match its manifest checksum: the checkpoint is corrupted")
+def checkpoint_getter(weights: TorchDistReader, manifest: dict | None):
+    """``get(local mcore key)`` reading one layer's chunks, checked against the manifest when there is one."""
+
+    def get(key: str) -> torch.Tensor:
+        fqn, layer = checkpoint_name(key)
+        t = weights.read(fqn, layer)
+        if manifest is not None:
+            meta = manifest.get(key)
+            if meta is None:
+                raise FactualityInputError(f"tensor {key!r} is not in the checkpoint's manifest")
+            if tensor_sha256(t) != meta["sha256"]:
+                raise FactualityInputError(f"tensor {key!r} does not match its manifest checksum: the checkpoint is corrupted")
+        return t
+
+    return get
 
 
-def nemo_to_hf(nemo: str | Path, out_dir: str | Path) -> Path:
-    """Write ``model.safetensors`` + ``config.json`` + tokenizer files from a ``.nemo`` written by ``hf_to_nemo``."""
-    from safetensors.torch import save_file
+def check_manifest(root: Path) -> int:
+    """Re-hash every tensor listed in ``manifest.json``, one layer at a time; returns how many were checked."""
+    if not (root / "manifest.json").is_file():
+        return 0
+    manifest = json.loads((root / "manifest.json").read_text())["tensors"]
+    get = checkpoint_getter(TorchDistReader(root / "model_weights"), manifest)
+    for key in tqdm(manifest, desc="manifest", unit="tensor", leave=False):
+        get(key)
+    return len(manifest)
 
-    from nemo_factuality.convert.mapping import mcore_to_hf
 
-    out_dir = Path(out_dir)
+def nemo_to_hf(nemo: str | Path, out_dir: str | Path, *, hf_config: str | Path | None = None,
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write HF safetensors (sharded like ``save_pretrained``) + ``config.json`` + tokenizer from a ``.nemo``.
+
+    Works on checkpoints written by ``hf_to_nemo`` and on NeMo/Aligner-trained ones (any TP/PP layout);
+    without a packed ``hf_config.json`` the HF config is derived from ``model_config.yaml`` (or pass one).
+    """
+    out_dir = Path(out_dir).resolve()
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     with opened_nemo(nemo) as root:
-        tensors, spec, hf_config = load_nemo_tensors(root)
-        hf = dict(mcore_to_hf(tensors.__getitem__, spec))
-        tmp = Path(tempfile.mkdtemp(prefix=".hf_build_", dir=out_dir.parent if out_dir.parent.exists() else None))
-        save_file(hf, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        for f in (root / "tokenizer").iterdir():
-            shutil.copy2(f, tmp / f.name)
+        _, config = read_nemo_config(root, hf_config)
+        spec = spec_from_hf_config(config)
+        weights = TorchDistReader(root / "model_weights")
+        manifest_path = root / "manifest.json"
+        manifest = json.loads(manifest_path.read_text())["tensors"] if manifest_path.is_file() else None
+        get = checkpoint_getter(weights, manifest)
+
+        def meta(key: str) -> torch.Tensor:
+            fqn, layer = checkpoint_name(key)
+            shape = weights.shape(fqn) if fqn in weights.tensors else None
+            if shape is None:
+                raise FactualityInputError(f"checkpoint has no tensor {fqn!r} (needed for {key}); keys: {weights.keys()[:4]}")
+            return torch.empty(shape[1:] if layer is not None else shape, dtype=weights.dtype(fqn), device="meta")
+
+        plan = [(name, t.dtype, tuple(t.shape)) for name, t in mcore_to_hf(meta, spec)]
+        stored = str(plan[0][1]).removeprefix("torch.")  # record the dtype the weights really have
+        config = {**config, "torch_dtype": stored, **({"dtype": stored} if "dtype" in config else {})}
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
+        try:
+            stream = tqdm(mcore_to_hf(get, spec), desc="nemo→hf", unit="tensor", total=len(plan), leave=False)
+            write_sharded(tmp, plan, iter(stream), max_shard_bytes)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            if (root / "tokenizer").is_dir():
+                for f in (root / "tokenizer").iterdir():
+                    shutil.copy2(f, tmp / f.name)
+            else:
+                log.warning("%s packs no tokenizer/ directory: copy the tokenizer files into %s yourself", nemo, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -281,7 +350,7 @@ def hf_tensors(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def mcore_state(hf_dir: str | Path, make_vocab_size_divisible_by: int | None = None) -> tuple[dict[str, torch.Tensor], ModelSpec]:
-    """HF → Megatron-Core (local spec) state dict in memory (used by tests and the verifier)."""
+    """HF → Megatron-Core (local spec) state dict in memory (tests and the whole-model baseline)."""
     from nemo_factuality.convert.mapping import hf_to_mcore
 
     hf = HFCheckpoint(hf_dir)
@@ -289,4 +358,14 @@ def mcore_state(hf_dir: str | Path, make_vocab_size_divisible_by: int | None = N
     return dict(hf_to_mcore(hf.get, spec)), spec
 
 
-Getter = Callable[[str], torch.Tensor]
+def ensure_process_group() -> None:
+    """Megatron's dist_checkpointing needs a process group; create a 1-process gloo group if none exists."""
+    import torch.distributed as dist
+
+    from nemo_factuality.convert import cpu
+
+    cpu.apply()
+    if dist.is_initialized():
+        return
+    store = tempfile.mkdtemp(prefix="nf_pg_")
+    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)

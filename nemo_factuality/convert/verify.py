@@ -111,7 +111,8 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1)
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from nemo_factuality.convert import cpu
-    from nemo_factuality.convert.nemo_format import load_nemo_tensors, opened_nemo
+    from nemo_factuality.convert.mapping import spec_from_hf_config
+    from nemo_factuality.convert.nemo_format import check_manifest, opened_nemo, read_nemo_config
 
     cpu.apply()
     if not dist.is_initialized():
@@ -126,7 +127,11 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
     with opened_nemo(nemo) as root:
-        _, spec, _ = load_nemo_tensors(root, check_manifest=dist.get_rank() == 0)
+        nemo_cfg, hf_config = read_nemo_config(root)
+        if dist.get_rank() == 0:
+            check_manifest(root)
+        # pad the vocabulary as NeMo does at this TP (divisor × TP); the checkpoint's own padding may differ
+        spec = spec_from_hf_config(hf_config, nemo_cfg.get("make_vocab_size_divisible_by"), tp=tp)
         model = build_model(spec, tp, pp, parallel_state.is_pipeline_first_stage(),
                             parallel_state.is_pipeline_last_stage()).eval()
         load_into(model, str(root / "model_weights"))

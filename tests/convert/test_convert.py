@@ -84,16 +84,113 @@ def test_hf_nemo_hf_roundtrip_is_bit_exact(models, tmp_path, name):
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _verify(hf: Path, nemo: Path, tp: int, pp: int) -> dict:
+    res = _run("verify", "--hf", str(hf), "--nemo", str(nemo), "--tp", str(tp), "--pp", str(pp), timeout=300)
+    line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    assert res.returncode == 0 and line, res.stdout[-1500:] + res.stderr[-3000:]
+    result = json.loads(line[-1])
+    assert (result["tp"], result["pp"]) == (tp, pp)
+    return result
+
+
 def test_logits_match_hf_at_tp1_tp2_pp2_from_one_checkpoint(models, tmp_path):
     nemo = tmp_path / "bridge.nemo"
     assert _run("hf-to-nemo", "--hf", str(models["qwen2_bridge"]), "--out", str(nemo)).returncode == 0
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        res = _run("verify", "--hf", str(models["qwen2_bridge"]), "--nemo", str(nemo), "--tp", str(tp), "--pp", str(pp),
-                   timeout=300)
-        line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-        assert res.returncode == 0 and line, res.stdout[-1500:] + res.stderr[-3000:]
-        result = json.loads(line[-1])
-        assert (result["tp"], result["pp"]) == (tp, pp) and result["max_abs_diff"] < 1e-5
+        assert _verify(models["qwen2_bridge"], nemo, tp, pp)["max_abs_diff"] < 1e-5
+
+
+def _tensor_metadata(weights_dir: Path) -> dict:
+    """Global size, dtype and chunk grid of every tensor in a torch_dist directory."""
+    from nemo_factuality.convert.torch_dist import TorchDistReader
+
+    reader = TorchDistReader(weights_dir)
+    return {k: (tuple(md.size), md.properties.dtype, sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+            for k, md in reader.tensors.items()}
+
+
+def test_presharded_tp2_layout_equals_megatron_save_and_loads_at_other_layouts(models, tmp_path):
+    """--tp 2 writes what a real TP=2 Megatron run saves; TP=1 and PP=2 load it; a Megatron-written checkpoint
+    (no hf_config.json, no manifest: what NeMo training leaves) converts back to HF bit-exactly."""
+    from nemo_factuality.convert.torch_dist import TorchDistReader
+
+    hf = models["qwen2_untied"]
+    ours = tmp_path / "tp2"
+    res = _run("hf-to-nemo", "--hf", str(hf), "--out", str(ours), "--extracted", "--tp", "2", "--pp", "2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    cfg = (ours / "model_config.yaml").read_text()
+    assert "tensor_model_parallel_size: 2" in cfg and "pipeline_model_parallel_size: 2" in cfg
+    # Megatron itself: load our TP=1 checkpoint into a TP=2 GPTModel and save it with dist_checkpointing.save
+    tp1 = tmp_path / "tp1"
+    assert _run("hf-to-nemo", "--hf", str(hf), "--out", str(tp1), "--extracted").returncode == 0
+    trained = tmp_path / "trained"
+    (trained / "model_weights").mkdir(parents=True)
+    shutil.copy2(tp1 / "model_config.yaml", trained / "model_config.yaml")
+    shutil.copytree(tp1 / "tokenizer", trained / "tokenizer")
+    resave = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                             "--master_port=29661", str(Path(__file__).with_name("megatron_resave.py")), str(tp1),
+                             str(trained / "model_weights"), "2", "1"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert resave.returncode == 0, resave.stderr[-3000:]
+    layout = _tensor_metadata(ours / "model_weights")
+    assert layout == _tensor_metadata(trained / "model_weights")
+    assert layout["model.embedding.word_embeddings.weight"][0] == (504, 64)  # 500 padded to divisor 4 × TP 2
+    a, b = TorchDistReader(ours / "model_weights"), TorchDistReader(trained / "model_weights")
+    assert all(torch.equal(a.read(k), b.read(k)) for k in a.keys())
+    assert _verify(hf, ours, 1, 1)["max_abs_diff"] < 1e-5  # 504-row checkpoint into a 500-row TP=1 model
+    back = tmp_path / "back"
+    res = _run("nemo-to-hf", "--nemo", str(trained), "--out", str(back))
+    assert res.returncode == 0, res.stderr[-2000:]
+    config = json.loads((back / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["vocab_size"] == 500 and not config["tie_word_embeddings"]
+    x, y = hf_tensors(hf), hf_tensors(back)
+    assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_interrupted_conversion_resumes_and_matches_a_clean_one(models, tmp_path):
+    from nemo_factuality.convert.torch_dist import TorchDistReader
+
+    hf, out = models["llama_tied"], tmp_path / "m"
+    crashed = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf),
+                              "--out", str(out), "--extracted", "--tp", "2"],
+                             env=dict(ENV, NF_CONVERT_CRASH_AFTER_GROUPS="2"), capture_output=True, text=True, timeout=240)
+    assert crashed.returncode == 137 and not out.exists()
+    partial = tmp_path / ".m.partial"
+    assert len(list((partial / "model_weights").glob("__0_*.distcp"))) == 2
+    (partial / "model_weights" / "__0_9.distcp.tmp").write_bytes(b"half-written group")  # a write cut short
+    other = _run("hf-to-nemo", "--hf", str(hf), "--out", str(out), "--extracted")  # different TP: refuse, keep the work
+    assert other.returncode != 0 and "--restart" in other.stderr and partial.exists()
+    resumed = _run("hf-to-nemo", "--hf", str(hf), "--out", str(out), "--extracted", "--tp", "2")
+    assert resumed.returncode == 0 and "resuming: 2 of 4 groups" in resumed.stderr, resumed.stderr[-2000:]
+    assert not partial.exists() and not (out / "job.json").exists()
+    clean = tmp_path / "clean"
+    assert _run("hf-to-nemo", "--hf", str(hf), "--out", str(clean), "--extracted", "--tp", "2").returncode == 0
+    assert json.loads((out / "manifest.json").read_text()) == json.loads((clean / "manifest.json").read_text())
+    a, b = TorchDistReader(out / "model_weights"), TorchDistReader(clean / "model_weights")
+    assert _tensor_metadata(out / "model_weights") == _tensor_metadata(clean / "model_weights")
+    assert all(torch.equal(a.read(k), b.read(k)) for k in a.keys())
+    assert not list((out / "model_weights").glob("*.tmp")) and not (out / "model_weights" / ".progress.jsonl").exists()
+
+
+def test_sharded_safetensors_both_ways(models, tmp_path):
+    """nemo-to-hf splits into save_pretrained-style shards + index; hf-to-nemo reads sharded input."""
+    from transformers import AutoModelForCausalLM
+
+    nemo = tmp_path / "m.nemo"
+    assert _run("hf-to-nemo", "--hf", str(models["qwen2_untied"]), "--out", str(nemo), "--dtype", "bfloat16").returncode == 0
+    sharded = tmp_path / "sharded"
+    res = _run("nemo-to-hf", "--nemo", str(nemo), "--out", str(sharded), "--max-shard-size-gb", "0.0001")
+    assert res.returncode == 0, res.stderr[-2000:]
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    model = AutoModelForCausalLM.from_pretrained(sharded)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    again = tmp_path / "again.nemo"
+    assert _run("hf-to-nemo", "--hf", str(sharded), "--out", str(again), "--dtype", "bfloat16").returncode == 0
+    with tarfile.open(nemo) as t1, tarfile.open(again) as t2:
+        m1, m2 = (json.load(t.extractfile("./manifest.json")) for t in (t1, t2))
+    assert m1 == m2
+    original = hf_tensors(models["qwen2_untied"])
+    assert all(torch.equal(original[k].to(torch.bfloat16), v) for k, v in hf_tensors(sharded).items())
 
 
 def test_reward_model_roundtrip(tmp_path):
@@ -147,4 +244,15 @@ def test_corrupted_weights_are_caught_by_the_manifest(models, tmp_path):
     manifest["tensors"][key]["sha256"] = "0" * 64
     (nemo / "manifest.json").write_text(json.dumps(manifest))
     res = _run("nemo-to-hf", "--nemo", str(nemo), "--out", str(tmp_path / "o"))
-    assert res.returncode != 0 and "does not match its manifest checksum" in res.stderr
+    assert res.returncode != 0 and "does not match its manifest checksum" in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_truncated_weights_file_is_named(models, tmp_path):
+    nemo = tmp_path / "m"
+    assert _run("hf-to-nemo", "--hf", str(models["qwen2_untied"]), "--out", str(nemo), "--extracted").returncode == 0
+    shard = nemo / "model_weights" / "__0_1.distcp"  # layer 0
+    shard.write_bytes(shard.read_bytes()[:100])
+    res = _run("nemo-to-hf", "--nemo", str(nemo), "--out", str(tmp_path / "o"))
+    assert res.returncode == 2 and "__0_1.distcp is truncated" in res.stderr and "Traceback" not in res.stderr
+    res = _run("verify", "--hf", str(models["qwen2_untied"]), "--nemo", str(nemo))
+    assert res.returncode != 0 and "__0_1.distcp is truncated" in res.stderr

@@ -1,0 +1,89 @@
+"""How Megatron-Core lays a GPT model's tensors out in a ``torch_dist`` checkpoint, for a given TP.
+
+Per-layer tensors are stacked on a leading layer axis (global shape ``[num_layers, ...]``, one chunk
+per layer; PP does not change the layout because layer offsets are global). Under tensor parallelism
+each rank owns a slice, stored as its own chunk (what ``sharded_state_dict`` of a TP run produces):
+
+* column-parallel (split rows, axis 0): ``linear_qkv`` weight/bias, vocab-parallel embedding, output layer;
+* row-parallel (split columns, axis 1): ``linear_proj``, ``linear_fc2``;
+* SwiGLU ``linear_fc1``: the global ``[gate; up]`` is cut into ``2·TP`` row blocks, rank ``r`` owning
+  blocks ``r`` (gate) and ``TP + r`` (up) — Megatron's ``apply_swiglu_sharded_factory``;
+* layer norms and the reward head: replicated, one chunk.
+
+Chunking only decides which bytes a rank reads; any TP/PP can load any layout (DCP reshards).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from nemo_factuality.convert.mapping import ModelSpec, to_te_name
+from nemo_factuality.convert.torch_dist import Chunk
+from nemo_factuality.types import FactualityInputError
+
+ROW_SPLIT = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "embedding.word_embeddings.weight",
+             "output_layer.weight", "mlp.linear_fc1.weight")
+COLUMN_SPLIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+
+
+def check_parallelism(spec: ModelSpec, tp: int, pp: int) -> None:
+    """Refuse layouts Megatron cannot build, with the reason."""
+    if tp < 1 or pp < 1:
+        raise FactualityInputError(f"tensor/pipeline parallel sizes must be >= 1, got TP={tp} PP={pp}")
+    problems = []
+    if spec.kv_heads % tp:
+        problems.append(f"num_key_value_heads={spec.kv_heads} is not divisible by TP={tp}")
+    if spec.ffn % tp:
+        problems.append(f"intermediate_size={spec.ffn} is not divisible by TP={tp}")
+    if spec.num_layers % pp:
+        problems.append(f"num_hidden_layers={spec.num_layers} is not divisible by PP={pp}")
+    if spec.padded_vocab % tp:
+        problems.append(f"padded vocabulary {spec.padded_vocab} is not divisible by TP={tp}")
+    if problems:
+        raise FactualityInputError("cannot pre-shard for this layout: " + "; ".join(problems))
+
+
+def split_layer_key(key: str) -> tuple[str, int | None]:
+    """``decoder.layers.3.x`` → (``decoder.layers.x``, 3); other keys → (key, None)."""
+    parts = key.split(".")
+    if len(parts) > 2 and parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
+        return ".".join(parts[:2] + parts[3:]), int(parts[2])
+    return key, None
+
+
+def checkpoint_name(key: str) -> tuple[str, int | None]:
+    """Local-spec mcore key → (torch_dist fqn with NeMo's ``model.`` prefix and TE names, layer index)."""
+    base, layer = split_layer_key(key)
+    return "model." + to_te_name(base), layer
+
+
+def _tp_blocks(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, int]:
+    """(axis, number of equal blocks) for this tensor under TP."""
+    if tp == 1:
+        return 0, 1
+    if key.endswith("mlp.linear_fc1.weight"):
+        return 0, 2 * tp
+    if key.endswith(ROW_SPLIT):
+        return 0, tp
+    if key.endswith(COLUMN_SPLIT):
+        return 1, tp
+    return 0, 1
+
+
+def chunks_for(key: str, tensor: torch.Tensor, spec: ModelSpec, tp: int) -> Iterator[Chunk]:
+    """The chunks a TP=``tp`` Megatron run would store for the local-spec tensor ``key``."""
+    fqn, layer = checkpoint_name(key)
+    axis, blocks = _tp_blocks(key, tuple(tensor.shape), tp)
+    if tensor.shape[axis] % blocks:
+        raise FactualityInputError(f"{key}: size {tensor.shape[axis]} on axis {axis} is not divisible into {blocks} TP blocks")
+    step = tensor.shape[axis] // blocks
+    for b in range(blocks):
+        piece = tensor.narrow(axis, b * step, step)
+        offsets = [0] * tensor.dim()
+        offsets[axis] = b * step
+        if layer is None:
+            yield Chunk(fqn, tuple(tensor.shape), tuple(offsets), piece)
+        else:
+            yield Chunk(fqn, (spec.num_layers, *tensor.shape), (layer, *offsets), piece.unsqueeze(0))

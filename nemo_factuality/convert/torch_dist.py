@@ -1,0 +1,230 @@
+"""Megatron-Core ``torch_dist`` checkpoints, written and read one chunk at a time.
+
+A ``torch_dist`` directory is a PyTorch Distributed Checkpoint (DCP) plus two Megatron files:
+
+    metadata.json    {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", ...}
+    common.pt        torch.save of the non-sharded state ({} for model weights)
+    .metadata        pickled ``torch.distributed.checkpoint.metadata.Metadata``: per global tensor its size,
+                     dtype and chunks (offsets, sizes), and where each chunk's bytes live
+    __0_<k>.distcp   chunks, each one ``torch.save(chunk)`` blob at a recorded offset
+
+``dist_checkpointing.save`` needs the whole state dict in memory and stages a copy of it; this
+writer takes chunks as they are produced, so a conversion holds a few tensors at a time. Files are
+written per *group* (the embedding, one decoder layer, the head): each group goes to a temp file,
+is fsynced and renamed, then appended to a journal, so an interrupted conversion resumes at the
+first unfinished group. What Megatron's loader accepts is checked in the tests against checkpoints
+that ``dist_checkpointing.save`` writes itself (same keys, sizes, dtypes and chunk grid).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo  # the DCP format's per-chunk record
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+
+from nemo_factuality.types import FactualityInputError
+
+log = logging.getLogger(__name__)
+MEGATRON_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                     "common_backend": "torch", "common_backend_version": 1}
+JOURNAL = ".progress.jsonl"
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored piece of a global tensor ``fqn`` of shape ``global_shape``, at ``offsets``."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    data: torch.Tensor  # shape = the chunk's sizes
+
+    def __post_init__(self) -> None:
+        assert len(self.offsets) == len(self.global_shape) == self.data.dim(), (self.fqn, self.offsets, self.global_shape)
+        assert all(o + s <= g for o, s, g in zip(self.offsets, self.data.shape, self.global_shape)), \
+            f"{self.fqn}: chunk at {self.offsets} of size {tuple(self.data.shape)} exceeds {self.global_shape}"
+
+
+class TorchDistWriter:
+    """Streams chunks into a torch_dist directory; ``finish()`` writes the metadata Megatron needs.
+
+    ``groups_done()`` lists what a previous, interrupted run already wrote (its journal is replayed
+    and every file's size checked), so callers skip those groups.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._records: list[dict] = []
+        self._replay_journal()
+
+    def _replay_journal(self) -> None:
+        journal = self.dir / JOURNAL
+        if not journal.is_file():
+            return
+        for n, line in enumerate(journal.read_text().splitlines(), 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                log.warning("%s line %d is incomplete (interrupted while appending); that group is redone", journal, n)
+                break
+            path = self.dir / record["file"]
+            if not path.is_file() or path.stat().st_size != record["size"]:
+                log.warning("%s: %s is missing or has the wrong size; group %s is redone", journal, record["file"], record["group"])
+                break
+            self._records.append(record)
+        # rewrite the journal with just the intact prefix, and drop files no record owns
+        journal.write_text("".join(json.dumps(r) + "\n" for r in self._records))
+        owned = {r["file"] for r in self._records}
+        for path in self.dir.glob("__*.distcp*"):
+            if path.name not in owned:
+                path.unlink()
+
+    def groups_done(self) -> dict[str, dict]:
+        """``{group: extra}`` for the groups already on disk (``extra`` is what ``write_group`` was given)."""
+        return {r["group"]: r["extra"] for r in self._records}
+
+    def write_group(self, group: str, chunks: Iterable[Chunk], extra: dict | None = None) -> None:
+        """Write one group's chunks to ``__0_<k>.distcp`` (temp file, fsync, rename, journal line)."""
+        assert group not in self.groups_done(), f"group {group!r} written twice"
+        name = f"__0_{len(self._records)}.distcp"
+        tmp = self.dir / (name + ".tmp")
+        items = []
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                data = chunk.data.detach().cpu()
+                if data.untyped_storage().nbytes() != data.numel() * data.element_size() or not data.is_contiguous():
+                    data = data.contiguous().clone()  # torch.save writes the whole storage: store only this chunk
+                start = f.tell()
+                torch.save(data, f)
+                items.append({"fqn": chunk.fqn, "global_shape": list(chunk.global_shape), "offsets": list(chunk.offsets),
+                              "sizes": list(data.shape), "dtype": str(data.dtype).removeprefix("torch."),
+                              "offset": start, "length": f.tell() - start})
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / name)
+        record = {"group": group, "file": name, "size": (self.dir / name).stat().st_size, "items": items, "extra": extra or {}}
+        with open(self.dir / JOURNAL, "a") as j:
+            j.write(json.dumps(record) + "\n")
+            j.flush()
+            os.fsync(j.fileno())
+        self._records.append(record)
+
+    def finish(self) -> Metadata:
+        """Write ``.metadata``, ``metadata.json`` and ``common.pt``; remove the journal."""
+        tensors: dict[str, TensorStorageMetadata] = {}
+        storage: dict[MetadataIndex, _StorageInfo] = {}
+        for record in self._records:
+            for it in record["items"]:
+                dtype = getattr(torch, it["dtype"])
+                size = torch.Size(it["global_shape"])
+                md = tensors.setdefault(it["fqn"], TensorStorageMetadata(TensorProperties(dtype=dtype), size, []))
+                if md.size != size or md.properties.dtype != dtype:
+                    raise ValueError(f"{it['fqn']}: chunks disagree on the global shape/dtype ({md.size} vs {size})")
+                offsets = torch.Size(it["offsets"])
+                md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(it["sizes"])))
+                storage[MetadataIndex(it["fqn"], offsets)] = _StorageInfo(record["file"], it["offset"], it["length"])
+        for fqn, md in tensors.items():
+            covered = sum(torch.Size(c.sizes).numel() for c in md.chunks)
+            if covered != md.size.numel():
+                raise ValueError(f"{fqn}: chunks cover {covered} of {md.size.numel()} elements")
+        metadata = Metadata(state_dict_metadata=tensors, planner_data={}, storage_data=storage,
+                            storage_meta=StorageMeta(checkpoint_id=str(self.dir), save_id=str(uuid.uuid4())))
+        metadata.version = "1.0.0"  # DCP's CURRENT_DCP_VERSION when this format was pinned
+        with open(self.dir / ".metadata.tmp", "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(self.dir / ".metadata.tmp", self.dir / ".metadata")
+        torch.save({}, self.dir / "common.pt")
+        (self.dir / "metadata.json").write_text(json.dumps(MEGATRON_METADATA))
+        (self.dir / JOURNAL).unlink(missing_ok=True)
+        return metadata
+
+
+class TorchDistReader:
+    """Reads global tensors (or one index of their leading axis) from any torch_dist directory by chunks.
+
+    Works on checkpoints written by Megatron/NeMo at any TP/PP: the requested region is assembled from
+    the chunks that overlap it, so memory is the region plus one chunk.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+        meta_path = self.dir / ".metadata"
+        if not (self.dir / "metadata.json").is_file() or not meta_path.is_file():
+            raise FactualityInputError(f"{self.dir} is not a torch_dist checkpoint (needs metadata.json and .metadata)")
+        backend = json.loads((self.dir / "metadata.json").read_text()).get("sharded_backend")
+        if backend != "torch_dist":
+            raise FactualityInputError(f"{self.dir}: sharded_backend is {backend!r}; only torch_dist is supported "
+                                       "(convert zarr checkpoints with NeMo's convert_zarr_to_torch_dist.py first)")
+        try:
+            with open(meta_path, "rb") as f:
+                self.metadata: Metadata = pickle.load(f)
+        except Exception as err:  # any unpickling failure means a damaged file
+            raise FactualityInputError(f"{meta_path} is corrupted or truncated ({err})") from None
+        self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, fqn: str) -> tuple[int, ...]:
+        return tuple(self.tensors[fqn].size)
+
+    def dtype(self, fqn: str) -> torch.dtype:
+        return self.tensors[fqn].properties.dtype
+
+    def _load_chunk(self, fqn: str, chunk: ChunkStorageMetadata) -> torch.Tensor:
+        info = self.metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
+        path = self.dir / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        if len(blob) != info.length:
+            raise FactualityInputError(f"{path} is truncated: chunk of {fqn!r} needs bytes {info.offset}..{info.offset + info.length}")
+        try:
+            data = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as err:  # torch raises several types for damaged zip payloads
+            raise FactualityInputError(f"{path}: chunk of {fqn!r} is corrupted ({err})") from None
+        if tuple(data.shape) != tuple(chunk.sizes):
+            raise FactualityInputError(f"{path}: chunk of {fqn!r} has shape {tuple(data.shape)}, metadata says {tuple(chunk.sizes)}")
+        return data
+
+    def read(self, fqn: str, index: int | None = None) -> torch.Tensor:
+        """The global tensor ``fqn``, or just ``fqn[index]`` (one layer of a layer-stacked tensor)."""
+        if fqn not in self.tensors:
+            raise FactualityInputError(f"{self.dir}: no tensor {fqn!r} (has {sorted(self.tensors)[:4]}...)")
+        md = self.tensors[fqn]
+        size = tuple(md.size)
+        lo = [0] * len(size)
+        if index is not None:
+            assert 0 <= index < size[0], f"{fqn}: index {index} outside leading size {size[0]}"
+            lo[0], size = index, (1, *size[1:])
+        out = torch.empty(size, dtype=md.properties.dtype)
+        filled = 0
+        for chunk in md.chunks:
+            start = [max(o, l) for o, l in zip(chunk.offsets, lo)]
+            stop = [min(o + s, l + n) for o, s, l, n in zip(chunk.offsets, chunk.sizes, lo, size)]
+            if any(a >= b for a, b in zip(start, stop)):
+                continue
+            data = self._load_chunk(fqn, chunk)
+            src, dst = data, out
+            for dim, (a, b) in enumerate(zip(start, stop)):
+                src = src.narrow(dim, a - chunk.offsets[dim], b - a)
+                dst = dst.narrow(dim, a - lo[dim], b - a)
+            dst.copy_(src)
+            filled += src.numel()
+        if filled != out.numel():
+            raise FactualityInputError(f"{self.dir}: chunks of {fqn!r} cover {filled} of {out.numel()} elements")
+        return out[0] if index is not None else out
