@@ -6,7 +6,7 @@
     model_weights/           Megatron-Core dist checkpoint (torch_dist): keys ``model.<mcore name>`` with the
                              Transformer Engine layer-norm names; per-layer tensors stacked on a leading layer axis,
                              chunked as a TP=``tp`` run would store them (see ``layout``)
-    tokenizer/               the HF tokenizer files (config points at them: ``nemo:tokenizer``, never a Hub id)
+    tokenizer/               the HF tokenizer files (``tokenizer.type: tokenizer``, relative: never a Hub id)
     hf_config.json           the source config.json (makes NeMo → HF exact)
     manifest.json            sha256 of every converted tensor (checked by the reverse converter and ``verify``)
 
@@ -90,7 +90,7 @@ class HFCheckpoint:
         return {f: [(self.path / f).stat().st_size, int((self.path / f).stat().st_mtime)] for f in files}
 
 
-def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1) -> dict:
+def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tokenizer_file: str = "tokenizer.json") -> dict:
     """The ``model_config.yaml`` NeMo's MegatronGPTModel / Aligner reward models read."""
     cfg = {
         "mcore_gpt": True, "num_layers": spec.num_layers, "hidden_size": spec.hidden, "ffn_hidden_size": spec.ffn,
@@ -103,7 +103,10 @@ def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1) -> 
         "override_vocab_size": spec.vocab, "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": 0.02,
         "precision": {"float32": 32, "bfloat16": "bf16", "float16": 16}[dtype], "megatron_amp_O2": False,
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "dist_ckpt_format": "torch_dist",
-        "tokenizer": {"library": "huggingface", "type": "nemo:tokenizer", "model": "nemo:tokenizer/tokenizer.json",
+        # NeMo's restore chdirs into the extracted checkpoint while it builds the model, and hands ``type``
+        # to HF AutoTokenizer.from_pretrained: the relative ``tokenizer`` is the packed directory. ``model``
+        # is a registered artifact (``nemo:`` = inside the archive), which NeMo's save_to carries over.
+        "tokenizer": {"library": "huggingface", "type": "tokenizer", "model": f"nemo:tokenizer/{tokenizer_file}",
                       "use_fast": True},
         "target": "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel",
     }
@@ -211,7 +214,8 @@ def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", e
            "divisor": spec.divisor, "extracted": extracted}
     _open_work_dir(work, job, restart)
     manifest = _write_weights(hf, spec, work / "model_weights", dtype, tp)
-    (work / "model_config.yaml").write_text(yaml.safe_dump(nemo_model_config(spec, dtype, tp, pp), sort_keys=False))
+    main_file = next(f for f in ("tokenizer.json", "tokenizer.model", "vocab.json") if f in tok_files)
+    (work / "model_config.yaml").write_text(yaml.safe_dump(nemo_model_config(spec, dtype, tp, pp, main_file), sort_keys=False))
     (work / "hf_config.json").write_text(json.dumps(hf.config, indent=2))
     (work / "manifest.json").write_text(json.dumps({"family": spec.family, "tensors": manifest}, indent=1))
     (work / "tokenizer").mkdir(exist_ok=True)

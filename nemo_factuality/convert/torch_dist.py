@@ -189,14 +189,13 @@ class TorchDistReader:
         info = self.metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
         path = self.dir / info.relative_path
         with open(path, "rb") as f:
-            f.seek(info.offset)
-            blob = f.read(info.length)
-        if len(blob) != info.length:
-            raise FactualityInputError(f"{path} is truncated: chunk of {fqn!r} needs bytes {info.offset}..{info.offset + info.length}")
-        try:
-            data = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        except Exception as err:  # torch raises several types for damaged zip payloads
-            raise FactualityInputError(f"{path}: chunk of {fqn!r} is corrupted ({err})") from None
+            if f.seek(0, os.SEEK_END) < info.offset + info.length:
+                raise FactualityInputError(f"{path} is truncated: chunk of {fqn!r} needs bytes {info.offset}.."
+                                           f"{info.offset + info.length}, the file has {f.tell()}")
+            try:  # torch.load reads the blob through a window on the file: no second copy of the bytes
+                data = torch.load(_FileWindow(f, info.offset, info.length), map_location="cpu", weights_only=True)
+            except Exception as err:  # torch raises several types for damaged zip payloads
+                raise FactualityInputError(f"{path}: chunk of {fqn!r} is corrupted ({err})") from None
         if tuple(data.shape) != tuple(chunk.sizes):
             raise FactualityInputError(f"{path}: chunk of {fqn!r} has shape {tuple(data.shape)}, metadata says {tuple(chunk.sizes)}")
         return data
@@ -211,6 +210,10 @@ class TorchDistReader:
         if index is not None:
             assert 0 <= index < size[0], f"{fqn}: index {index} outside leading size {size[0]}"
             lo[0], size = index, (1, *size[1:])
+        exact = [c for c in md.chunks if tuple(c.offsets) == tuple(lo) and tuple(c.sizes) == size]
+        if exact:  # one chunk is exactly the region (TP=1 layouts): hand it over without a copy
+            data = self._load_chunk(fqn, exact[0])
+            return data[0] if index is not None else data
         out = torch.empty(size, dtype=md.properties.dtype)
         filled = 0
         for chunk in md.chunks:
@@ -228,3 +231,34 @@ class TorchDistReader:
         if filled != out.numel():
             raise FactualityInputError(f"{self.dir}: chunks of {fqn!r} cover {filled} of {out.numel()} elements")
         return out[0] if index is not None else out
+
+
+class _FileWindow(io.RawIOBase):
+    """A read-only, seekable view of ``length`` bytes at ``offset`` of an open file."""
+
+    def __init__(self, f, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._length}[whence]
+        self._pos = max(0, min(self._length, base + pos))
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buffer)[:n])
+        self._pos += got
+        return got

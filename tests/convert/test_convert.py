@@ -77,11 +77,31 @@ def test_hf_nemo_hf_roundtrip_is_bit_exact(models, tmp_path, name):
     assert {"./model_config.yaml", "./model_weights/metadata.json", "./tokenizer/tokenizer.json"} <= set(members)
     with tarfile.open(nemo) as tar:
         cfg = tar.extractfile("./model_config.yaml").read().decode()
-    assert "mcore_gpt: true" in cfg and "nemo:tokenizer" in cfg and f"share_embeddings_and_output_weights: {'true' if name.endswith('_tied') else 'false'}" in cfg
+    assert "mcore_gpt: true" in cfg and f"share_embeddings_and_output_weights: {'true' if name.endswith('_tied') else 'false'}" in cfg
+    _assert_tokenizer_resolves_like_nemo(nemo, tmp_path / "extracted")
     res = _run("nemo-to-hf", "--nemo", str(nemo), "--out", str(tmp_path / "back"))
     assert res.returncode == 0, res.stderr[-2000:]
     a, b = hf_tensors(models[name]), hf_tensors(tmp_path / "back")
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _assert_tokenizer_resolves_like_nemo(nemo: Path, extract_to: Path) -> None:
+    """NeMo's restore extracts the archive, chdirs into it, resolves ``nemo:`` artifacts there and passes
+    ``tokenizer.type`` to HF ``AutoTokenizer.from_pretrained``: that must find the packed files, offline."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    with tarfile.open(nemo) as tar:
+        tar.extractall(extract_to, filter="data")
+    tok_cfg = yaml.safe_load((extract_to / "model_config.yaml").read_text())["tokenizer"]
+    cwd = os.getcwd()
+    try:
+        os.chdir(extract_to)
+        assert tok_cfg["model"].startswith("nemo:") and Path(tok_cfg["model"][len("nemo:"):]).is_file()
+        tokenizer = AutoTokenizer.from_pretrained(tok_cfg["type"])
+    finally:
+        os.chdir(cwd)
+    assert tokenizer.decode(tokenizer.encode("the capital of France")).strip() == "the capital of France"
 
 
 def _verify(hf: Path, nemo: Path, tp: int, pp: int) -> dict:

@@ -2,10 +2,12 @@
 
 import json
 import math
+import re
 
 import pytest
 
 from nemo_factuality.cli import main as cli
+from nemo_factuality.evaluation.cli import main as eval_main
 from nemo_factuality.types import FactualityInputError
 
 S, NS, IR = "supported", "not_supported", "irrelevant"
@@ -64,15 +66,18 @@ def test_group_by_and_demo(tmp_path):
     (b'{"id": 1, "prompt": "p", "response": "r", "claims": [{"text": "c", "label": "maybe"}]}\n', r"label 'maybe' is not one of"),
     (b'{"id": 1, "prompt": "p", "response": "\xff"}\n', r"r.jsonl:1: invalid UTF-8"),
 ])
-def test_bad_input_is_named_and_nothing_written(tmp_path, content, needle):
+def test_bad_input_is_named_and_nothing_written(tmp_path, capsys, content, needle):
     src = tmp_path / "r.jsonl"
     src.write_bytes(content)
-    with pytest.raises(FactualityInputError, match=needle):
-        cli(["eval", "--input", str(src), "--output", str(tmp_path / "o")])
+    with pytest.raises(FactualityInputError, match=needle):  # the library raises ...
+        eval_main(["--input", str(src), "--output", str(tmp_path / "o")])
+    assert cli(["eval", "--input", str(src), "--output", str(tmp_path / "o")]) == 2  # ... the command says it, exit 2
+    err = capsys.readouterr().err
+    assert re.search(needle, err) and err.startswith("nemo-factuality eval: error:") and "Traceback" not in err
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
 
 
 def test_group_by_missing_field(tmp_path):
     with pytest.raises(FactualityInputError, match="--group-by field 'nope'"):
-        cli(["eval", "--input", str(_write(tmp_path / "r.jsonl", [_rec(1, [S])])), "--output", str(tmp_path / "o"),
+        eval_main([ "--input", str(_write(tmp_path / "r.jsonl", [_rec(1, [S])])), "--output", str(tmp_path / "o"),
              "--group-by", "nope"])
