@@ -31,6 +31,7 @@ def main(argv: Sequence[str]) -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--hf-config", default=None, help="the original config.json, for checkpoints that do not pack one")
     b.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    b.add_argument("--drop-rm-bias", action="store_true", help="convert a reward model whose rm_head.bias is not zero")
     v = sub.add_parser("verify", help="compare Megatron-Core logits (from the .nemo) with the HF model")
     v.add_argument("--hf", required=True)
     v.add_argument("--nemo", required=True)
@@ -47,7 +48,8 @@ def main(argv: Sequence[str]) -> int:
     if args.action == "nemo-to-hf":
         from nemo_factuality.convert.nemo_format import nemo_to_hf
 
-        print(nemo_to_hf(args.nemo, args.out, hf_config=args.hf_config, max_shard_bytes=int(args.max_shard_size_gb * 1e9)))
+        print(nemo_to_hf(args.nemo, args.out, hf_config=args.hf_config, max_shard_bytes=int(args.max_shard_size_gb * 1e9),
+                         drop_rm_bias=args.drop_rm_bias))
         return 0
     cmd = [sys.executable, "-m", "nemo_factuality.convert.verify", "--hf", args.hf, "--nemo", args.nemo,
            "--tp", str(args.tp), "--pp", str(args.pp), "--tol", str(args.tol)]

@@ -8,7 +8,8 @@ each rank owns a slice, stored as its own chunk (what ``sharded_state_dict`` of 
 * row-parallel (split columns, axis 1): ``linear_proj``, ``linear_fc2``;
 * SwiGLU ``linear_fc1``: the global ``[gate; up]`` is cut into ``2·TP`` row blocks, rank ``r`` owning
   blocks ``r`` (gate) and ``TP + r`` (up) — Megatron's ``apply_swiglu_sharded_factory``;
-* layer norms and the reward head: replicated, one chunk.
+* NeMo-Aligner's reward head (a row-parallel linear): weight split by columns, bias replicated;
+* layer norms: replicated, one chunk.
 
 Chunking only decides which bytes a rank reads; any TP/PP can load any layout (DCP reshards).
 """
@@ -20,12 +21,17 @@ from typing import Iterator
 import torch
 
 from nemo_factuality.convert.mapping import ModelSpec, to_te_name
-from nemo_factuality.convert.torch_dist import Chunk
+from nemo_factuality.convert.torch_dist import Chunk, StoredObject
 from nemo_factuality.types import FactualityInputError
 
 ROW_SPLIT = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "embedding.word_embeddings.weight",
              "output_layer.weight", "mlp.linear_fc1.weight")
-COLUMN_SPLIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+COLUMN_SPLIT = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight", "rm_head.weight")
+# Modules whose ``_extra_state`` (FP8 metadata; None without FP8) NeMo's models ask for when loading: the
+# Transformer Engine spec's five, of which the local spec uses the four linears. Without them Megatron's
+# default strictness stops with "Missing key in checkpoint state_dict: ..._extra_state/shard_<layer>_<layers>".
+EXTRA_STATE_MODULES = ("self_attention.linear_qkv", "self_attention.core_attention", "self_attention.linear_proj",
+                       "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def check_parallelism(spec: ModelSpec, tp: int, pp: int) -> None:
@@ -87,3 +93,9 @@ def chunks_for(key: str, tensor: torch.Tensor, spec: ModelSpec, tp: int) -> Iter
             yield Chunk(fqn, tuple(tensor.shape), tuple(offsets), piece)
         else:
             yield Chunk(fqn, (spec.num_layers, *tensor.shape), (layer, *offsets), piece.unsqueeze(0))
+
+
+def extra_state_objects(spec: ModelSpec, layer: int) -> Iterator[StoredObject]:
+    """The per-layer ``_extra_state`` objects a NeMo training checkpoint carries (value None: no FP8 history)."""
+    for module in EXTRA_STATE_MODULES:
+        yield StoredObject(f"model.decoder.layers.{module}._extra_state/shard_{layer}_{spec.num_layers}", None)

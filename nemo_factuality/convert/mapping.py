@@ -171,7 +171,13 @@ def _head_to_mcore(get: Getter, s: ModelSpec) -> Iterator[tuple[str, torch.Tenso
     for hf_key, mc_key in GLOBAL_COPY.items():
         yield mc_key, _check(hf_key, get(hf_key), (s.hidden,))
     if s.reward_head:
-        yield "rm_head.weight", _check("score.weight", get("score.weight"), (1, s.hidden))
+        score = _check("score.weight", get("score.weight"), (1, s.hidden))
+        yield "rm_head.weight", score
+        # NeMo-Aligner's RewardModelHead is a RowParallelLinear with a bias; HF's score has none
+        yield "rm_head.bias", score.new_zeros(1)
+        # Aligner's reward model is an untied GPTModel: it never uses its LM head but loads one. HF RMs have
+        # none, so the head is the (tied) embedding: harmless for rewards, meaningful if reused as an LM head.
+        yield "output_layer.weight", _pad_vocab(get("model.embed_tokens.weight"), s)
     elif not s.tied:
         yield "output_layer.weight", _pad_vocab(_check("lm_head", get("lm_head.weight"), (s.vocab, s.hidden)), s)
 

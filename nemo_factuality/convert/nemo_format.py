@@ -6,7 +6,7 @@
     model_weights/           Megatron-Core dist checkpoint (torch_dist): keys ``model.<mcore name>`` with the
                              Transformer Engine layer-norm names; per-layer tensors stacked on a leading layer axis,
                              chunked as a TP=``tp`` run would store them (see ``layout``)
-    tokenizer/               the HF tokenizer files (``tokenizer.type: tokenizer``, relative: never a Hub id)
+    tokenizer/               the HF tokenizer files (``tokenizer.type`` points here, never at a Hub id)
     hf_config.json           the source config.json (makes NeMo → HF exact)
     manifest.json            sha256 of every converted tensor (checked by the reverse converter and ``verify``)
 
@@ -32,7 +32,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from nemo_factuality.convert.layout import check_parallelism, checkpoint_name, chunks_for
+from nemo_factuality.convert.layout import check_parallelism, checkpoint_name, chunks_for, extra_state_objects
 from nemo_factuality.convert.mapping import ModelSpec, hf_to_mcore_groups, mcore_to_hf, spec_from_hf_config
 from nemo_factuality.convert.safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsReader, write_sharded
 from nemo_factuality.convert.torch_dist import TorchDistReader, TorchDistWriter
@@ -90,8 +90,20 @@ class HFCheckpoint:
         return {f: [(self.path / f).stat().st_size, int((self.path / f).stat().st_mtime)] for f in files}
 
 
-def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tokenizer_file: str = "tokenizer.json") -> dict:
-    """The ``model_config.yaml`` NeMo's MegatronGPTModel / Aligner reward models read."""
+def _refuse_overwriting_source(source: Path, out: Path) -> None:
+    """The output replaces whatever is at ``out``: never let that be the source or a folder holding it."""
+    if out == source or out in source.parents:
+        raise FactualityInputError(f"--out {out} would replace the input {source}: write the result somewhere else")
+
+
+def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tokenizer_file: str = "tokenizer.json",
+                      tokenizer_type: str = "tokenizer") -> dict:
+    """The ``model_config.yaml`` NeMo's MegatronGPTModel / Aligner reward models read.
+
+    ``tokenizer_type``: the extracted form points at its own packed ``tokenizer/`` by absolute path (what
+    NeMo 2.x resolves); a tar can only say ``tokenizer`` (relative; NeMo 1.x restored with the archive as
+    working directory), so with a tar pass ``++model.tokenizer.type=<dir with the tokenizer files>``.
+    """
     cfg = {
         "mcore_gpt": True, "num_layers": spec.num_layers, "hidden_size": spec.hidden, "ffn_hidden_size": spec.ffn,
         "num_attention_heads": spec.heads, "num_query_groups": spec.kv_heads, "kv_channels": spec.head_dim,
@@ -103,10 +115,10 @@ def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tok
         "override_vocab_size": spec.vocab, "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": 0.02,
         "precision": {"float32": 32, "bfloat16": "bf16", "float16": 16}[dtype], "megatron_amp_O2": False,
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "dist_ckpt_format": "torch_dist",
-        # NeMo's restore chdirs into the extracted checkpoint while it builds the model, and hands ``type``
-        # to HF AutoTokenizer.from_pretrained: the relative ``tokenizer`` is the packed directory. ``model``
-        # is a registered artifact (``nemo:`` = inside the archive), which NeMo's save_to carries over.
-        "tokenizer": {"library": "huggingface", "type": "tokenizer", "model": f"nemo:tokenizer/{tokenizer_file}",
+        # NeMo hands ``type`` unresolved to HF AutoTokenizer.from_pretrained (NeMo 2.x no longer chdirs into the
+        # checkpoint while building the model): see ``tokenizer_type``. ``model`` is a registered artifact
+        # (``nemo:`` = inside the archive), which NeMo's save_to carries over.
+        "tokenizer": {"library": "huggingface", "type": tokenizer_type, "model": f"nemo:tokenizer/{tokenizer_file}",
                       "use_fast": True},
         "target": "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel",
     }
@@ -114,7 +126,9 @@ def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tok
         cfg["seq_len_interpolation_factor"] = spec.rope_scaling.get("factor")
         cfg["scale_positional_embedding"] = spec.rope_scaling.get("rope_type") == "llama3"
     if spec.reward_head:
+        # Aligner builds reward models untied (it overrides share_embeddings_and_output_weights to False)
         cfg.update({"reward_model_type": "binary_ranking", "output_sequence": False, "use_avg_pool": False,
+                    "share_embeddings_and_output_weights": False,
                     "target": "nemo_aligner.models.nlp.gpt.megatron_gpt_reward_model.MegatronGPTRewardModel"})
     return cfg
 
@@ -174,11 +188,13 @@ def _write_weights(hf: HFCheckpoint, spec: ModelSpec, weights: Path, dtype: str,
             continue
         entries: dict[str, dict] = {}  # filled while the group streams; stored with the group's journal record
 
-        def chunks(produce=produce, entries=entries):
+        def chunks(produce=produce, entries=entries, group=group):
             for key, t in produce():
                 t = t.to(_DTYPES[dtype]).contiguous()
                 entries[key] = {"shape": list(t.shape), "dtype": dtype, "sha256": tensor_sha256(t)}
                 yield from chunks_for(key, t, spec, tp)
+            if group.startswith("layer."):
+                yield from extra_state_objects(spec, int(group.split(".")[1]))
 
         writer.write_group(group, chunks(), extra=entries)
         manifest.update(entries)
@@ -204,6 +220,7 @@ def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", e
     if dtype not in _DTYPES:
         raise FactualityInputError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     hf_dir, out = Path(hf_dir).resolve(), Path(out).resolve()
+    _refuse_overwriting_source(hf_dir, out)
     hf = HFCheckpoint(hf_dir)
     spec = spec_from_hf_config(hf.config, make_vocab_size_divisible_by, tp=tp)
     check_parallelism(spec, tp, pp)
@@ -215,12 +232,16 @@ def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", e
     _open_work_dir(work, job, restart)
     manifest = _write_weights(hf, spec, work / "model_weights", dtype, tp)
     main_file = next(f for f in ("tokenizer.json", "tokenizer.model", "vocab.json") if f in tok_files)
-    (work / "model_config.yaml").write_text(yaml.safe_dump(nemo_model_config(spec, dtype, tp, pp, main_file), sort_keys=False))
+    tokenizer_type = str(out / "tokenizer") if extracted else "tokenizer"
+    (work / "model_config.yaml").write_text(yaml.safe_dump(nemo_model_config(spec, dtype, tp, pp, main_file, tokenizer_type),
+                                                           sort_keys=False))
     (work / "hf_config.json").write_text(json.dumps(hf.config, indent=2))
     (work / "manifest.json").write_text(json.dumps({"family": spec.family, "tensors": manifest}, indent=1))
     (work / "tokenizer").mkdir(exist_ok=True)
     for f in tok_files:
         shutil.copy2(hf_dir / f, work / "tokenizer" / f)
+    # AutoTokenizer falls back to config.json when tokenizer_config.json names no class it knows (older transformers)
+    shutil.copy2(hf_dir / "config.json", work / "tokenizer" / "config.json")
     (work / JOB_FILE).unlink()
     if extracted:
         if out.exists():
@@ -302,13 +323,14 @@ def check_manifest(root: Path) -> int:
 
 
 def nemo_to_hf(nemo: str | Path, out_dir: str | Path, *, hf_config: str | Path | None = None,
-               max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+               max_shard_bytes: int = DEFAULT_SHARD_BYTES, drop_rm_bias: bool = False) -> Path:
     """Write HF safetensors (sharded like ``save_pretrained``) + ``config.json`` + tokenizer from a ``.nemo``.
 
     Works on checkpoints written by ``hf_to_nemo`` and on NeMo/Aligner-trained ones (any TP/PP layout);
     without a packed ``hf_config.json`` the HF config is derived from ``model_config.yaml`` (or pass one).
     """
     out_dir = Path(out_dir).resolve()
+    _refuse_overwriting_source(Path(nemo).resolve(), out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with opened_nemo(nemo) as root:
         _, config = read_nemo_config(root, hf_config)
@@ -317,6 +339,14 @@ def nemo_to_hf(nemo: str | Path, out_dir: str | Path, *, hf_config: str | Path |
         manifest_path = root / "manifest.json"
         manifest = json.loads(manifest_path.read_text())["tensors"] if manifest_path.is_file() else None
         get = checkpoint_getter(weights, manifest)
+        if spec.reward_head and "model.rm_head.bias" in weights.tensors:
+            bias = weights.read("model.rm_head.bias")
+            if bool(bias.ne(0).any()) and not drop_rm_bias:
+                raise FactualityInputError(f"rm_head.bias is {bias.tolist()}, but HF *ForSequenceClassification has no bias: "
+                                           "the HF model's rewards would be lower by that constant. Pass --drop-rm-bias "
+                                           "to convert anyway (preferences are unchanged, absolute rewards shift)")
+            if bool(bias.ne(0).any()):
+                log.warning("dropping rm_head.bias %s: HF rewards are shifted by minus that", bias.tolist())
 
         def meta(key: str) -> torch.Tensor:
             fqn, layer = checkpoint_name(key)
@@ -336,7 +366,8 @@ def nemo_to_hf(nemo: str | Path, out_dir: str | Path, *, hf_config: str | Path |
             (tmp / "config.json").write_text(json.dumps(config, indent=2))
             if (root / "tokenizer").is_dir():
                 for f in (root / "tokenizer").iterdir():
-                    shutil.copy2(f, tmp / f.name)
+                    if f.name != "config.json":  # the model config written above wins
+                        shutil.copy2(f, tmp / f.name)
             else:
                 log.warning("%s packs no tokenizer/ directory: copy the tokenizer files into %s yourself", nemo, out_dir)
         except BaseException:

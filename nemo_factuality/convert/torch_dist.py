@@ -30,8 +30,15 @@ from typing import Iterable
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # the DCP format's per-chunk record
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from nemo_factuality.types import FactualityInputError
 
@@ -54,6 +61,20 @@ class Chunk:
         assert len(self.offsets) == len(self.global_shape) == self.data.dim(), (self.fqn, self.offsets, self.global_shape)
         assert all(o + s <= g for o, s, g in zip(self.offsets, self.data.shape, self.global_shape)), \
             f"{self.fqn}: chunk at {self.offsets} of size {tuple(self.data.shape)} exceeds {self.global_shape}"
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """A Megatron ``ShardedObject`` as DCP stores it: ``torch.save([value])`` bytes under its unique key
+    (``<key>/shard_<offset>_<shape>``), e.g. a layer's ``_extra_state``."""
+
+    unique_key: str
+    value: object = None
+
+    def payload(self) -> bytes:
+        buffer = io.BytesIO()
+        torch.save([self.value], buffer)  # Megatron saves the list of the rank's shards of this object
+        return buffer.getvalue()
 
 
 class TorchDistWriter:
@@ -95,7 +116,7 @@ class TorchDistWriter:
         """``{group: extra}`` for the groups already on disk (``extra`` is what ``write_group`` was given)."""
         return {r["group"]: r["extra"] for r in self._records}
 
-    def write_group(self, group: str, chunks: Iterable[Chunk], extra: dict | None = None) -> None:
+    def write_group(self, group: str, chunks: Iterable[Chunk | StoredObject], extra: dict | None = None) -> None:
         """Write one group's chunks to ``__0_<k>.distcp`` (temp file, fsync, rename, journal line)."""
         assert group not in self.groups_done(), f"group {group!r} written twice"
         name = f"__0_{len(self._records)}.distcp"
@@ -103,6 +124,11 @@ class TorchDistWriter:
         items = []
         with open(tmp, "wb") as f:
             for chunk in chunks:
+                if isinstance(chunk, StoredObject):
+                    start = f.tell()
+                    f.write(chunk.payload())
+                    items.append({"object": chunk.unique_key, "offset": start, "length": f.tell() - start})
+                    continue
                 data = chunk.data.detach().cpu()
                 if data.untyped_storage().nbytes() != data.numel() * data.element_size() or not data.is_contiguous():
                     data = data.contiguous().clone()  # torch.save writes the whole storage: store only this chunk
@@ -123,10 +149,14 @@ class TorchDistWriter:
 
     def finish(self) -> Metadata:
         """Write ``.metadata``, ``metadata.json`` and ``common.pt``; remove the journal."""
-        tensors: dict[str, TensorStorageMetadata] = {}
+        tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         storage: dict[MetadataIndex, _StorageInfo] = {}
         for record in self._records:
             for it in record["items"]:
+                if "object" in it:
+                    tensors[it["object"]] = BytesStorageMetadata()
+                    storage[MetadataIndex(it["object"])] = _StorageInfo(record["file"], it["offset"], it["length"])
+                    continue
                 dtype = getattr(torch, it["dtype"])
                 size = torch.Size(it["global_shape"])
                 md = tensors.setdefault(it["fqn"], TensorStorageMetadata(TensorProperties(dtype=dtype), size, []))
@@ -136,6 +166,8 @@ class TorchDistWriter:
                 md.chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(it["sizes"])))
                 storage[MetadataIndex(it["fqn"], offsets)] = _StorageInfo(record["file"], it["offset"], it["length"])
         for fqn, md in tensors.items():
+            if isinstance(md, BytesStorageMetadata):
+                continue
             covered = sum(torch.Size(c.sizes).numel() for c in md.chunks)
             if covered != md.size.numel():
                 raise ValueError(f"{fqn}: chunks cover {covered} of {md.size.numel()} elements")
@@ -217,8 +249,8 @@ class TorchDistReader:
         out = torch.empty(size, dtype=md.properties.dtype)
         filled = 0
         for chunk in md.chunks:
-            start = [max(o, l) for o, l in zip(chunk.offsets, lo)]
-            stop = [min(o + s, l + n) for o, s, l, n in zip(chunk.offsets, chunk.sizes, lo, size)]
+            start = [max(o, low) for o, low in zip(chunk.offsets, lo, strict=True)]
+            stop = [min(o + s, low + n) for o, s, low, n in zip(chunk.offsets, chunk.sizes, lo, size, strict=True)]
             if any(a >= b for a, b in zip(start, stop)):
                 continue
             data = self._load_chunk(fqn, chunk)

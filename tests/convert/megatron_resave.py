@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":  # Megatron's async writer spawns processes that re-import __main__
+    from pathlib import Path
+
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -17,7 +19,6 @@ if __name__ == "__main__":  # Megatron's async writer spawns processes that re-i
     from nemo_factuality.convert.mapping import spec_from_hf_config, to_te_name
     from nemo_factuality.convert.nemo_format import read_nemo_config
     from nemo_factuality.convert.verify import build_model, load_into
-    from pathlib import Path
 
     src, out, tp, pp = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     cpu.apply()
@@ -28,9 +29,8 @@ if __name__ == "__main__":  # Megatron's async writer spawns processes that re-i
     spec = spec_from_hf_config(hf_config, nemo_cfg.get("make_vocab_size_divisible_by"), tp=tp)
     model = build_model(spec, tp, pp, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
     load_into(model, str(src / "model_weights"))
-    sharded = {k: v for k, v in model.sharded_state_dict(prefix="").items() if not k.endswith("_extra_state")}
-    for value in sharded.values():
-        value.key = "model." + to_te_name(value.key)
+    sharded = model.sharded_state_dict(prefix="model.")  # the local spec already maps norms to TE names
+    assert all(v.key == "model." + to_te_name(v.key[len("model."):]) for v in sharded.values())
     Path(out).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(sharded, out)
     parallel_state.destroy_model_parallel()

@@ -153,6 +153,8 @@ def test_presharded_tp2_layout_equals_megatron_save_and_loads_at_other_layouts(m
     assert resave.returncode == 0, resave.stderr[-3000:]
     layout = _tensor_metadata(ours / "model_weights")
     assert layout == _tensor_metadata(trained / "model_weights")
+    objects = [set(TorchDistReader(d / "model_weights").metadata.state_dict_metadata) - set(layout) for d in (ours, trained)]
+    assert objects[1] and objects[1] <= objects[0]  # every _extra_state Megatron's local spec saves (TE adds core_attention)
     assert layout["model.embedding.word_embeddings.weight"][0] == (504, 64)  # 500 padded to divisor 4 × TP 2
     a, b = TorchDistReader(ours / "model_weights"), TorchDistReader(trained / "model_weights")
     assert all(torch.equal(a.read(k), b.read(k)) for k in a.keys())
@@ -227,7 +229,47 @@ def test_reward_model_roundtrip(tmp_path):
     assert "reward_model_type: binary_ranking" in cfg_text and "MegatronGPTRewardModel" in cfg_text
     assert _run("nemo-to-hf", "--nemo", str(tmp_path / "rm.nemo"), "--out", str(tmp_path / "back")).returncode == 0
     a, b = hf_tensors(tmp_path / "rm"), hf_tensors(tmp_path / "back")
-    assert "score.weight" in b and all(torch.equal(a[k], b[k]) for k in a)
+    assert set(a) == set(b) and "score.weight" in b and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_reward_model_carries_what_aligner_loads_and_a_trained_bias_is_not_dropped_silently(tmp_path):
+    """Aligner's MegatronGPTRewardModel is an untied GPTModel with a biased row-parallel rm_head: the checkpoint
+    has rm_head.bias (zero) and an output_layer; a trained non-zero bias stops nemo-to-hf unless --drop-rm-bias."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from nemo_factuality.convert.torch_dist import Chunk, TorchDistReader, TorchDistWriter
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=400, num_labels=1, pad_token_id=0)
+    LlamaForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    build_tiny_tokenizer(tmp_path / "rm")
+    for out in (tmp_path / "rm", tmp_path):  # the output replaces its path: never the source or a folder holding it
+        res = _run("hf-to-nemo", "--hf", str(tmp_path / "rm"), "--out", str(out), "--extracted")
+        assert res.returncode == 2 and "would replace the input" in res.stderr
+    assert (tmp_path / "rm" / "model.safetensors").is_file()
+    res = _run("hf-to-nemo", "--hf", str(tmp_path / "rm"), "--out", str(tmp_path / "ckpt"), "--extracted", "--tp", "2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    ckpt = tmp_path / "ckpt"
+    weights = TorchDistReader(ckpt / "model_weights")
+    assert torch.equal(weights.read("model.rm_head.bias"), torch.zeros(1))
+    assert torch.equal(weights.read("model.output_layer.weight"), weights.read("model.embedding.word_embeddings.weight"))
+    assert len(weights.tensors["model.rm_head.weight"].chunks) == 2  # row-parallel: split by columns under TP
+    assert "share_embeddings_and_output_weights: false" in (ckpt / "model_config.yaml").read_text()
+    # what RM training leaves: a learned bias, no manifest, any chunking (here one chunk per tensor)
+    trained = tmp_path / "trained"
+    shutil.copytree(ckpt, trained, ignore=shutil.ignore_patterns("model_weights", "manifest.json"))
+    writer = TorchDistWriter(trained / "model_weights")
+    for fqn in weights.keys():
+        t = torch.tensor([0.75]) if fqn == "model.rm_head.bias" else weights.read(fqn)
+        writer.write_group(fqn, [Chunk(fqn, tuple(t.shape), (0,) * t.dim(), t)])
+    writer.finish()
+    res = _run("nemo-to-hf", "--nemo", str(trained), "--out", str(tmp_path / "back"))
+    assert res.returncode == 2 and "rm_head.bias is [0.75]" in res.stderr and "--drop-rm-bias" in res.stderr
+    assert not (tmp_path / "back").exists()
+    res = _run("nemo-to-hf", "--nemo", str(trained), "--out", str(tmp_path / "back"), "--drop-rm-bias")
+    assert res.returncode == 0 and "dropping rm_head.bias [0.75]" in res.stderr
+    a, b = hf_tensors(tmp_path / "rm"), hf_tensors(tmp_path / "back")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_bad_inputs_fail_clearly(models, tmp_path):
