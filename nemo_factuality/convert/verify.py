@@ -50,12 +50,12 @@ def load_into(model, weights_dir: str) -> None:
 
     from nemo_factuality.convert.mapping import to_te_name
 
-    # `_extra_state` entries are layer bookkeeping (FP8 metadata etc.), not weights: our checkpoints carry none.
-    sharded = {k: v for k, v in model.sharded_state_dict(prefix="").items() if not k.endswith("_extra_state")}
-    for value in sharded.values():
-        if hasattr(value, "key"):
-            value.key = "model." + to_te_name(value.key)
+    # everything the model asks for, `_extra_state` objects included, at Megatron's default strictness (as NeMo)
+    sharded = model.sharded_state_dict(prefix="model.")
+    assert all(v.key == "model." + to_te_name(v.key[len("model."):]) for v in sharded.values()), \
+        "the local layer spec should already map its norms to Transformer Engine names"
     loaded = dist_checkpointing.load(sharded, weights_dir)
+    loaded = {k[len("model."):]: v for k, v in loaded.items()}
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
