@@ -211,6 +211,10 @@ class TorchDistReader:
     def keys(self) -> list[str]:
         return list(self.tensors)
 
+    def object_keys(self) -> list[str]:
+        """Unique keys of the stored non-tensor objects (e.g. ``..._extra_state/shard_<layer>_<layers>``)."""
+        return [k for k in self.metadata.state_dict_metadata if k not in self.tensors]
+
     def shape(self, fqn: str) -> tuple[int, ...]:
         return tuple(self.tensors[fqn].size)
 

@@ -1,4 +1,5 @@
-"""Check a converted checkpoint by logits: Megatron-Core GPTModel (loaded from the .nemo) vs the HF model.
+"""Check a converted checkpoint by logits: Megatron-Core GPTModel (loaded from the .nemo) vs the HF model
+(for a reward model: the reward NeMo-Aligner computes, final hidden state through ``rm_head``, vs HF's score).
 
     python -m nemo_factuality.convert.verify --hf DIR --nemo FILE [--tol 1e-5]                  # TP=1
     torchrun --nproc_per_node=2 -m nemo_factuality.convert.verify --hf DIR --nemo FILE --tp 2    # TP=2
@@ -62,10 +63,27 @@ def load_into(model, weights_dir: str) -> None:
         raise RuntimeError(f"state dict mismatch: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
 
 
-def mcore_logits(model, tokens: torch.Tensor, pp: int = 1) -> torch.Tensor | None:
-    """Full-vocabulary logits ``[B, S, V]`` on the last pipeline stage; None on other stages."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+def mcore_logits(model, tokens: torch.Tensor, pp: int = 1, hidden_only: bool = False) -> torch.Tensor | None:
+    """Full-vocabulary logits ``[B, S, V]`` on the last pipeline stage; None on other stages.
+
+    ``hidden_only``: the final-norm hidden states ``[S, B, H]`` instead (what NeMo-Aligner's reward model
+    feeds its ``rm_head``: it switches ``post_process`` off for the forward, as done here).
+    """
+    from unittest.mock import patch
+
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    if hidden_only:
+        with patch.object(model, "post_process", False):
+            out = _forward(model, tokens, pp)
+        return None if out is None else out.float().cpu()
+    out = _forward(model, tokens, pp)
+    return None if out is None else gather_from_tensor_model_parallel_region(out).float().cpu()
+
+
+def _forward(model, tokens: torch.Tensor, pp: int) -> torch.Tensor | None:
+    """The last stage's output of one forward pass (through Megatron's pipeline schedule when PP > 1)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     seq = tokens.shape[1]
     device = next(model.parameters()).device
@@ -74,8 +92,7 @@ def mcore_logits(model, tokens: torch.Tensor, pp: int = 1) -> torch.Tensor | Non
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device), diagonal=1)
     if pp == 1:
         with torch.no_grad():
-            logits = model(tokens, position_ids, mask)
-        return gather_from_tensor_model_parallel_region(logits).float().cpu()
+            return model(tokens, position_ids, mask)
     captured: dict[str, torch.Tensor] = {}
 
     def forward_step(data_iterator, stage_model):
@@ -92,17 +109,24 @@ def mcore_logits(model, tokens: torch.Tensor, pp: int = 1) -> torch.Tensor | Non
         get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([(tokens, position_ids, mask)]),
                                     model=[model], num_microbatches=1, seq_length=seq, micro_batch_size=tokens.shape[0],
                                     forward_only=True)
-    if "logits" not in captured:
-        return None
-    return gather_from_tensor_model_parallel_region(captured["logits"]).float().cpu()
+    return captured.get("logits")
 
 
-def hf_logits(hf_dir: str, tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+def hf_logits(hf_dir: str, tokens: torch.Tensor, vocab: int, reward: bool = False) -> torch.Tensor:
+    """HF logits ``[B, S, V]``, or for a sequence-classification RM its scores ``[B, 1]``."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
+    model = cls.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        return model(tokens).logits[..., :vocab]
+        logits = model(tokens).logits
+    return logits if reward else logits[..., :vocab]
+
+
+def reward_from_hidden(hidden: torch.Tensor, head_weight: torch.Tensor, head_bias: torch.Tensor | None) -> torch.Tensor:
+    """Aligner's binary-ranking reward: the last position's hidden state ``[S, B, H]`` through ``rm_head`` → ``[B, 1]``."""
+    reward = hidden[-1].float() @ head_weight.float().T
+    return reward if head_bias is None else reward + head_bias.float()
 
 
 def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1) -> dict:
@@ -135,17 +159,27 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1)
         model = build_model(spec, tp, pp, parallel_state.is_pipeline_first_stage(),
                             parallel_state.is_pipeline_last_stage()).eval()
         load_into(model, str(root / "model_weights"))
+        head = None
+        if spec.reward_head:  # the reward head is not part of GPTModel: read it from the checkpoint itself
+            from nemo_factuality.convert.torch_dist import TorchDistReader
+
+            weights = TorchDistReader(root / "model_weights")
+            bias = weights.read("model.rm_head.bias") if "model.rm_head.bias" in weights.tensors else None
+            head = (weights.read("model.rm_head.weight"), bias)
     if torch.cuda.is_available():  # the real Megatron CUDA path (no CPU shims are active then)
         model = model.cuda()
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, spec.vocab, (2, seq), generator=gen)
-    ours = mcore_logits(model, tokens, pp)
-    result: dict = {"tp": tp, "pp": pp}
+    pad = hf_config.get("pad_token_id")
+    if pad is not None:  # an HF classifier scores the last non-pad token: keep the pad id out
+        tokens[tokens == pad] = (pad + 1) % spec.vocab
+    ours = mcore_logits(model, tokens, pp, hidden_only=head is not None)
+    result: dict = {"tp": tp, "pp": pp, "compared": "reward" if head is not None else "logits"}
     reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
     if reporter and ours is not None:
-        ours = ours[..., : spec.vocab]
+        ours = reward_from_hidden(ours, *head) if head is not None else ours[..., : spec.vocab]
         result["shape"] = list(ours.shape)
-        ref = hf_logits(hf_dir, tokens, spec.vocab)
+        ref = hf_logits(hf_dir, tokens, spec.vocab, reward=head is not None)
         result["max_abs_diff"] = float((ours - ref).abs().max())
         result["ok"] = result["max_abs_diff"] <= tol
     parallel_state.destroy_model_parallel()

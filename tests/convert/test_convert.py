@@ -237,7 +237,7 @@ def test_reward_model_carries_what_aligner_loads_and_a_trained_bias_is_not_dropp
     has rm_head.bias (zero) and an output_layer; a trained non-zero bias stops nemo-to-hf unless --drop-rm-bias."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
-    from nemo_factuality.convert.torch_dist import Chunk, TorchDistReader, TorchDistWriter
+    from nemo_factuality.convert.torch_dist import Chunk, StoredObject, TorchDistReader, TorchDistWriter
 
     cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=128, vocab_size=400, num_labels=1, pad_token_id=0)
@@ -255,6 +255,8 @@ def test_reward_model_carries_what_aligner_loads_and_a_trained_bias_is_not_dropp
     assert torch.equal(weights.read("model.output_layer.weight"), weights.read("model.embedding.word_embeddings.weight"))
     assert len(weights.tensors["model.rm_head.weight"].chunks) == 2  # row-parallel: split by columns under TP
     assert "share_embeddings_and_output_weights: false" in (ckpt / "model_config.yaml").read_text()
+    result = _verify(tmp_path / "rm", ckpt, 2, 1)  # Aligner's reward (final hidden → rm_head) vs HF's score
+    assert result["compared"] == "reward" and result["shape"] == [2, 1] and result["max_abs_diff"] < 1e-5
     # what RM training leaves: a learned bias, no manifest, any chunking (here one chunk per tensor)
     trained = tmp_path / "trained"
     shutil.copytree(ckpt, trained, ignore=shutil.ignore_patterns("model_weights", "manifest.json"))
@@ -262,9 +264,12 @@ def test_reward_model_carries_what_aligner_loads_and_a_trained_bias_is_not_dropp
     for fqn in weights.keys():
         t = torch.tensor([0.75]) if fqn == "model.rm_head.bias" else weights.read(fqn)
         writer.write_group(fqn, [Chunk(fqn, tuple(t.shape), (0,) * t.dim(), t)])
+    writer.write_group("objects", [StoredObject(k) for k in weights.object_keys()])
     writer.finish()
     res = _run("nemo-to-hf", "--nemo", str(trained), "--out", str(tmp_path / "back"))
     assert res.returncode == 2 and "rm_head.bias is [0.75]" in res.stderr and "--drop-rm-bias" in res.stderr
+    res = _run("verify", "--hf", str(tmp_path / "rm"), "--nemo", str(trained))  # the bias is visible in the rewards
+    assert res.returncode == 1 and abs(json.loads(res.stdout.strip().splitlines()[-1])["max_abs_diff"] - 0.75) < 1e-5
     assert not (tmp_path / "back").exists()
     res = _run("nemo-to-hf", "--nemo", str(trained), "--out", str(tmp_path / "back"), "--drop-rm-bias")
     assert res.returncode == 0 and "dropping rm_head.bias [0.75]" in res.stderr
