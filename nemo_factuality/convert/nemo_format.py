@@ -174,8 +174,16 @@ def _open_work_dir(work: Path, job: dict, restart: bool) -> None:
     job_file.write_text(json.dumps(job))
 
 
-def _write_weights(hf: HFCheckpoint, spec: ModelSpec, weights: Path, dtype: str, tp: int) -> dict:
-    """Stream every group into ``weights`` (skipping groups a previous run finished); returns the manifest."""
+def _write_weights(hf: HFCheckpoint, spec: ModelSpec, work: Path, dtype: str, tp: int) -> dict:
+    """Stream every group into ``work/model_weights`` (skipping what a previous run finished); returns the manifest.
+
+    ``manifest.json`` is written before the weights' ``.metadata``, so a run that finds both knows the
+    weights are complete (it was interrupted while packaging) and goes straight to packaging.
+    """
+    weights, manifest_path = work / "model_weights", work / "manifest.json"
+    if (weights / ".metadata").is_file() and manifest_path.is_file():
+        log.info("resuming: the weights in %s are complete; packaging", weights)
+        return json.loads(manifest_path.read_text())["tensors"]
     writer = TorchDistWriter(weights)
     done = writer.groups_done()
     groups = hf_to_mcore_groups(hf.get, spec)
@@ -198,15 +206,15 @@ def _write_weights(hf: HFCheckpoint, spec: ModelSpec, weights: Path, dtype: str,
 
         writer.write_group(group, chunks(), extra=entries)
         manifest.update(entries)
-        _maybe_simulate_crash(len(writer.groups_done()))
+        _maybe_simulate_crash(f"group:{len(writer.groups_done())}")
+    manifest_path.write_text(json.dumps({"family": spec.family, "tensors": manifest}, indent=1))
     writer.finish()
     return manifest
 
 
-def _maybe_simulate_crash(groups_written: int) -> None:
-    """Fault injection for the resume test: ``NF_CONVERT_CRASH_AFTER_GROUPS=k`` kills the process like SIGKILL."""
-    limit = os.environ.get("NF_CONVERT_CRASH_AFTER_GROUPS")
-    if limit and groups_written >= int(limit):
+def _maybe_simulate_crash(point: str) -> None:
+    """Fault injection for the resume tests: ``NF_CONVERT_CRASH_AT=group:<k>|package`` dies there like SIGKILL."""
+    if os.environ.get("NF_CONVERT_CRASH_AT") == point:
         os._exit(137)
 
 
@@ -230,28 +238,29 @@ def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", e
     job = {"format": 2, "source": str(hf_dir), "files": hf.fingerprint(), "dtype": dtype, "tp": tp, "pp": pp,
            "divisor": spec.divisor, "extracted": extracted}
     _open_work_dir(work, job, restart)
-    manifest = _write_weights(hf, spec, work / "model_weights", dtype, tp)
+    manifest = _write_weights(hf, spec, work, dtype, tp)
     main_file = next(f for f in ("tokenizer.json", "tokenizer.model", "vocab.json") if f in tok_files)
     tokenizer_type = str(out / "tokenizer") if extracted else "tokenizer"
     (work / "model_config.yaml").write_text(yaml.safe_dump(nemo_model_config(spec, dtype, tp, pp, main_file, tokenizer_type),
                                                            sort_keys=False))
     (work / "hf_config.json").write_text(json.dumps(hf.config, indent=2))
-    (work / "manifest.json").write_text(json.dumps({"family": spec.family, "tensors": manifest}, indent=1))
     (work / "tokenizer").mkdir(exist_ok=True)
     for f in tok_files:
         shutil.copy2(hf_dir / f, work / "tokenizer" / f)
     # AutoTokenizer falls back to config.json when tokenizer_config.json names no class it knows (older transformers)
     shutil.copy2(hf_dir / "config.json", work / "tokenizer" / "config.json")
-    (work / JOB_FILE).unlink()
+    _maybe_simulate_crash("package")
     if extracted:
         if out.exists():
             shutil.rmtree(out)
         os.replace(work, out)
+        (out / JOB_FILE).unlink()
     else:
         tmp_tar = out.with_name(f".{out.name}.tar.partial")
         with tarfile.open(tmp_tar, "w") as tar:
             for item in sorted(work.iterdir()):
-                tar.add(item, arcname=f"./{item.name}")
+                if item.name != JOB_FILE:
+                    tar.add(item, arcname=f"./{item.name}")
         os.replace(tmp_tar, out)
         shutil.rmtree(work)
     log.info("wrote %s (%d tensors, TP=%d PP=%d, %s)", out, len(manifest), tp, pp, dtype)

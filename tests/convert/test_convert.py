@@ -174,7 +174,7 @@ def test_interrupted_conversion_resumes_and_matches_a_clean_one(models, tmp_path
     hf, out = models["llama_tied"], tmp_path / "m"
     crashed = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf),
                               "--out", str(out), "--extracted", "--tp", "2"],
-                             env=dict(ENV, NF_CONVERT_CRASH_AFTER_GROUPS="2"), capture_output=True, text=True, timeout=240)
+                             env=dict(ENV, NF_CONVERT_CRASH_AT="group:2"), capture_output=True, text=True, timeout=240)
     assert crashed.returncode == 137 and not out.exists()
     partial = tmp_path / ".m.partial"
     assert len(list((partial / "model_weights").glob("__0_*.distcp"))) == 2
@@ -191,6 +191,19 @@ def test_interrupted_conversion_resumes_and_matches_a_clean_one(models, tmp_path
     assert _tensor_metadata(out / "model_weights") == _tensor_metadata(clean / "model_weights")
     assert all(torch.equal(a.read(k), b.read(k)) for k in a.keys())
     assert not list((out / "model_weights").glob("*.tmp")) and not (out / "model_weights" / ".progress.jsonl").exists()
+    # killed while packaging the tar: the rerun finds complete weights and only packages
+    tar = tmp_path / "m.nemo"
+    crashed = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf),
+                              "--out", str(tar)], env=dict(ENV, NF_CONVERT_CRASH_AT="package"),
+                             capture_output=True, text=True, timeout=240)
+    assert crashed.returncode == 137 and not tar.exists()
+    resumed = _run("hf-to-nemo", "--hf", str(hf), "--out", str(tar))
+    assert resumed.returncode == 0 and "weights in" in resumed.stderr and "are complete; packaging" in resumed.stderr
+    with tarfile.open(tar) as archive:
+        assert "./job.json" not in archive.getnames()
+    assert _run("nemo-to-hf", "--nemo", str(tar), "--out", str(tmp_path / "back")).returncode == 0
+    x, y = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def test_sharded_safetensors_both_ways(models, tmp_path):
