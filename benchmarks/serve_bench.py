@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
-
-
-def _ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    out = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return out
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -48,6 +37,7 @@ def main() -> None:
     from nemo_factuality.serving.client import RemoteFactualityReward
     from nemo_factuality.serving.config import ServeConfig
     from nemo_factuality.serving.server import FactualityRewardServer
+    from nemo_factuality.testing.ports import free_ports
 
     tmp = Path(tempfile.mkdtemp())
     kb = build_store(DATA_DIR / "demo_passages.jsonl", tmp / "kb.sqlite", facts_jsonl=DATA_DIR / "demo_facts.jsonl", progress=False)
@@ -56,7 +46,7 @@ def main() -> None:
 
     records = [json.loads(line) for line in open(DATA_DIR / "demo_eval.jsonl", encoding="utf-8")]
     prompts, responses = [r["prompt"] for r in records], [r["response"] for r in records]
-    http, grpc, tm, health, metrics = _ports(5)
+    http, grpc, tm, health, metrics = free_ports(5)
     cfg = ServeConfig(host="127.0.0.1", http_port=http, grpc_port=grpc, triton_metrics_port=tm, health_port=health,
                       metrics_port=metrics, response_marker="\n", max_queue_delay_us=1000)
     rows = []

@@ -53,6 +53,16 @@ class PipelineConfig:
     abstain_detection: str | None = "generic"
 
 
+def merged_health(parts: Sequence[Any]) -> dict[str, str | None]:
+    """One ``{component: None or failure}`` map from every part that has a ``health()``."""
+    out: dict[str, str | None] = {}
+    for part in parts:
+        fn = getattr(part, "health", None)
+        if callable(fn):
+            out.update(fn())
+    return out
+
+
 class FactualityPipeline:
     """Composes the four stages; ``check`` returns one ``FactCheck`` per response."""
 
@@ -67,12 +77,7 @@ class FactualityPipeline:
 
     def health(self) -> dict[str, str | None]:
         """Merged ``health()`` of the parts that report one (component → None or the failure)."""
-        out: dict[str, str | None] = {}
-        for part in (self.segmenter, self.extractor, self.evidence, self.verifier):
-            fn = getattr(part, "health", None)
-            if callable(fn):
-                out.update(fn())
-        return out
+        return merged_health((self.segmenter, self.extractor, self.evidence, self.verifier))
 
     def stats(self) -> dict[str, float]:
         """Counters of the parts and of their judge clients (each client counted once), prefixed ``judge_``."""

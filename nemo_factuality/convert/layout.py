@@ -65,7 +65,7 @@ def checkpoint_name(key: str) -> tuple[str, int | None]:
     return "model." + to_te_name(base), layer
 
 
-def _tp_blocks(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, int]:
+def _tp_blocks(key: str, tp: int) -> tuple[int, int]:
     """(axis, number of equal blocks) for this tensor under TP."""
     if tp == 1:
         return 0, 1
@@ -81,7 +81,7 @@ def _tp_blocks(key: str, shape: tuple[int, ...], tp: int) -> tuple[int, int]:
 def chunks_for(key: str, tensor: torch.Tensor, spec: ModelSpec, tp: int) -> Iterator[Chunk]:
     """The chunks a TP=``tp`` Megatron run would store for the local-spec tensor ``key``."""
     fqn, layer = checkpoint_name(key)
-    axis, blocks = _tp_blocks(key, tuple(tensor.shape), tp)
+    axis, blocks = _tp_blocks(key, tp)
     if tensor.shape[axis] % blocks:
         raise FactualityInputError(f"{key}: size {tensor.shape[axis]} on axis {axis} is not divisible into {blocks} TP blocks")
     step = tensor.shape[axis] // blocks

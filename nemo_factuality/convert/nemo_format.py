@@ -41,6 +41,7 @@ from nemo_factuality.types import FactualityInputError
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
+TOKENIZER_MAIN_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of these makes a usable tokenizer
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 JOB_FILE = "job.json"
 
@@ -150,7 +151,7 @@ def megatron_sharded_state_dict(mcore: dict[str, torch.Tensor], spec: ModelSpec)
 
 def _tokenizer_files(hf_dir: Path) -> list[str]:
     found = [f for f in TOKENIZER_FILES if (hf_dir / f).is_file()]
-    if not any(f in found for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+    if not any(f in found for f in TOKENIZER_MAIN_FILES):
         raise FactualityInputError(f"{hf_dir} has no tokenizer files (tokenizer.json / tokenizer.model / vocab.json): "
                                    "save the tokenizer next to the weights; a .nemo must carry its tokenizer")
     return found
@@ -239,7 +240,7 @@ def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", e
            "divisor": spec.divisor, "extracted": extracted}
     _open_work_dir(work, job, restart)
     manifest = _write_weights(hf, spec, work, dtype, tp)
-    main_file = next(f for f in ("tokenizer.json", "tokenizer.model", "vocab.json") if f in tok_files)
+    main_file = next(f for f in TOKENIZER_MAIN_FILES if f in tok_files)
     tokenizer_type = str(out / "tokenizer") if extracted else "tokenizer"
     (work / "model_config.yaml").write_text(yaml.safe_dump(nemo_model_config(spec, dtype, tp, pp, main_file, tokenizer_type),
                                                            sort_keys=False))
@@ -357,14 +358,7 @@ def nemo_to_hf(nemo: str | Path, out_dir: str | Path, *, hf_config: str | Path |
             if bool(bias.ne(0).any()):
                 log.warning("dropping rm_head.bias %s: HF rewards are shifted by minus that", bias.tolist())
 
-        def meta(key: str) -> torch.Tensor:
-            fqn, layer = checkpoint_name(key)
-            shape = weights.shape(fqn) if fqn in weights.tensors else None
-            if shape is None:
-                raise FactualityInputError(f"checkpoint has no tensor {fqn!r} (needed for {key}); keys: {weights.keys()[:4]}")
-            return torch.empty(shape[1:] if layer is not None else shape, dtype=weights.dtype(fqn), device="meta")
-
-        plan = [(name, t.dtype, tuple(t.shape)) for name, t in mcore_to_hf(meta, spec)]
+        plan = [(name, t.dtype, tuple(t.shape)) for name, t in mcore_to_hf(lambda key: weights.meta(*checkpoint_name(key)), spec)]
         stored = str(plan[0][1]).removeprefix("torch.")  # record the dtype the weights really have
         config = {**config, "torch_dtype": stored, **({"dtype": stored} if "dtype" in config else {})}
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))

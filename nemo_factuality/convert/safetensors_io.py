@@ -41,7 +41,7 @@ class _Entry:
         self.file, self.dtype, self.shape, self.begin, self.end = file, dtype, shape, begin, end
 
 
-def read_header(path: Path) -> tuple[dict[str, _Entry], dict]:
+def read_header(path: Path) -> dict[str, _Entry]:
     """Parse and validate one file's header: every tensor must lie inside the file and match its shape."""
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -69,7 +69,7 @@ def read_header(path: Path) -> tuple[dict[str, _Entry], dict]:
             raise FactualityInputError(f"{path} is corrupted or truncated: tensor {name!r} ends at byte {data_start + end}, "
                                        f"the file has {size}; re-download or re-save the shard")
         entries[name] = _Entry(path, dtype, shape, data_start + begin, data_start + end)
-    return entries, header.get("__metadata__") or {}
+    return entries
 
 
 class SafetensorsReader:
@@ -78,7 +78,7 @@ class SafetensorsReader:
     def __init__(self, files: Iterable[Path]) -> None:
         self.entries: dict[str, _Entry] = {}
         for path in files:
-            entries, _ = read_header(path)
+            entries = read_header(path)
             clash = set(entries) & set(self.entries)
             if clash:
                 raise FactualityInputError(f"{path}: tensors {sorted(clash)[:3]} also appear in another shard")

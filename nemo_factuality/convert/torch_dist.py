@@ -236,11 +236,20 @@ class TorchDistReader:
             raise FactualityInputError(f"{path}: chunk of {fqn!r} has shape {tuple(data.shape)}, metadata says {tuple(chunk.sizes)}")
         return data
 
-    def read(self, fqn: str, index: int | None = None) -> torch.Tensor:
-        """The global tensor ``fqn``, or just ``fqn[index]`` (one layer of a layer-stacked tensor)."""
+    def _tensor_metadata(self, fqn: str) -> TensorStorageMetadata:
         if fqn not in self.tensors:
             raise FactualityInputError(f"{self.dir}: no tensor {fqn!r} (has {sorted(self.tensors)[:4]}...)")
-        md = self.tensors[fqn]
+        return self.tensors[fqn]
+
+    def meta(self, fqn: str, index: int | None = None) -> torch.Tensor:
+        """What ``read(fqn, index)`` would return, as a data-less ``meta`` tensor (shape and dtype only)."""
+        md = self._tensor_metadata(fqn)
+        size = tuple(md.size)[1:] if index is not None else tuple(md.size)
+        return torch.empty(size, dtype=md.properties.dtype, device="meta")
+
+    def read(self, fqn: str, index: int | None = None) -> torch.Tensor:
+        """The global tensor ``fqn``, or just ``fqn[index]`` (one layer of a layer-stacked tensor)."""
+        md = self._tensor_metadata(fqn)
         size = tuple(md.size)
         lo = [0] * len(size)
         if index is not None:

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from nemo_factuality.knowledge.store import normalize
+from nemo_factuality.pipeline import merged_health
 from nemo_factuality.types import Claim, FactualityInputError, Span, Verdict
 
 _INJECTION_PATTERNS = [
@@ -157,12 +158,7 @@ class RewardParts:
         return []
 
     def health(self) -> dict[str, str | None]:
-        out: dict[str, str | None] = {}
-        for part in self._parts():
-            fn = getattr(part, "health", None)
-            if callable(fn):
-                out.update(fn())
-        return out
+        return merged_health(self._parts())
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import threading
 import time
@@ -23,6 +22,7 @@ from nemo_factuality.serving.client import RemoteFactualityReward, RemoteRewardE
 from nemo_factuality.serving.config import ServeConfig  # noqa: E402
 from nemo_factuality.serving.server import FactualityRewardServer  # noqa: E402
 from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer  # noqa: E402
+from nemo_factuality.testing.ports import free_ports  # noqa: E402
 from nemo_factuality.verify.llm_judge import InformativenessScorer  # noqa: E402
 
 PROMPTS = ["Tell me about Paris.", "Tell me about Rome.", "Who are you?"]
@@ -47,16 +47,6 @@ def _judge(req):
     return Reply("3")
 
 
-def _free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_tokenizer_dir, tiny_tokenizer):
     os.environ.setdefault("PYTRITON_HOME", tempfile.mkdtemp(prefix="pytriton_home_"))
@@ -65,7 +55,7 @@ def stack(tiny_tokenizer_dir, tiny_tokenizer):
     pipe = build_pipeline({"extractor": {"name": "rlfh"}, "verifier": {"name": "llm_judge", "style": "rlfh"},
                            "abstain_detection": None}, judge_client=client)
     reward = RLFHReward(pipe, InformativenessScorer(client), tokenizer=tiny_tokenizer)
-    http, grpc, tmetrics, health, metrics = _free_ports(5)
+    http, grpc, tmetrics, health, metrics = free_ports(5)
     cfg = ServeConfig(policy_tokenizer=str(tiny_tokenizer_dir), host="127.0.0.1", http_port=http, grpc_port=grpc,
                       triton_metrics_port=tmetrics, health_port=health, metrics_port=metrics, max_queue_delay_us=500)
     server = FactualityRewardServer(cfg, reward)
@@ -227,7 +217,7 @@ def test_64_concurrent_clients_each_get_their_own_result_once(stack):
 
 
 def test_client_error_names_url_model_and_key():
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     with pytest.raises(RemoteRewardError) as err:
         RemoteFactualityReward(f"http://127.0.0.1:{port}", init_timeout_s=1, timeout_s=1)(["p"], ["r"])
     msg = str(err.value)
