@@ -62,8 +62,8 @@ def test_offsets_path_equals_incremental_decode_path(tiny_tokenizer, text):
     assert list(fast.token_ids) == ids
     assert slow.offsets[: len(ids)] == fast.offsets
     assert slow.offsets[-1] == (len(text), len(text))  # EOS covers no characters
-    # every character is covered by exactly one token's range, in order
-    assert [c for a, b in fast.offsets for c in range(a, b)] == list(range(len(text)))
+    # every character lies in at least one token (a character split across tokens lies in each of them)
+    assert {c for a, b in fast.offsets for c in range(a, b)} == set(range(len(text)))
 
 
 def test_span_to_tokens(tiny_tokenizer):
