@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import bisect
 import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from nemo_factuality.types import FactualityInputError, Span
 
