@@ -23,10 +23,19 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from nemo_factuality.config import load_config
-from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.evaluation.render import render_markdown, render_plot
+from nemo_factuality.evaluation.report import (
+    EvalOptions,
+    EvalRecord,
+    build_report,
+    check_core_fields,
+    check_unique_ids,
+    group_of,
+    parse_record,
+    to_json_safe,
+)
 from nemo_factuality.jsonl import iter_jsonl
-from nemo_factuality.types import Label
+from nemo_factuality.types import FactualityInputError, Label
 
 log = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -65,9 +74,26 @@ def _needs_checking(raw: dict[str, Any]) -> bool:
     return isinstance(claims, list) and any(isinstance(c, dict) and "label" not in c for c in claims)
 
 
+def _check_pipeline_fields(where: str, raw: dict[str, Any], cfg: EvalConfig) -> None:
+    """The fields the pipeline reads from an unlabelled record: topic a string or null, materials a list of strings or null."""
+    topic, materials = raw.get(cfg.topic_field), raw.get(cfg.materials_field)
+    if topic is not None and not isinstance(topic, str):
+        raise FactualityInputError(f"{where}: field {cfg.topic_field!r} must be a string or null, got {type(topic).__name__}")
+    if materials is not None and not (isinstance(materials, list) and all(isinstance(m, str) for m in materials)):
+        raise FactualityInputError(f"{where}: field {cfg.materials_field!r} must be a list of strings or null "
+                                   f"(evidence passages for fact-checking), got {type(materials).__name__}")
+
+
 def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig) -> None:
-    """Fill ``claims`` (with labels) in place for records that have none, using the configured pipeline."""
-    todo = [raw for _, raw in rows if _needs_checking(raw)]
+    """Fill ``claims`` (with labels) in place for records that have none, using the configured pipeline.
+
+    The fields the pipeline reads are checked on every such record before any is fact-checked.
+    """
+    todo = []
+    for where, raw in rows:
+        if _needs_checking(raw):
+            _check_pipeline_fields(where, raw, cfg)
+            todo.append(raw)
     if not todo:
         return
     from nemo_factuality.pipeline import build_pipeline
@@ -172,6 +198,11 @@ def main(argv: Sequence[str]) -> int:
     opts = EvalOptions(ks=_ints(args.k, "--k"), gammas=_floats(args.gamma, "--gamma"), hallulens_k=args.hallulens_k,
                        extra={"input": str(input_path), "group_by": args.group_by})
     rows = read_jsonl(input_path)
+    for where, raw in rows:  # all input checked before any (slow) fact-checking
+        check_core_fields(raw, where=where)
+        if args.group_by:
+            group_of(raw, args.group_by, where=where)
+    check_unique_ids(rows)
     label_with_pipeline(rows, cfg)
     records: list[EvalRecord] = [parse_record(raw, where=where, group_by=args.group_by) for where, raw in
                                  tqdm(rows, desc="scoring", unit="rec", disable=len(rows) < 1000)]

@@ -32,29 +32,59 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# Legend cost grows with the number and length of its labels (matplotlib lays out every glyph):
+# past these caps groups are drawn together as "other" and names are shortened.
+MAX_PLOTTED_GROUPS = 10
+MAX_LEGEND_CHARS = 40
+
+
+def legend_label(name: str) -> str:
+    """A group name as a legend entry: one line, at most ``MAX_LEGEND_CHARS``, ``$`` kept literal (no mathtext)."""
+    one_line = " ".join(name[: MAX_LEGEND_CHARS + 1].split())
+    short = one_line if len(one_line) <= MAX_LEGEND_CHARS else one_line[: MAX_LEGEND_CHARS - 1] + "…"
+    return short.replace("$", r"\$")
+
+
+def plotted_groups(records: Sequence[EvalRecord]) -> list[tuple[str, list[EvalRecord]]]:
+    """``(legend label, records)`` per plotted series: the first ``MAX_PLOTTED_GROUPS`` groups (first-seen
+    order), then one "other (N groups)" series for the rest."""
+    groups: dict[str, list[EvalRecord]] = {}
+    for r in records:
+        groups.setdefault(r.group, []).append(r)
+    names = list(groups)
+    series = [(legend_label(n), groups[n]) for n in names[:MAX_PLOTTED_GROUPS]]
+    rest = names[MAX_PLOTTED_GROUPS:]
+    if rest:
+        series.append((f"other ({len(rest)} groups)", [r for n in rest for r in groups[n]]))
+    return series
+
+
 def render_plot(records: Sequence[EvalRecord], path: Path) -> None:
-    """Scatter of SAFE precision against claims per response, one colour per group (PNG)."""
+    """Scatter of SAFE precision against claims per response, one colour per group (PNG).
+
+    Cost is linear in the number of records whatever the groups: at most ``MAX_PLOTTED_GROUPS`` + 1
+    series, legend labels of at most ``MAX_LEGEND_CHARS`` characters.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    groups: dict[str, list[EvalRecord]] = {}
-    for r in records:
-        groups.setdefault(r.group, []).append(r)
-    for k, (name, members) in enumerate(groups.items()):
+    series = plotted_groups(records)
+    for k, (label, members) in enumerate(series):
         pts = precision_points(members)
         if pts:
             xs, ys = zip(*pts)
             # Claim counts are integers: shift each group a little so overlapping groups stay visible.
-            shift = (k - (len(groups) - 1) / 2) * 0.08
-            ax.scatter([x + shift for x in xs], ys, label=name, alpha=0.7)
+            shift = (k - (len(series) - 1) / 2) * 0.08
+            other = k == MAX_PLOTTED_GROUPS
+            ax.scatter([x + shift for x in xs], ys, label=label, alpha=0.7, color="grey" if other else None)
     ax.set_xlabel("claims per response")
     ax.set_ylabel("precision (S / (S + NS))")
     ax.set_ylim(-0.05, 1.05)
     ax.set_title("Precision vs. claims per response")
-    if len(groups) > 1:
+    if len(series) > 1:
         ax.legend(fontsize=8)
     fig.tight_layout()
     with open(path, "wb") as fh:  # explicit handle: the temp name has no .png suffix
