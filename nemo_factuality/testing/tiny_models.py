@@ -26,12 +26,14 @@ _CORPUS = [
 ]
 
 
-def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 400):
+def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 400, corpus: list[str] | None = None):
     """Train a byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast``.
 
     Args:
         out_dir: if given, ``save_pretrained`` there (``tokenizer.json``, config, chat template).
         vocab_size: BPE vocabulary size including the 256 byte symbols and specials.
+        corpus: training sentences (default: a built-in mix of English, CJK, accents and emoji);
+            another corpus gives other merges, e.g. a second tokenizer for alignment tests.
 
     Returns:
         The HF fast tokenizer (with offsets mapping support and a ChatML-like template).
@@ -48,7 +50,7 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 40
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator((_CORPUS if corpus is None else corpus) * 4, trainer=trainer)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",

@@ -225,11 +225,11 @@ def _offsets_by_incremental_decode(tokenizer: Any, ids: list[int], text: str) ->
     pending: list[int] = []  # ids since the last completed character
     counted = 0  # characters of the pending window's text already counted in ``done``
     partial = False  # the ids so far end inside a character
+    ends_in_replacement = False  # the last completed character is a U+FFFD the text has there
     for tid in ids:
         if tid in specials:
             offsets.append((done, done + partial))
             continue
-        start = done
         window_text = decode(context + pending + [tid])
         if not window_text.startswith(context_text):
             raise _mismatch(text, done, window_text[len(context_text):])
@@ -237,6 +237,9 @@ def _offsets_by_incremental_decode(tokenizer: Any, ids: list[int], text: str) ->
         complete = new if text.startswith(new, done) else new.rstrip(_REPLACEMENT)
         if not text.startswith(complete, done):
             raise _mismatch(text, done, complete)
+        start = done
+        if ends_in_replacement and not partial and _continues_replacement(decode([tid]), new):
+            start = done - 1
         done += len(complete)
         partial = len(complete) < len(new)
         offsets.append((start, done + partial))
@@ -250,6 +253,7 @@ def _offsets_by_incremental_decode(tokenizer: Any, ids: list[int], text: str) ->
         elif new:  # a complete character: these ids become the context of the next
             context, pending, counted = pending + [tid], [], 0
             context_text = decode(context)
+            ends_in_replacement = complete.endswith(_REPLACEMENT)
     if partial:
         raise FactualityInputError(
             f"token ids end inside a character (the last {len(pending)} ids hold part of a multi-byte character "
@@ -260,6 +264,17 @@ def _offsets_by_incremental_decode(tokenizer: Any, ids: list[int], text: str) ->
             "pass the response's own token ids and the policy's tokenizer"
         )
     return offsets
+
+
+def _continues_replacement(alone: str, new: str) -> bool:
+    """Whether a token holds bytes of the U+FFFD before it: text that has U+FFFD is ambiguous, as an
+    unfinished character decodes to U+FFFD too. Decoded alone, a token opening with continuation
+    bytes shows more leading U+FFFD than it adds to the text (or adds nothing at all)."""
+    return not new or _leading_replacements(alone) > _leading_replacements(new)
+
+
+def _leading_replacements(s: str) -> int:
+    return len(s) - len(s.lstrip(_REPLACEMENT))
 
 
 def _mismatch(text: str, at: int, decoded: str) -> FactualityInputError:
