@@ -65,6 +65,22 @@ def test_group_by_and_demo(tmp_path):
     (b'{"id": 1, "prompt": "p", "claims": []}\n', r"r.jsonl:1: missing field 'response'"),
     (b'{"id": 1, "prompt": "p", "response": "r", "claims": [{"text": "c", "label": "maybe"}]}\n', r"label 'maybe' is not one of"),
     (b'{"id": 1, "prompt": "p", "response": "\xff"}\n', r"r.jsonl:1: invalid UTF-8"),
+    # issue 17: each of these was a traceback with exit 1
+    *[(b'{"id": 1, "prompt": "p", "response": "r", "claims": [], "unparseable": ' + v + b"}\n",
+       r"r.jsonl:1: field 'unparseable' must be a non-negative integer") for v in (b"null", b'"three"', b"-Infinity")],
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": [], "x": ' + b"[" * 1000 + b"]" * 1000 + b"}\n",
+     r"r.jsonl:1: JSON nested too deeply"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": [], "x": ' + b"[" * 100000 + b"]" * 100000 + b"}\n",
+     r"r.jsonl:1: JSON nested too deeply"),
+    (b'{"id": ' + b"1" * 4301 + b', "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:1: a JSON integer has more than 4300 digits"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "materials": 1.5}\n', r"r.jsonl:1: field 'materials' must be a list of strings"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "topic": ["t"]}\n', r"r.jsonl:1: field 'topic' must be a string or null"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": []}\n{"id": 2, "prompt": "p", "response": "r", "claims": []}\n'
+     b'{"id": "1", "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:3: id '1' repeats the id on \S*r.jsonl:1"),
+    (b'{"id": [1], "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:1: field 'id' must be a string or an integer"),
+    (b'{"id": 1, "prompt": {"a": 1}, "response": "r", "claims": []}\n', r"r.jsonl:1: field 'prompt' must be a string"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": [{"text": ["c"], "label": "supported"}]}\n',
+     r"r.jsonl:1: claims\[0\].text must be a string"),
 ])
 def test_bad_input_is_named_and_nothing_written(tmp_path, capsys, content, needle):
     src = tmp_path / "r.jsonl"
@@ -81,3 +97,24 @@ def test_group_by_missing_field(tmp_path):
     with pytest.raises(FactualityInputError, match="--group-by field 'nope'"):
         eval_main([ "--input", str(_write(tmp_path / "r.jsonl", [_rec(1, [S])])), "--output", str(tmp_path / "o"),
              "--group-by", "nope"])
+
+
+def test_group_by_value_must_be_a_scalar(tmp_path):
+    rec = {**_rec(1, [S]), "g": {"nested": [1, 2]}}
+    with pytest.raises(FactualityInputError, match=r"r.jsonl:1: --group-by field 'g' must be a string or a number"):
+        eval_main(["--input", str(_write(tmp_path / "r.jsonl", [rec])), "--output", str(tmp_path / "o"), "--group-by", "g"])
+
+
+def test_plot_series_and_legend_are_capped(tmp_path):
+    from nemo_factuality.evaluation.render import MAX_LEGEND_CHARS, MAX_PLOTTED_GROUPS, plotted_groups, render_plot
+    from nemo_factuality.evaluation.report import EvalRecord
+
+    names = ["$\\frac{$", "long " * 1000, "two\nlines"] + [f"g{k}" for k in range(22)]
+    records = [EvalRecord(str(i), "p", "r", (("c", S),), name) for i, name in enumerate(names)]
+    series = plotted_groups(records)
+    assert len(series) == MAX_PLOTTED_GROUPS + 1 and series[-1][0] == "other (15 groups)"
+    assert sum(len(members) for _, members in series) == len(records)  # every record is drawn
+    assert all(len(label) <= MAX_LEGEND_CHARS + 2 and "\n" not in label for label, _ in series)
+    assert series[0][0] == "\\$\\frac{\\$"  # literal dollars, not mathtext
+    render_plot(records, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -8,6 +8,8 @@ are checked against an oracle that reads each token's bytes.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from fuzz_support import budget, byte_level_oracle, json_values, texts
 from hypothesis import given, settings
@@ -49,7 +51,7 @@ def _check_invariants(al: TokenAlignment, tokenizer, spans: list[tuple[int, int]
 def text_and_spans(draw):
     text = draw(texts.filter(bool))
     cuts = draw(st.lists(st.integers(0, len(text)), min_size=2, max_size=8))
-    spans = [(a, b) for a, b in zip(sorted(cuts), sorted(cuts)[1:]) if a < b]
+    spans = [(a, b) for a, b in pairwise(sorted(cuts)) if a < b]
     return text, spans
 
 
@@ -79,7 +81,7 @@ def test_decode_path_matches_byte_oracle(which, request):
         text, spans = case
         cuts = sorted(set(data.draw(st.lists(st.integers(0, len(text)), max_size=10))) | {0, len(text)})
         ids: list[int] = []
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in pairwise(cuts):
             ids += tokenizer(text[a:b], add_special_tokens=False)["input_ids"]
             if data.draw(st.booleans()):
                 ids.append(eos)
