@@ -2,17 +2,20 @@
 
 Every property runs the same examples on every run (``derandomize``, no example database), on a
 fixed budget per test, so the suite is a regression test with a known cost (under 3 minutes on
-2 CPU cores). ``FUZZ_SCALE=20`` multiplies every budget for a longer local soak.
+2 CPU cores). For a longer soak: ``FUZZ_SCALE=20`` multiplies every budget and ``FUZZ_RANDOM=1``
+draws fresh examples (seed with ``--hypothesis-seed=N`` to repeat a run).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
     "fuzz",
-    derandomize=True,
+    derandomize=os.environ.get("FUZZ_RANDOM", "0") != "1",
     database=None,
     deadline=None,  # wall-clock limits live in the degenerate-input tests, sized to catch quadratic cost
     print_blob=True,
