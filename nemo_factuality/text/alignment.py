@@ -154,18 +154,21 @@ def _check_text(text: Any) -> None:
         ) from None
 
 
-def _check_ids(token_ids: Sequence[Any]) -> list[int]:
-    """The ids as Python ints, each an integer in ``[0, 2**32)`` (numpy integers accepted)."""
+def _check_ids(token_ids: Any) -> list[int]:
+    """The ids as Python ints, each an integer in ``[0, 2**32)`` (numpy/torch integers accepted)."""
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise FactualityInputError(f"token_ids must be a sequence of integers, got {type(token_ids).__name__}")
     ids = []
     for i, t in enumerate(token_ids):
-        if isinstance(t, bool):
-            raise FactualityInputError(f"token_ids[{i}] is {t!r}; token ids must be integers")
         try:
+            if isinstance(t, bool):
+                raise TypeError
             value = operator.index(t)
         except TypeError:
-            raise FactualityInputError(f"token_ids[{i}] is {t!r} ({type(t).__name__}); token ids must be integers") from None
+            raise FactualityInputError(f"token_ids[{i}] is a {type(t).__name__}; token ids must be integers") from None
         if not 0 <= value < _MAX_TOKEN_ID:
-            raise FactualityInputError(f"token_ids[{i}] is {value}; token ids lie in [0, 2**32)")
+            shown = value if value.bit_length() <= 64 else f"an integer of {value.bit_length()} bits"
+            raise FactualityInputError(f"token_ids[{i}] is {shown}; token ids lie in [0, 2**32)")
         ids.append(value)
     return ids
 

@@ -100,7 +100,8 @@ def test_a_token_ending_inside_a_character_still_holds_the_characters_before(tin
 
 
 @pytest.mark.parametrize("ids,needle", [([-1], r"token_ids\[0\] is -1"), ([5, 2**32], r"token_ids\[1\] is 4294967296"),
-                                        ([1.5], "must be integers"), (["7"], "must be integers"), ([True], "must be integers")])
+                                        ([1.5], "must be integers"), (["7"], "must be integers"), ([True], "must be integers"),
+                                        ([10**5000], "an integer of 16610 bits"), (7, "must be a sequence of integers")])
 def test_ids_that_are_not_token_ids_are_a_clear_error(tiny_tokenizer, ids, needle):
     with pytest.raises(FactualityInputError, match=needle):
         align_tokens(tiny_tokenizer, "a", ids)
