@@ -210,63 +210,85 @@ def _decoder(tokenizer: Any) -> Callable[[list[int]], str]:
 
 
 def _offsets_by_incremental_decode(tokenizer: Any, ids: list[int], text: str) -> list[tuple[int, int]]:
-    """Character ranges by incremental decoding, in time linear in ``len(ids)``.
-
-    Each step decodes a window: the context (the ids that completed the previous characters, so
-    decoders that treat a leading space specially see the same neighbours) plus the ids of the
-    character being completed. A window ending inside a character decodes to trailing U+FFFD, which
-    is held back until a later id completes it. Special ids hold no bytes and never enter a window.
+    """Character ranges by incremental decoding, in time linear in ``len(ids)`` (see ``_IncrementalAligner``).
 
     Raises:
         FactualityInputError: the ids decode to other text, or end inside a character.
     """
-    decode, specials = _decoder(tokenizer), _special_ids(tokenizer)
-    offsets: list[tuple[int, int]] = []
-    done = 0  # characters of ``text`` completed so far
-    context: list[int] = []
-    context_text = ""
-    pending: list[int] = []  # ids since the last completed character
-    counted = 0  # characters of the pending window's text already counted in ``done``
-    partial = False  # the ids so far end inside a character
-    ends_in_replacement = False  # the last completed character is a U+FFFD the text has there
-    for tid in ids:
-        if tid in specials:
-            offsets.append((done, done + partial))
-            continue
-        window_text = decode(context + pending + [tid])
-        if not window_text.startswith(context_text):
-            raise _mismatch(text, done, window_text[len(context_text):])
-        new = window_text[len(context_text) + counted:]
-        complete = new if text.startswith(new, done) else new.rstrip(_REPLACEMENT)
-        if not text.startswith(complete, done):
-            raise _mismatch(text, done, complete)
-        start = done
-        if ends_in_replacement and not partial and _continues_replacement(decode([tid]), new):
-            start = done - 1
-        done += len(complete)
-        partial = len(complete) < len(new)
-        offsets.append((start, done + partial))
-        if partial:
-            pending.append(tid)
-            counted += len(complete)
-            if len(pending) > _MAX_PENDING_TOKENS:
-                raise FactualityInputError(
-                    f"token ids {pending[:8]}... do not decode to whole characters near character {done}; "
-                    "pass the same tokenizer the policy used")
-        elif new:  # a complete character: these ids become the context of the next
-            context, pending, counted = pending + [tid], [], 0
-            context_text = decode(context)
-            ends_in_replacement = complete.endswith(_REPLACEMENT)
-    if partial:
+    aligner = _IncrementalAligner(_decoder(tokenizer), _special_ids(tokenizer), text)
+    offsets = [aligner.step(tid) for tid in ids]
+    if aligner.partial:
         raise FactualityInputError(
-            f"token ids end inside a character (the last {len(pending)} ids hold part of a multi-byte character "
-            f"after character {done}); pass ids that decode to whole characters")
-    if done != len(text):
+            f"token ids end inside a character (the last {len(aligner.pending)} ids hold part of a multi-byte "
+            f"character after character {aligner.done}); pass ids that decode to whole characters")
+    if aligner.done != len(text):
         raise FactualityInputError(
-            f"token ids decode to {done} characters but the response has {len(text)}; "
+            f"token ids decode to {aligner.done} characters but the response has {len(text)}; "
             "pass the response's own token ids and the policy's tokenizer"
         )
     return offsets
+
+
+class _IncrementalAligner:
+    """Walks the ids once; each step decodes a window of at most a few dozen ids.
+
+    The window is the context (ids after a character boundary that produced the latest text, so
+    decoders that strip a leading space or join byte-fallback runs see the same neighbours) plus
+    the pending ids of a character not yet complete. A window ending inside a character decodes to
+    trailing U+FFFD (byte-fallback decoders may garble the whole run): held back until an id
+    completes it. Special ids hold no bytes and never enter a window.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], specials: frozenset[int], text: str) -> None:
+        self.decode, self.specials, self.text = decode, specials, text
+        self.done = 0  # characters of ``text`` completed so far
+        self.context: list[int] = []
+        self.context_text = ""
+        self.pending: list[int] = []  # ids since the context, holding an unfinished character
+        self.counted = 0  # characters of the pending window's text already counted in ``done``
+        self.partial = False  # the ids so far end inside a character
+        self.ends_in_replacement = False  # the last completed character is a U+FFFD the text has there
+
+    def step(self, tid: int) -> tuple[int, int]:
+        """The character range of the next id."""
+        if tid in self.specials:
+            return self.done, self.done + self.partial
+        window_text = self.decode(self.context + self.pending + [tid])
+        if not window_text.startswith(self.context_text):
+            if not window_text.endswith(_REPLACEMENT):
+                raise _mismatch(self.text, self.done, window_text[len(self.context_text):])
+            return self._hold(tid, "")  # a byte-fallback run garbled until its character completes
+        new = window_text[len(self.context_text) + self.counted:]
+        complete = new if self.text.startswith(new, self.done) else new.rstrip(_REPLACEMENT)
+        if not self.text.startswith(complete, self.done):
+            raise _mismatch(self.text, self.done, complete)
+        start = self.done
+        if self.ends_in_replacement and not self.partial and _continues_replacement(self.decode([tid]), new):
+            start -= 1
+        if len(complete) < len(new):
+            return self._hold(tid, complete, start)
+        self.done += len(complete)
+        self.partial = False
+        if new:  # a complete character: these ids become the context of the next
+            self.context, self.pending, self.counted = self.pending + [tid], [], 0
+            self.ends_in_replacement = complete.endswith(_REPLACEMENT)
+        else:  # no bytes of text (or swallowed by the decoder): a boundary all the same
+            self.context = self.context + [tid] if len(self.context) < _MAX_PENDING_TOKENS else [tid]
+        self.context_text = self.decode(self.context)
+        return start, self.done
+
+    def _hold(self, tid: int, complete: str, start: int | None = None) -> tuple[int, int]:
+        """Count ``complete`` and keep ``tid`` pending: it ends inside a character."""
+        start = self.done if start is None else start
+        self.done += len(complete)
+        self.counted += len(complete)
+        self.partial = True
+        self.pending.append(tid)
+        if len(self.pending) > _MAX_PENDING_TOKENS:
+            raise FactualityInputError(
+                f"token ids {self.pending[:8]}... do not decode to whole characters near character {self.done}; "
+                "pass the same tokenizer the policy used")
+        return start, self.done + 1
 
 
 def _continues_replacement(alone: str, new: str) -> bool:

@@ -38,3 +38,10 @@ def second_tokenizer():
     from nemo_factuality.testing.tiny_models import build_tiny_tokenizer
 
     return build_tiny_tokenizer(vocab_size=520, corpus=_OTHER_CORPUS)
+
+
+@pytest.fixture(scope="session")
+def byte_fallback_tokenizer():
+    from fuzz_support import build_byte_fallback_tokenizer
+
+    return build_byte_fallback_tokenizer()

@@ -79,3 +79,29 @@ def byte_level_oracle(tokenizer: Any, text: str, ids: list[int]) -> list[tuple[i
         pos += len(symbols)
     assert pos == len(char_of_byte) - 1, "the ids hold other bytes than the text"
     return out
+
+
+def build_byte_fallback_tokenizer() -> Any:
+    """A SentencePiece-style tokenizer (Llama-2/Mistral kind): "▁" for spaces, one prepended, byte-fallback
+    tokens ``<0xNN>`` for characters outside the vocabulary, and a decoder that strips the leading space
+    and decodes each run of byte tokens as a whole — unlike byte-level BPE on every count."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.normalizer = normalizer
+    corpus = ["The Eiffel Tower is in Paris. Café naïve résumé.", "東京は日本の首都です。", "plain words, and more words here!"]
+    base.train_from_iterator(corpus * 4, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                             show_progress=False))
+    vocab = base.get_vocab()
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in json.loads(base.to_str())["model"]["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizer
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")

@@ -15,7 +15,7 @@ from fuzz_support import budget, byte_level_oracle, json_values, texts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_factuality.text.alignment import TokenAlignment, align_tokens
+from nemo_factuality.text.alignment import TokenAlignment, _offsets_by_incremental_decode, align_tokens
 from nemo_factuality.text.segment import RegexSegmenter
 from nemo_factuality.types import FactualityInputError, Span
 
@@ -92,6 +92,33 @@ def test_decode_path_matches_byte_oracle(which, request):
     prop()
 
 
+def test_byte_fallback_tokenizer_both_paths_keep_the_invariants(byte_fallback_tokenizer):
+    """A SentencePiece-style tokenizer: no byte oracle, but both paths must hold every character and span."""
+    tokenizer = byte_fallback_tokenizer
+    eos = tokenizer.eos_token_id
+
+    @settings(max_examples=budget(200))
+    @given(text_and_spans(), st.data())
+    def prop(case, data):
+        text, spans = case
+        if "▁" in text:
+            return  # the space marker itself decodes to a space: such text is never a decoding
+        fast = align_tokens(tokenizer, text)
+        ids = list(fast.token_ids)
+        for at in sorted(data.draw(st.lists(st.integers(0, len(ids)), max_size=3)), reverse=True):
+            ids.insert(at, eos)
+        decoded = TokenAlignment(text, fast.token_ids, tuple(_offsets_by_incremental_decode(tokenizer, list(fast.token_ids), text)))
+        with_eos = align_tokens(tokenizer, text, ids)  # EOS inside the ids: the decoding path
+        for al in (fast, decoded, with_eos):
+            holders = {c for a, b in al.offsets for c in range(a, b)}
+            assert holders == set(range(len(text)))
+            for a, b in spans:
+                first, end = al.token_range(Span(a, b))
+                assert set(range(a, b)) <= {c for s, e in al.offsets[first:end] for c in range(s, e)}
+
+    prop()
+
+
 # Text holding U+FFFD is left out: ids cut inside a U+FFFD decode to exactly that text.
 @settings(max_examples=budget(200))
 @given(texts.filter(lambda t: t and "\ufffd" not in t), st.data())
@@ -105,14 +132,22 @@ def test_ids_ending_inside_a_character_are_an_error(tiny_tokenizer, text, data):
         align_tokens(tiny_tokenizer, text, ids[:cut])
 
 
-@settings(max_examples=budget(300))
-@given(texts, st.lists(st.integers(-(2**40), 2**40) | st.just(10**5000) | json_values, max_size=12))
-def test_any_ids_give_an_alignment_or_a_clear_error(tiny_tokenizer, text, ids):
-    try:
-        al = align_tokens(tiny_tokenizer, text, ids)
-    except FactualityInputError:
-        return
-    assert {c for a, b in al.offsets for c in range(a, b)} == set(range(len(text)))
+@pytest.mark.parametrize("which", ["tiny_tokenizer", "byte_fallback_tokenizer"])
+def test_any_ids_give_an_alignment_or_a_clear_error(which, request):
+    tokenizer = request.getfixturevalue(which)
+    ids_of_text = st.builds(lambda t: tokenizer(t, add_special_tokens=False)["input_ids"], texts)
+
+    @settings(max_examples=budget(150))
+    @given(texts, st.lists(st.integers(-(2**40), 2**40) | st.integers(0, 600) | st.just(10**5000) | json_values, max_size=12)
+           | ids_of_text.map(lambda ids: ids[::2] + ids[1::2]))
+    def prop(text, ids):
+        try:
+            al = align_tokens(tokenizer, text, ids)
+        except FactualityInputError:
+            return
+        assert {c for a, b in al.offsets for c in range(a, b)} == set(range(len(text)))
+
+    prop()
 
 
 @settings(max_examples=budget(100))
