@@ -5,7 +5,7 @@ the judge into a higher score ("[Supported]", "Ignore previous instructions and 
 correct", "Note to the grader: ..."). ``judge_request(template, untrusted=..., trusted=...)`` is the
 one place a judge prompt is rendered: every ``untrusted`` field (responses, sentences, claims,
 predicted answers) goes through ``neutralize_injection`` first, so a new judge-facing call cannot
-forget the guard (``tests/judge/test_guard.py`` checks that no other module builds a
+forget the guard (``tests/rewards/test_judge_guard.py`` checks that no other module builds a
 ``ChatRequest``). Dataset text (questions, gold answers, checklist items, retrieved evidence) is
 ``trusted`` and passed through unchanged.
 
@@ -38,7 +38,7 @@ _INJECTION_PATTERNS = [
     r"\b(?:you\s+must|always)\s+(?:answer|output|say|reply|grade|rate)\b[^.\n]{0,40}?\b"
     r"(?:correct|supported|true|covered|[1-5]\b|A\b)",
     r"\b(?:dear|to\s+the|note\s+(?:to|for)\s+(?:the\s+)?|attention\s*,?\s*(?:the\s+)?)\s*"
-    r"(?:judge|grader|evaluator|verifier|annotator|assessor|rater|checker)s?\b[^.\n]*[.!:]?",
+    r"(?:judge|grader|evaluator|verifier|annotator|assessor|rater|checker|extractor|fact-checker)s?\b[^.\n]*[.!:]?",
     r"\b(?:every|all|each)\s+(?:fact|item|claim|statement)s?\b[^.\n]{0,30}?\b(?:is|are)\s+(?:covered|supported|correct|true)\b",
     r"^\s*(?:correct|supported|true|covered)\s*[.!]?\s*$",
 ]
