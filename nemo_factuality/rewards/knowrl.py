@@ -62,8 +62,8 @@ def combine(r_correct: float, refusal: bool, r_fact: float, mode: str) -> float:
 
 class MultiTitleEvidence:
     """Evidence for ``;``-joined topics (KnowRL's KB titles): the inner provider is asked once per title
-    (all in one batch) and the passages are interleaved, deduplicated and capped at the longest single
-    answer, so every title is searched, not only the first."""
+    (all in one batch) and the passages are interleaved, deduplicated and capped at the provider's ``k``
+    (the longest single answer when it has none), so every title is searched, not only the first."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -84,7 +84,8 @@ class MultiTitleEvidence:
             per_query[j].append(list(passages))
         out = []
         for lists in per_query:
-            cap, merged, seen = max((len(x) for x in lists), default=0), [], set()
+            cap = getattr(self.inner, "k", None) or max((len(x) for x in lists), default=0)
+            merged, seen = [], set()
             for passage in (p for group in itertools.zip_longest(*lists) for p in group if p is not None):
                 if passage not in seen:
                     seen.add(passage)
