@@ -285,3 +285,17 @@ def test_client_error_names_url_model_and_key():
         RemoteFactualityReward(f"http://127.0.0.1:{port}", init_timeout_s=1, timeout_s=1)(["p"], ["r"])
     msg = str(err.value)
     assert f"127.0.0.1:{port}" in msg and "factuality_reward" in msg and "reward.timeout_s" in msg
+
+
+def test_remote_general_rm_reads_a_reward_model_endpoint(stack, tiny_tokenizer):
+    """KLCF's general RM as a remote NeMo-Aligner ``reward_model`` endpoint (here: this server's own)."""
+    from nemo_factuality.rewards.general_rm import GeneralRMError, build_general_rm
+
+    template = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "{prompt}"}], tokenize=False,
+                                                  add_generation_prompt=True) + "{response}"
+    rm = build_general_rm({"kind": "remote", "url": stack["url"], "model_name": "reward_model", "template": template})
+    scores = rm(PROMPTS[:2], RESPONSES[:2])
+    np.testing.assert_allclose(scores, stack["reward"](PROMPTS[:2], RESPONSES[:2]).scores, atol=1e-5)
+    assert rm.health() == {f"general_rm:{stack['url']}/reward_model": None}
+    with pytest.raises(GeneralRMError, match="general_rm.url"):
+        build_general_rm({"kind": "remote", "url": "http://127.0.0.1:9", "timeout_s": 1})(["q"], ["a"])
