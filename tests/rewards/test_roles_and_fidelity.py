@@ -135,7 +135,13 @@ def test_rlfh_informativeness_survives_a_changed_comma_in_the_echo(tiny_tokenize
 
 
 def test_rlfh_scalar_is_the_sum_of_clipped_tokens(tiny_tokenizer):
-    with ScriptedOpenAIServer(_rlfh_judge(RESPONSE)) as srv:
+    def judge(req):  # one verbatim statement (ends at "France"), one paraphrase (ends at "airports")
+        content = req["messages"][-1]["content"]
+        if "atomic statements" in content:
+            return Reply(f">> Sentence 1: {RESPONSE}\n* Paris is the capital of France\n* Paris has two airports")
+        return Reply("Correct") if "Choose from" in content else Reply("4")
+
+    with ScriptedOpenAIServer(judge) as srv:
         client = OpenAIJudgeClient(srv.url, "judge")
         pipe = build_pipeline({"extractor": {"name": "rlfh"}, "evidence": {"name": "bm25_sections"},
                                "verifier": {"name": "llm_judge", "style": "rlfh"}}, judge_client=client)
@@ -145,7 +151,8 @@ def test_rlfh_scalar_is_the_sum_of_clipped_tokens(tiny_tokenizer):
         tok = RLFHReward(pipe, InformativenessScorer(client), cfg, tiny_tokenizer)(["q"], [RESPONSE], materials=[["x"]])
         plain = RLFHReward(pipe, InformativenessScorer(client), cfg)(["q"], [RESPONSE], materials=[["x"]])
     assert tok.scores[0] == pytest.approx(float(tok.token_rewards[0].sum(dtype=np.float64)), abs=1e-9)
-    assert plain.scores[0] == pytest.approx(tok.scores[0], abs=1e-5)  # per-position clipping without a tokenizer too
+    # 0.45 + 0.45 + min(0.5, 1.2 ln 3): per-position clipping, with or without a tokenizer (not clip(total))
+    assert tok.scores[0] == pytest.approx(1.4, abs=1e-5) and plain.scores[0] == pytest.approx(1.4, abs=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- §4 FSPO
