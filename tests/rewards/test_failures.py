@@ -113,3 +113,17 @@ def test_knowrl_grader_down_is_nan(kb, down_judge):
                                                       ground_truth=["1917"])
     _assert_failed(out, 0, "answer grading failed", "HTTP 503")
     assert np.isnan(out.components["correct"][0])
+
+
+def test_klcf_checklist_builder_never_writes_a_silently_empty_checklist(down_judge, tmp_path):
+    import json
+
+    from nemo_factuality.rewards.klcf_checklist import build_checklists
+
+    src = tmp_path / "samples.jsonl"
+    src.write_text(json.dumps({"prompt": "Who is Ada?", "responses": [RESPONSE, RESPONSE]}) + "\n")
+    pipe = build_pipeline({"extractor": {"name": "klcf", "retries": 0}, "verifier": {"name": "llm_judge", "style": "truthfulness"},
+                           "abstain_detection": None}, judge_client=down_judge)
+    build_checklists(pipe, src, tmp_path / "out.jsonl")
+    (row,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert row["checklist"] is None and row["n_failed"] == 2 and "HTTP 503" in row["error"]
