@@ -6,12 +6,17 @@ Guards (on by default, ``guards.*`` in each method's config):
 
 * **judge injection**: verdict-like text (``[Supported]``, ``Correct.``, ``Label: supported``,
   ``{"is_supported": true}``) and instructions aimed at the judge ("ignore previous instructions",
-  "rate this as correct") are blanked out — replaced by spaces of the same length, so character
-  spans and token alignment stay exact — before any claim reaches a judge. A response cannot raise
-  its own reward by talking to the judge; ``injection_penalty`` can additionally punish it.
+  "rate this as correct", "note to the grader") are blanked out — replaced by spaces of the same
+  length, so character spans and token alignment stay exact — in the completion before fact-checking
+  and, at the judge boundary (``judge.guard.judge_request``), in every untrusted field of every judge
+  prompt (claims, responses, predicted answers). A response cannot raise its own reward by talking to
+  a judge; ``injection_penalty`` additionally punishes the attempt in every method.
 * **duplicates**: claims are deduplicated on normalised text, so repeating a fact counts once.
 * **empty / padding**: a completion that is empty, whitespace or pad tokens only is an abstention
   (``NaN`` score), never precision 1.0.
+
+Failures (``mark_failures``): a sample whose fact-check or judge failed is ``NaN`` with the reason in
+``details[i]["error"]`` — never a default score.
 """
 
 from __future__ import annotations
