@@ -28,8 +28,8 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from nemo_factuality.config import load_config
-from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.evaluation.render import render_markdown, render_plot
+from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.jsonl import iter_jsonl
 from nemo_factuality.types import Label
 

@@ -23,7 +23,14 @@ import numpy as np
 
 from nemo_factuality.metrics.safe import f1_at_k
 from nemo_factuality.registry import REWARDS
-from nemo_factuality.rewards.base import GuardConfig, RewardParts, check_errors, mark_failures, nan_array, validate_batch
+from nemo_factuality.rewards.base import (
+    GuardConfig,
+    RewardParts,
+    check_errors,
+    mark_failures,
+    nan_array,
+    validate_batch,
+)
 from nemo_factuality.rewards.common import guarded_check, judge_from, pipeline_from
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch, Span
 

@@ -26,8 +26,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from nemo_factuality.registry import REWARDS
-from nemo_factuality.rewards.base import (GuardConfig, RewardParts, is_blank, load_tokenizer, mark_failures, nan_array,
-                                          neutralize_injection, placer_for, validate_batch)
+from nemo_factuality.rewards.base import (
+    GuardConfig,
+    RewardParts,
+    is_blank,
+    load_tokenizer,
+    mark_failures,
+    nan_array,
+    neutralize_injection,
+    placer_for,
+    validate_batch,
+)
 from nemo_factuality.rewards.common import extract_answer, guarded_check, pipeline_from
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch, Span
 

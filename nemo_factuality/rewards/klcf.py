@@ -26,7 +26,14 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from nemo_factuality.registry import REWARDS
-from nemo_factuality.rewards.base import GuardConfig, RewardParts, check_errors, mark_failures, nan_array, validate_batch
+from nemo_factuality.rewards.base import (
+    GuardConfig,
+    RewardParts,
+    check_errors,
+    mark_failures,
+    nan_array,
+    validate_batch,
+)
 from nemo_factuality.rewards.common import guarded_check, judge_from, pipeline_from, role_judge
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch
 

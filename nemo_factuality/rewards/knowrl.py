@@ -15,21 +15,35 @@
 
 from __future__ import annotations
 
-import re
 import copy
 import dataclasses
 import itertools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.metrics.factscore import length_penalty
 from nemo_factuality.registry import REWARDS
-from nemo_factuality.interfaces import EvidenceQuery
-from nemo_factuality.rewards.base import (GuardConfig, RewardParts, is_blank, mark_failures, nan_array, neutralize_injection,
-                                          validate_batch)
-from nemo_factuality.rewards.common import extract_answer, extract_think, guarded_check, judge_from, pipeline_from, role_judge
+from nemo_factuality.rewards.base import (
+    GuardConfig,
+    RewardParts,
+    is_blank,
+    mark_failures,
+    nan_array,
+    neutralize_injection,
+    validate_batch,
+)
+from nemo_factuality.rewards.common import (
+    extract_answer,
+    extract_think,
+    guarded_check,
+    judge_from,
+    pipeline_from,
+    role_judge,
+)
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch
 
 _FORMAT = re.compile(r"^<think>\s*(\S(?:(?!<think>|<answer>)[\s\S])*?)\s*</think>\s*<answer>\s*"

@@ -27,8 +27,17 @@ import numpy as np
 
 from nemo_factuality.interfaces import VerifyItem
 from nemo_factuality.registry import REWARDS
-from nemo_factuality.rewards.base import (GuardConfig, RewardParts, TokenPlacer, check_errors, load_tokenizer, mark_failures,
-                                          nan_array, placer_for, validate_batch)
+from nemo_factuality.rewards.base import (
+    GuardConfig,
+    RewardParts,
+    TokenPlacer,
+    check_errors,
+    load_tokenizer,
+    mark_failures,
+    nan_array,
+    placer_for,
+    validate_batch,
+)
 from nemo_factuality.rewards.common import guarded_check, judge_from, pipeline_from, role_judge
 from nemo_factuality.types import Claim, FactualityInputError, Label, RewardBatch, Sentence, Span, Verdict
 

@@ -14,7 +14,6 @@ from nemo_factuality.pipeline import build_pipeline
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards import FactualityEnvironment
 from nemo_factuality.rewards.factalign import FactAlignConfig, FactAlignLabeler
-from nemo_factuality.rewards.fspo import FSPOReward
 from nemo_factuality.rewards.knowrl import KnowRLReward
 from nemo_factuality.rewards.rlfh import RLFHReward
 from nemo_factuality.serving.config import ServeConfig
