@@ -212,9 +212,10 @@ def main(argv: Sequence[str]) -> int:
                   "groups": {}}
     report["failures"] = failure_block(failed, len(rows), args.max_failed_fraction)
     _atomic_write(out_json, lambda p: p.write_text(json.dumps(report, indent=2), encoding="utf-8"))
-    _atomic_write(out_json.with_suffix(".md"), lambda p: p.write_text(render_markdown(report), encoding="utf-8"))
+    markdown = render_markdown(report) + _failures_markdown(report["failures"])
+    _atomic_write(out_json.with_suffix(".md"), lambda p: p.write_text(markdown, encoding="utf-8"))
     _atomic_write(out_json.parent / "precision_vs_claims.png", lambda p: render_plot(records, p))
-    print(render_markdown(report))
+    print(markdown)
     log.info("wrote %s, %s and %s", out_json, out_json.with_suffix(".md"), out_json.parent / "precision_vs_claims.png")
     block = report["failures"]
     if block["n_failed"]:
@@ -225,6 +226,15 @@ def main(argv: Sequence[str]) -> int:
               f"{args.max_failed_fraction:g}; the report is written but this run is not a result", file=sys.stderr)
         return 1
     return 0
+
+
+def _failures_markdown(block: dict[str, Any]) -> str:
+    if not block["n_failed"]:
+        return ""
+    lines = [f"**{block['n_failed']} of {block['n_records']} records could not be fact-checked** and are excluded "
+             f"from every number above (fraction {block['fraction']:.3g}, limit {block['max_failed_fraction']:g}):", ""]
+    lines += [f"* `{r['where']}`: {r['error']}" for r in block["records"][:10]]
+    return "\n".join(lines) + "\n"
 
 
 def failure_block(failed: dict[str, str], n_records: int, max_fraction: float, *, listed: int = 100) -> dict[str, Any]:

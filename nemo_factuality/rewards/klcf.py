@@ -141,6 +141,9 @@ def build_klcf(pipeline: dict, judge: Any = None, checklist_judge: Any = None, g
     from nemo_factuality.rewards.general_rm import build_general_rm
     from nemo_factuality.verify.llm_judge import CoverageJudge
 
+    if float(cfg.get("w_rm", KLCFConfig.w_rm)) > 0 and not general_rm:
+        raise FactualityInputError("klcf: w_rm > 0 needs a general reward model: set reward.general_rm "
+                                   "({kind: hf, model_path: DIR} or {kind: remote, url: ...}), or reward.w_rm=0")
     judge_client = judge_from(judge)
     coverage_client = role_judge(checklist_judge, judge) or judge_client
     shared = judge if isinstance(judge, Mapping) else None

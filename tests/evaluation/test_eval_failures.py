@@ -62,6 +62,7 @@ def test_partial_failure_is_excluded_and_the_fraction_is_configurable(inputs, tm
     g = report["groups"]["all"]
     assert g["n_records"] == 3 and g["n_abstained"] == 0  # the failed record is not an abstention
     assert g["safe"]["precision"] == pytest.approx(1 / 3)  # 1917 supported; 1918, 1919 not; 1920 excluded
+    assert "1 of 4 records could not be fact-checked" in (tmp_path / "lenient" / "report.md").read_text()
 
 
 def test_fail_fast_stops_at_the_first_failure(inputs, tmp_path, capsys):

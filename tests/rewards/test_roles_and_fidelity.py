@@ -102,6 +102,8 @@ def test_general_rm_from_config_takes_effect(tiny_rm, kb):
         expected.append(1 / (1 + math.exp(-logit / 1.5)))
     np.testing.assert_allclose(out.components["general_rm"], expected, atol=1e-5)
     np.testing.assert_allclose(out.scores, out.components["truthfulness_precision"] + 2.0 * np.array(expected), atol=1e-5)
+    with pytest.raises(FactualityInputError, match="w_rm > 0 needs a general reward model"):
+        REWARDS.build({k: v for k, v in spec.items() if k != "general_rm"})
     # batched (padded) scoring gives the same numbers as one at a time
     batched = REWARDS.build({**spec, "general_rm": {"kind": "hf", "model_path": str(path), "batch_size": 8}})(prompts, completions)
     np.testing.assert_allclose(batched.components["general_rm"], expected, atol=1e-5)
