@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Mapping, Sequence
 
 from nemo_factuality.interfaces import ClaimExtractor, EvidenceProvider, EvidenceQuery, Segmenter, Verifier, VerifyItem
@@ -197,6 +197,11 @@ def build_judge(cfg: JudgeConfig | Mapping[str, Any]) -> Any:
     """An ``OpenAIJudgeClient`` from a judge config block."""
     from nemo_factuality.judge.client import OpenAIJudgeClient
 
+    if not isinstance(cfg, JudgeConfig):
+        unknown = set(dict(cfg)) - {f.name for f in fields(JudgeConfig)}
+        if unknown:
+            raise FactualityInputError(f"judge config: unknown key(s) {sorted(unknown)}; expected some of "
+                                       f"{sorted(f.name for f in fields(JudgeConfig))}")
     c = cfg if isinstance(cfg, JudgeConfig) else JudgeConfig(**dict(cfg))
     return OpenAIJudgeClient(c.base_url, c.model, api_key=c.api_key, concurrency=c.concurrency, timeout_s=c.timeout_s,
                              max_retries=c.max_retries, backoff_s=c.backoff_s, cache=c.cache_path)

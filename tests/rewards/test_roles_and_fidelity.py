@@ -234,3 +234,9 @@ def test_nemo_rl_metadata_of_the_wrong_length_raises(kb_pipeline):
     with pytest.raises(FactualityInputError, match="1 metadata entries for 2 message logs"):
         env.step(logs, [{"topic": "Ada Varga"}])
     assert env.step(logs, [None, None]).rewards.tolist() == [1.0, 1.0]
+
+
+def test_a_misspelt_role_judge_key_is_named():
+    with pytest.raises(FactualityInputError, match=r"judge config: unknown key\(s\) \['modle'\]"):
+        build_pipeline({"extractor": {"name": "klcf", "judge": {"modle": "x"}}},
+                       judge_defaults={"base_url": "http://127.0.0.1:1/v1", "model": "m"})
