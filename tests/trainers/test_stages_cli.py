@@ -84,8 +84,10 @@ def test_klcf_grpo(tiny_policy, judge, tmp_path):
     data = write_jsonl(tmp_path / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
                                                  for i in range(4)])
     url = f"{judge.url}"
+    roles = [f"reward.{k}.base_url={url}" for k in ("judge", "checklist_judge", "pipeline.extractor.judge",
+                                                   "pipeline.verifier.judge")]
     assert train_main(["grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"), f"data.train={data}",
-                       f"reward.judge.base_url={url}", f"reward.checklist_judge.base_url={url}"]) == 0
+                       *roles, "reward.w_rm=0", "reward.general_rm=null"]) == 0
     metrics = _check_run(tmp_path / "run", 3)
     assert metrics[0]["reward/checklist_recall"] == 1.0 and metrics[0]["reward/truthfulness_precision"] == 1.0
 
@@ -217,3 +219,14 @@ reward: {{name: factalign, k: 10, pipeline: {{verifier: {{name: kb_exact, store_
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"(step {stopped_at})" in res.stderr
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, stopped_at + 3))
+
+
+@pytest.mark.parametrize("method", ["klcf", "fspo", "knowrl", "rlfh", "factalign"])
+def test_train_and_serve_configs_use_the_same_reward(method):
+    from omegaconf import OmegaConf
+
+    from nemo_factuality.config import conf_dir
+
+    train = OmegaConf.load(conf_dir() / "train" / f"{method}.yaml")["reward"]
+    serve = OmegaConf.load(conf_dir() / "serve" / f"{method}.yaml")["reward"]
+    assert OmegaConf.to_container(train) == OmegaConf.to_container(serve)
