@@ -237,6 +237,12 @@ class _IncrementalAligner:
     the pending ids of a character not yet complete. A window ending inside a character decodes to
     trailing U+FFFD (byte-fallback decoders may garble the whole run): held back until an id
     completes it. Special ids hold no bytes and never enter a window.
+
+    Text that itself holds U+FFFD is ambiguous (an unfinished character decodes to U+FFFD too): a
+    U+FFFD counts as soon as the text has it, and a later id whose bytes turn out to belong to it is
+    given it too (``_continues_replacement``). Where a byte-fallback decoder regroups such a run so
+    that no consistent ranges exist, the result is a ``FactualityInputError``, never wrong ranges:
+    ``TokenAlignment`` checks its invariants.
     """
 
     def __init__(self, decode: Callable[[list[int]], str], specials: frozenset[int], text: str) -> None:
@@ -270,10 +276,12 @@ class _IncrementalAligner:
         self.done += len(complete)
         self.partial = False
         if new:  # a complete character: these ids become the context of the next
-            self.context, self.pending, self.counted = self.pending + [tid], [], 0
+            self.context = self.pending + [tid]
             self.ends_in_replacement = complete.endswith(_REPLACEMENT)
-        else:  # no bytes of text (or swallowed by the decoder): a boundary all the same
-            self.context = self.context + [tid] if len(self.context) < _MAX_PENDING_TOKENS else [tid]
+        else:  # no text of its own (or absorbed by the decoder): a boundary all the same
+            grown = self.context + self.pending + [tid]
+            self.context = grown if len(grown) <= 2 * _MAX_PENDING_TOKENS else self.pending + [tid]
+        self.pending, self.counted = [], 0
         self.context_text = self.decode(self.context)
         return start, self.done
 
