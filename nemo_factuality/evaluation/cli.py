@@ -21,9 +21,10 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -122,7 +123,7 @@ def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig,
             topics=[r.get(cfg.topic_field) for r in chunk],
             materials=[tuple(r.get(cfg.materials_field) or ()) for r in chunk],
         )
-        for raw, check in zip(chunk, checks):
+        for raw, check in zip(chunk, checks, strict=True):
             if check.error is not None:
                 failed[where_of[id(raw)]] = check.error
                 if fail_fast:

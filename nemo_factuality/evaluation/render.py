@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from nemo_factuality.evaluation.report import EvalRecord, precision_points
 
@@ -75,7 +76,7 @@ def render_plot(records: Sequence[EvalRecord], path: Path) -> None:
     for k, (label, members) in enumerate(series):
         pts = precision_points(members)
         if pts:
-            xs, ys = zip(*pts)
+            xs, ys = zip(*pts, strict=True)
             # Claim counts are integers: shift each group a little so overlapping groups stay visible.
             shift = (k - (len(series) - 1) / 2) * 0.08
             other = k == MAX_PLOTTED_GROUPS

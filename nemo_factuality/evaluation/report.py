@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from nemo_factuality.metrics import aggregate_f1_at_k, factscore, longwiki_scores
 from nemo_factuality.metrics.veriscore import domain_k, model_stats
