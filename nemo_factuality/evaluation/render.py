@@ -13,6 +13,16 @@ def _f(x: Any) -> str:
     return "–" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
 
+MAX_CELL_CHARS = 80
+
+
+def table_cell(name: str) -> str:
+    """A group name as one markdown table cell: one line, ``|`` escaped, at most ``MAX_CELL_CHARS`` (report.json keeps it whole)."""
+    one_line = " ".join(name[: MAX_CELL_CHARS + 1].split())
+    short = one_line if len(one_line) <= MAX_CELL_CHARS else one_line[: MAX_CELL_CHARS - 1] + "…"
+    return short.replace("|", "\\|")
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """One table row per group with the headline number of each metric."""
     opts = report["options"]
@@ -22,7 +32,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = ["# Factuality evaluation", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, g in report["groups"].items():
         fs = g["factscore"]
-        row = [name, g["n_records"], g["n_abstained"], g["claims_per_response"], g["safe"]["precision"]]
+        row = [table_cell(name), g["n_records"], g["n_abstained"], g["claims_per_response"], g["safe"]["precision"]]
         row += [g["safe"][f"f1@{k}"] for k in ks]
         row += [fs[f"gamma{int(x) if float(x).is_integer() else x}"]["score"] for x in gammas]
         first = next(iter(fs.values()))

@@ -118,3 +118,15 @@ def test_plot_series_and_legend_are_capped(tmp_path):
     assert series[0][0] == "\\$\\frac{\\$"  # literal dollars, not mathtext
     render_plot(records, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markdown_table_keeps_one_row_per_group():
+    from nemo_factuality.evaluation.render import render_markdown
+    from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, to_json_safe
+
+    names = ["a|b", "line\nbreak", "z" * 5000]
+    report = to_json_safe(build_report([EvalRecord(str(i), "p", "r", (("c", S),), n) for i, n in enumerate(names)],
+                                       EvalOptions()))
+    rows = [line for line in render_markdown(report).splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 4 and rows[1].startswith("| a\\|b |") and rows[2].startswith("| line break |")
+    assert all(len(r) < 400 for r in rows)
