@@ -16,18 +16,21 @@ def render_markdown(report: dict[str, Any]) -> str:
     """One table row per group with the headline number of each metric."""
     opts = report["options"]
     ks, gammas, hk = opts["k"], opts["gamma"], opts["hallulens_k"]
-    head = ["group", "n", "abstained", "claims/resp", "SAFE P"] + [f"F1@{k}" for k in ks]
+    head = ["group", "n", "abstained", "claims/resp", "SAFE n", "SAFE P"] + [f"F1@{k}" for k in ks]
     head += [f"FActScore γ={g:g}" for g in gammas] + ["respond", "VeriScore F1@Kmed", f"LongWiki F1@{hk}"]
     lines = ["# Factuality evaluation", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, g in report["groups"].items():
         fs = g["factscore"]
-        row = [name, g["n_records"], g["n_abstained"], g["claims_per_response"], g["safe"]["precision"]]
+        row = [name, g["n_records"], g["n_abstained"], g["claims_per_response"], g["safe"]["n_items"],
+               g["safe"]["precision"]]
         row += [g["safe"][f"f1@{k}"] for k in ks]
         row += [fs[f"gamma{int(x) if float(x).is_integer() else x}"]["score"] for x in gammas]
         first = next(iter(fs.values()))
         row += [first["respond_ratio"], g["veriscore"]["f1@K_median"], g["hallulens"][f"f1@{hk}"]]
         lines.append("| " + " | ".join(_f(x) for x in row) + " |")
-    lines += ["", "SAFE excludes irrelevant claims; FActScore counts them as not supported and treats responses",
+    lines += ["", "SAFE excludes irrelevant claims from P and R and averages over the SAFE n responses with at least",
+              "one claim (all irrelevant: F1 = 0, as SAFE's own evaluation counts them); FActScore counts irrelevant",
+              "claims as not supported and treats responses",
               "with no claims as abstentions; VeriScore uses each group as its domain (upper-median K).", ""]
     return "\n".join(lines)
 
