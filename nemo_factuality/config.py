@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 T = TypeVar("T")
 
@@ -66,6 +66,10 @@ def load_config(
         source = f"command-line overrides {list(overrides)}"
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except MissingMandatoryValue as err:  # a "???" in the YAML: the user has to supply it
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(f"{key} has no value: add {key}=... to the command line "
+                          f"(config {config_name or 'defaults'} leaves it to you)") from err
     except OmegaConfBaseException as err:
         raise ConfigError(f"Invalid config from {source}: {err}") from err
 

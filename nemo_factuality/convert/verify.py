@@ -35,13 +35,13 @@ def build_model(spec, tp: int, pp: int = 1, pre_process: bool = True, post_proce
         attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
-    scaling = spec.rope_scaling or {}
-    llama3 = scaling.get("rope_type", scaling.get("type")) == "llama3"
+    rope = spec.rope
     return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.padded_vocab,
                     max_sequence_length=spec.max_positions, position_embedding_type="rope",
                     pre_process=pre_process, post_process=post_process,
-                    rope_scaling=llama3, rope_scaling_factor=float(scaling.get("factor", 8.0)),
-                    rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+                    rope_scaling=rope.kind == "llama3", rope_scaling_factor=rope.factor or 8.0,
+                    seq_len_interpolation_factor=rope.factor if rope.kind == "linear" else None,
+                    rotary_base=int(rope.theta) if float(rope.theta).is_integer() else rope.theta,
                     share_embeddings_and_output_weights=spec.tied, parallel_output=True)
 
 

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
+from nemo_factuality.cli import ArgumentParser, UsageError, split_overrides
 from nemo_factuality.config import load_config
 from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.evaluation.render import render_markdown, render_plot
@@ -115,9 +116,9 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
+        raise UsageError(f"{flag} must be a comma-separated list of positive integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
-        raise SystemExit(f"{flag} values must be positive integers, got {text!r}")
+        raise UsageError(f"{flag} values must be positive integers, got {text!r}")
     return values
 
 
@@ -125,29 +126,55 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
-    if any(v < 0 for v in values):
-        raise SystemExit(f"{flag} values must be >= 0, got {text!r}")
+        raise UsageError(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
+    if any(not v >= 0 for v in values):  # also rejects nan
+        raise UsageError(f"{flag} values must be >= 0, got {text!r}")
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="nemo-factuality eval", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="nemo-factuality eval", description=__doc__.split("\n\n")[0],
+                       usage="nemo-factuality eval (--input F.jsonl | --demo) --output PATH [options] [key=value ...]",
+                       epilog="key=value overrides change the fact-checking pipeline of --config-name, e.g. "
+                              "pipeline.verifier.store_path=kb.sqlite (see conf/eval/*.yaml).")
     p.add_argument("--input", type=Path, help="JSONL records (omit with --demo)")
-    p.add_argument("--output", type=Path, required=True, help="report.json path, or a directory to write it in")
+    p.add_argument("--output", type=Path, required=True,
+                   help="report.json path (ends in .json), or a directory to write report.json, report.md and the plot in")
     p.add_argument("--demo", action="store_true", help="evaluate the packaged demo records against the demo knowledge store")
-    p.add_argument("--group-by", default=None, help="record field to group results by")
-    p.add_argument("--k", default="64,100,178", help="SAFE F1@K values (comma-separated)")
-    p.add_argument("--gamma", default="0,10", help="FActScore length-penalty gammas (comma-separated)")
-    p.add_argument("--hallulens-k", type=int, default=32)
-    p.add_argument("--config-name", default=None, help="conf/eval/<name>.yaml for the fact-checking pipeline")
-    args, overrides = p.parse_known_args(list(argv))
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        p.error(f"unrecognised arguments {bad} (config overrides look like key=value)")
+    p.add_argument("--group-by", default=None, help="record field to group results by (each value gets its own block)")
+    p.add_argument("--k", default="64,100,178", help="SAFE F1@K values (comma-separated positive integers)")
+    p.add_argument("--gamma", default="0,10", help="FActScore length-penalty gammas (comma-separated, >= 0)")
+    p.add_argument("--hallulens-k", type=_positive_int, default=32, help="K of HalluLens LongWiki recall@K")
+    p.add_argument("--config-name", default=None,
+                   help="conf/eval/<name>.yaml: the fact-checking pipeline for records without labels (demo_kb, safe_vllm)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. pipeline.verifier.store_path=kb.sqlite")
+    args = p.parse_intermixed_args(list(argv))
+    overrides = split_overrides(args.overrides, p.prog)
     if not args.demo and args.input is None:
         p.error("--input is required unless --demo is given")
     return args, overrides
+
+
+def _report_path(output: Path) -> Path:
+    """report.json for ``--output`` (a .json path or a directory); an existing non-directory is refused."""
+    if output.suffix == ".json":
+        if output.is_dir():
+            raise UsageError(f"--output {output} is a directory; name a .json file or drop the .json suffix")
+        return output
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output {output} is an existing file; give a directory (report.json, report.md and the plot "
+                         "go in it) or a path ending in .json")
+    return output / "report.json"
 
 
 def _demo_inputs(workdir: Path) -> tuple[Path, list[str]]:
@@ -162,8 +189,10 @@ def _demo_inputs(workdir: Path) -> tuple[Path, list[str]]:
 
 def main(argv: Sequence[str]) -> int:
     args, overrides = _parse_args(argv)
-    out_json = args.output if args.output.suffix == ".json" else args.output / "report.json"
+    out_json = _report_path(args.output)
     input_path = args.input
+    if input_path is not None and not input_path.is_file():
+        raise UsageError(f"--input {input_path} does not exist or is not a file")
     if args.demo:
         input_path, demo_overrides = _demo_inputs(out_json.parent)
         overrides = demo_overrides + overrides
@@ -172,6 +201,11 @@ def main(argv: Sequence[str]) -> int:
     opts = EvalOptions(ks=_ints(args.k, "--k"), gammas=_floats(args.gamma, "--gamma"), hallulens_k=args.hallulens_k,
                        extra={"input": str(input_path), "group_by": args.group_by})
     rows = read_jsonl(input_path)
+    unlabelled = sum(1 for _, raw in rows if _needs_checking(raw))
+    if unlabelled and not args.config_name and not args.demo:
+        raise UsageError(f"{unlabelled} of {len(rows)} records in {input_path} have no labelled claims, so they must be "
+                         "fact-checked first: pass a pipeline, e.g. --config-name demo_kb pipeline.verifier.store_path=kb.sqlite "
+                         "(conf/eval/*.yaml), or add claims with labels to the records")
     label_with_pipeline(rows, cfg)
     records: list[EvalRecord] = [parse_record(raw, where=where, group_by=args.group_by) for where, raw in
                                  tqdm(rows, desc="scoring", unit="rec", disable=len(rows) < 1000)]
