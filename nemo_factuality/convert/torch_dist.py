@@ -24,9 +24,11 @@ import logging
 import os
 import pickle
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
+from unittest.mock import patch
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # the DCP format's per-chunk record
@@ -226,6 +228,34 @@ def load_dcp_metadata(path: Path) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise FactualityInputError(f"{path} holds a {type(metadata).__name__}, not DCP checkpoint metadata")
     return metadata
+
+
+@contextmanager
+def untrusted_checkpoint_loading(weights_dir: Path) -> Iterator[None]:
+    """Guard Megatron's ``dist_checkpointing.load`` of a checkpoint from anywhere: no code runs from its files.
+
+    Torch DCP reads ``.metadata`` with plain ``pickle.load`` and non-tensor objects (``_extra_state``) with
+    ``torch.load(weights_only=False)``. The metadata is checked with the allow-list unpickler first (the plain
+    load then builds the same harmless objects), and objects are loaded ``weights_only=True`` meanwhile.
+    """
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    load_dcp_metadata(Path(weights_dir) / ".metadata")
+
+    def load_bytes(planner, read_item, value) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise FactualityInputError(f"{weights_dir}: refusing to load object {fqn!r}: {err}") from None
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[fqn], obj)
+        else:
+            planner.state_dict[fqn] = obj
+
+    with patch.object(DefaultLoadPlanner, "load_bytes", load_bytes):
+        yield
 
 
 class TorchDistReader:
