@@ -37,7 +37,8 @@ def add_verify_arguments(v: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> ArgumentParser:
-    p = ArgumentParser(prog="nemo-factuality convert", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="nemo-factuality convert", description="HF <-> NeMo (Megatron-Core torch_dist) checkpoint "
+                       "conversion, and a logits check of the result against HF")
     sub = p.add_subparsers(dest="action", required=True, metavar="{hf-to-nemo,nemo-to-hf,verify}")
     a = sub.add_parser("hf-to-nemo", help="HF Llama/Qwen2 (or *ForSequenceClassification RM) -> .nemo",
                        description="HF Llama/Qwen2 (or *ForSequenceClassification RM) -> .nemo")

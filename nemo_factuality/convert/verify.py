@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     from nemo_factuality.cli import ArgumentParser
     from nemo_factuality.convert.cli import add_verify_arguments
 
-    ap = ArgumentParser(prog="python -m nemo_factuality.convert.verify", description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m nemo_factuality.convert.verify",
+                        description="compare Megatron-Core logits (from the .nemo) with the HF model, one process per rank")
     add_verify_arguments(ap)
     args = ap.parse_args(argv)
     result = run(args.hf, args.nemo, args.tp, args.tol, pp=args.pp)

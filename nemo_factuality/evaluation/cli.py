@@ -143,7 +143,9 @@ def _positive_int(text: str) -> int:
 
 
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = ArgumentParser(prog="nemo-factuality eval", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="nemo-factuality eval",
+                       description="Score responses with FActScore, SAFE F1@K, VeriScore and HalluLens. Records without "
+                                   "labelled claims are fact-checked first with the --config-name pipeline.",
                        usage="nemo-factuality eval (--input F.jsonl | --demo) --output PATH [options] [key=value ...]",
                        epilog="key=value overrides change the fact-checking pipeline of --config-name, e.g. "
                               "pipeline.verifier.store_path=kb.sqlite (see conf/eval/*.yaml).")

@@ -24,7 +24,10 @@ def _names(group: str) -> str:
 
 
 def _parser() -> ArgumentParser:
-    p = ArgumentParser(prog="nemo-factuality launch", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="nemo-factuality launch",
+                       description="Render slurm/het_job.sbatch.j2 for a stage (conf/launch) on a cluster profile "
+                                   "(conf/cluster) and submit it with sbatch. --dry-run prints it and writes it to --out "
+                                   "or ./<stage>.sbatch only.",
                        usage="nemo-factuality launch STAGE [--cluster PROFILE] [--dry-run] [--out FILE] [key=value ...]",
                        epilog="key=value overrides change the stage (actor_nodes=4, tensor_parallel=8) or, prefixed "
                               "with cluster., the profile (cluster.partition=batch, cluster.account=me).")
