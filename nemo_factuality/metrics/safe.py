@@ -47,7 +47,7 @@ def aggregate_f1_at_k(counts: Iterable[tuple[int, int]], ks: Sequence[int] = (DE
     are the caller's to leave out. ``n_items`` is how many responses were averaged.
     """
     items = list(counts)
-    out: dict[str, float] = {"n_items": float(len(items))}
+    out: dict[str, float] = {"n_items": len(items)}
     if not items:
         for k in ks:
             out[f"f1@{k}"] = float("nan")
