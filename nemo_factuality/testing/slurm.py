@@ -110,12 +110,15 @@ class SlurmCluster:
         """``{pid: command line}`` of the live processes this cluster's jobs started (daemons excluded)."""
         marker = f"{RUN_ENV}={self.run_id}".encode()
         daemons, found = set(self.pids()), {}
+        ctld = self.pids()[0] if (self.root / "slurmctld.pid").exists() and self.pids() else None
         for proc in Path("/proc").iterdir():
             if not proc.name.isdigit() or int(proc.name) in daemons:
                 continue
             try:
                 if marker not in (proc / "environ").read_bytes().split(b"\0") or not _alive(int(proc.name)):
                     continue
+                if ctld is not None and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == ctld:
+                    continue  # slurmctld's own helper (slurmscriptd): part of the daemons, never a job step
                 found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
             except OSError:  # exited meanwhile, or not ours to read
                 continue
