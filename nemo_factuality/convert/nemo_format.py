@@ -32,8 +32,8 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from nemo_factuality.convert.layout import check_parallelism, checkpoint_name, chunks_for, extra_state_objects
 from nemo_factuality.convert.hf_config import to_installed_layout
+from nemo_factuality.convert.layout import check_parallelism, checkpoint_name, chunks_for, extra_state_objects
 from nemo_factuality.convert.mapping import ModelSpec, hf_to_mcore_groups, mcore_to_hf, spec_from_hf_config
 from nemo_factuality.convert.safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsReader, write_sharded
 from nemo_factuality.convert.torch_dist import TorchDistReader, TorchDistWriter

@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from nemo_factuality.cli import ArgumentParser, UsageError, split_overrides
 from nemo_factuality.config import load_config
-from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.evaluation.render import render_markdown, render_plot
+from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.jsonl import iter_jsonl
 from nemo_factuality.types import Label
 

@@ -18,7 +18,6 @@ from typing import Sequence
 
 from nemo_factuality.cli import ArgumentParser, UsageError
 
-
 SCORE_NOTE = {
     "bm25": "# rank 1 = best match. score = BM25 relevance (higher is better; it only compares passages for the "
             "same query, and is near 0 when every query word is in most passages, e.g. 'born'; the rank still orders them)",
