@@ -83,6 +83,8 @@ class GRPOTrainer:
                 stop = self._after_step(metrics)
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
+                log.info("step %d: reward %.4f kl %.5f loss %.4f (%.2f s)", self.step, metrics.get("reward/score", math.nan),
+                         metrics.get("kl", math.nan), metrics.get("loss/policy", math.nan), metrics.get("time/step", math.nan))
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/score', math.nan):.3f}", kl=f"{metrics.get('kl', math.nan):.4f}")
                 if preempted:
@@ -257,6 +259,7 @@ class GRPOTrainer:
             self.actor.load_weights(self.checkpointer.root / self.checkpointer.best)
         self._save()
         self.actor.export(self.run_dir / "final")
+        log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
