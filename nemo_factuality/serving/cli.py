@@ -29,9 +29,14 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--config-name", default=None,
                         help="conf/serve/<name>.yaml (klcf, rlfh, fspo, knowrl, factalign, demo) or a YAML path; "
                              "without it, ServeConfig's defaults")
+    parser.add_argument("--fail-fast", action="store_true",
+                        help="fail a whole batch when any sample's judge/fact-check fails (default: that sample is NaN "
+                             "with details.error; reward_model sends nan_reward). Same as fail_fast=true")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_intermixed_args(list(argv))
     overrides = split_overrides(args.overrides, parser.prog)
+    if args.fail_fast:
+        overrides = [*overrides, "fail_fast=true"]
     cfg = load_config(ServeConfig, args.config_name, overrides, group="serve")
     log.info("serve config:\n%s", to_yaml(cfg))
     reward = REWARDS.build(dict(asdict(cfg)["reward"]))
