@@ -95,3 +95,21 @@ def test_version_and_help_texts(work):
         assert "[key=value ...]" in helps[command].stdout.splitlines()[0], helps[command].stdout
     assert "(default: 64,100,178)" in helps["eval"].stdout and "(default: h100_pyxis)" in helps["launch"].stdout
     assert "(default: 5)" in helps["kb query"].stdout and "(default: float32)" in helps["convert hf-to-nemo"].stdout
+
+
+def test_the_recipes_the_errors_give_work(work, tmp_path):
+    """The unlabelled-input error names --config-name demo_kb pipeline.verifier.store_path=...: that runs."""
+    out = tmp_path / "out"
+    res = _cli(["eval", "--input", str(work / "unlabelled.jsonl"), "--output", str(out), "--config-name", "demo_kb",
+                f"pipeline.verifier.store_path={work / 'kb.sqlite'}"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    report = json.loads((out / "report.json").read_text())["groups"]["all"]
+    assert report["n_records"] == 1 and report["label_counts"]["supported"] == 1  # Ada Varga was born in 1917
+
+
+def test_kb_query_shows_rank_and_explains_the_score(work):
+    res = _cli(["kb", "query", "--kb", "kb.sqlite", "born", "-k", "3"], work)
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert res.returncode == 0 and [r["rank"] for r in rows] == [1, 2, 3]
+    assert all(rows[i]["score"] >= rows[i + 1]["score"] for i in range(2))
+    assert "rank 1 = best match" in res.stderr and "BM25" in res.stderr
