@@ -43,9 +43,21 @@ def _group_records(records: Sequence[EvalRecord]) -> dict[str, list[EvalRecord]]
     return groups
 
 
+def point_counts(points: Sequence[tuple[float, float]]) -> Counter:
+    """``{(x, y): how many}``: identical points (common with integer claim counts) are drawn once."""
+    return Counter((round(x, 6), round(y, 6)) for x, y in points)
+
+
+def group_label(name: str, members: Sequence[EvalRecord]) -> str:
+    """Legend text: group size, abstentions, and responses with no S/NS claim (no precision, so not plotted)."""
+    abstained = sum(1 for r in members if not r.claims)
+    unplotted = len(members) - abstained - len(precision_points(members))
+    return f"{name}: n={len(members)}, {abstained} abstained" + (f", {unplotted} without S/NS" if unplotted else "")
+
+
 def _bubbles(ax, points: list[tuple[float, float]], x_of, color, label: str) -> None:
     """One marker per distinct (x, y) with area ∝ count and the count written on it when > 1."""
-    counts = Counter((round(x, 6), round(y, 6)) for x, y in points)
+    counts = point_counts(points)
     xs = [x_of(x) for x, _ in counts]
     ax.scatter(xs, [y for _, y in counts], s=[40 + 25 * n for n in counts.values()], color=color, alpha=0.55,
                edgecolors="black", linewidths=0.5, label=label)
@@ -71,9 +83,7 @@ def render_plot(records: Sequence[EvalRecord], path: Path) -> None:
     fig, (dist, scatter) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100, gridspec_kw={"width_ratios": [1, 1.3]})
     for k, (name, members) in enumerate(groups.items()):
         pts = precision_points(members)
-        abstained = sum(1 for r in members if not r.claims)
-        label = f"{name}: n={len(members)}, {abstained} abstained" + (
-            f", {len(members) - abstained - len(pts)} without S/NS" if len(members) - abstained - len(pts) else "")
+        label = group_label(name, members)
         color = colors[k % len(colors)]
         _bubbles(dist, [(k, y) for _, y in pts], lambda x: x, color, label)
         if pts:

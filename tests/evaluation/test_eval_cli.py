@@ -84,3 +84,15 @@ def test_group_by_missing_field(tmp_path):
     with pytest.raises(FactualityInputError, match="--group-by field 'nope'"):
         eval_main([ "--input", str(_write(tmp_path / "r.jsonl", [_rec(1, [S])])), "--output", str(tmp_path / "o"),
              "--group-by", "nope"])
+
+
+def test_plot_draws_identical_points_once_with_their_count_and_names_what_it_leaves_out(tmp_path):
+    from nemo_factuality.evaluation.render import group_label, point_counts, render_plot
+    from nemo_factuality.evaluation.report import parse_record, precision_points
+
+    recs = [_rec(i, [S, S, NS]) for i in range(5)] + [_rec(5, [S]), _rec(6, None), _rec(7, [IR, IR])]
+    records = [parse_record(r, where=f"x:{i}") for i, r in enumerate(recs)]
+    assert point_counts(precision_points(records)) == {(3, round(2 / 3, 6)): 5, (1, 1.0): 1}
+    assert group_label("all", records) == "all: n=8, 1 abstained, 1 without S/NS"
+    render_plot(records, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
