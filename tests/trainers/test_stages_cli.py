@@ -181,7 +181,15 @@ def test_bad_configs_fail_at_start_naming_the_key(tiny_policy, tmp_path, capsys)
         train_main(["grpo", "--config-name", "tiny_cpu_klcf", *base, "reward=null", f"data.train={data}",
                     f"remote_rm.url=http://127.0.0.1:{port}", "remote_rm.init_timeout_s=2"])
     assert time.monotonic() - start < 60  # a refused connection fails fast, not after Aligner's 600000 s
-    assert train_main(["nosuchstage"]) == 2
+    from nemo_factuality.cli import main as cli
+
+    assert cli(["train", "nosuchstage"]) == 2
+    assert cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", "--bogus-flag"]) == 2
+    assert cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *base, "reward.name=nosuch"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 3 and all(line.startswith("nemo-factuality train") for line in errors), errors
+    assert "Traceback" not in err
 
 
 def test_sigusr1_checkpoints_and_the_rerun_resumes(tiny_policy, kb, tmp_path):
@@ -230,3 +238,26 @@ def test_train_and_serve_configs_use_the_same_reward(method):
     train = OmegaConf.load(conf_dir() / "train" / f"{method}.yaml")["reward"]
     serve = OmegaConf.load(conf_dir() / "serve" / f"{method}.yaml")["reward"]
     assert OmegaConf.to_container(train) == OmegaConf.to_container(serve)
+
+
+@pytest.mark.parametrize("stage", ["grpo_klcf", "grpo_fspo", "grpo_knowrl", "ppo_rlfh", "kto_factalign", "cpu_standin"])
+def test_launch_stages_pass_overrides_the_train_schema_accepts(stage):
+    """Every key=value a Slurm stage hands its trainer exists in that stage's schema (no silent typo)."""
+    import shlex
+
+    import yaml
+
+    from nemo_factuality.config import conf_dir
+    from nemo_factuality.trainers import config as schemas
+    from nemo_factuality.trainers.cli import STAGES
+
+    command = yaml.safe_load((conf_dir() / "launch" / f"{stage}.yaml").read_text())["trainer_command"]
+    words = shlex.split(command.split("&&")[-1].replace("exec ", "").replace("{ckpt_dir}", "/ckpt")
+                        .replace("$FACTUALITY_REWARD_URL", "http://reward:5555"))
+    module = words[words.index("-m") + 1]
+    name = words[words.index("--config-name") + 1]
+    overrides = [w for w in words if "=" in w and not w.startswith("-")]
+    schema = getattr(schemas, STAGES[module.rsplit(".", 1)[-1]][0])
+    cfg = schemas.load_config(schema, name, overrides + ["model.path=/models/policy"], group="train")
+    assert cfg.remote_rm.resolved_url() == "http://reward:5555" and cfg.exp_manager.explicit_log_dir == "/ckpt"
+    assert cfg.reward is None
