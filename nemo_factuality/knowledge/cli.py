@@ -5,6 +5,9 @@
     nemo-factuality kb build --demo --out kb.sqlite                                  # packaged demo data
     nemo-factuality kb build --passages passages.jsonl --out kb.sqlite --dense      # + FAISS index
     nemo-factuality kb query --kb kb.sqlite "born in Ulm" [--title "Albert Einstein"] [-k 5] [--dense]
+    nemo-factuality kb migrate --kb kb.sqlite       # an old SQLite-FTS5 store → the tantivy format, in place
+
+A store is ``kb.sqlite`` (passages, facts) plus its BM25 index in ``kb.sqlite.bm25/``; copy or move both.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nemo-factuality kb", description="embedded knowledge store (SQLite FTS5)")
+    p = argparse.ArgumentParser(prog="nemo-factuality kb", description="embedded knowledge store (SQLite + tantivy BM25)")
     sub = p.add_subparsers(dest="action", required=True)
     b = sub.add_parser("build", help="stream passages (and facts) from JSONL into a store")
     src = b.add_mutually_exclusive_group(required=True)
@@ -27,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--facts", type=Path, help='JSONL lines {"subject", "relation", "value", "text"}')
     b.add_argument("--out", type=Path, required=True)
     b.add_argument("--batch-size", type=int, default=10_000)
+    b.add_argument("--heap-mb", type=int, default=256, help="BM25 indexing memory budget (bounds the build's memory)")
     b.add_argument("--dense", action="store_true", help="also embed passages into a FAISS index (retrieval extra)")
     q = sub.add_parser("query", help="BM25 search")
     q.add_argument("--kb", type=Path, required=True)
@@ -34,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--title")
     q.add_argument("-k", type=int, default=5)
     q.add_argument("--dense", action="store_true", help="search the FAISS index instead of BM25")
+    m = sub.add_parser("migrate", help="rewrite an old SQLite-FTS5 store in the current format (keeps ids and facts)")
+    m.add_argument("--kb", type=Path, required=True)
     return p
 
 
@@ -41,6 +47,13 @@ def main(argv: Sequence[str]) -> int:
     from nemo_factuality.knowledge.store import KnowledgeStore, build_store, docdb_to_jsonl
 
     args = _parser().parse_args(list(argv))
+    if args.action == "migrate":
+        from nemo_factuality.knowledge.legacy_fts5 import migrate_fts5_store
+
+        out = migrate_fts5_store(args.kb)
+        n_pass, n_facts = KnowledgeStore(out).count()
+        print(f"migrated {out}: {n_pass} passages, {n_facts} facts")
+        return 0
     if args.action == "build":
         passages = args.passages
         if args.demo:
@@ -50,7 +63,7 @@ def main(argv: Sequence[str]) -> int:
             if args.factscore_db is not None:
                 passages = Path(tmp) / "passages.jsonl"
                 docdb_to_jsonl(args.factscore_db, passages)
-            out = build_store(passages, args.out, facts_jsonl=args.facts, batch_size=args.batch_size)
+            out = build_store(passages, args.out, facts_jsonl=args.facts, batch_size=args.batch_size, heap_mb=args.heap_mb)
         if args.dense:
             from nemo_factuality.knowledge.dense import build_dense_index
 

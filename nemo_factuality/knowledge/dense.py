@@ -41,7 +41,7 @@ def build_dense_index(store_path: str | Path, *, encoder_path: str | None = None
 
     store_path = Path(store_path)
     encoder = _encoder(encoder_path)
-    index = faiss.IndexFlatIP(encoder.get_sentence_embedding_dimension())
+    index = faiss.IndexFlatIP(encoder.get_embedding_dimension())
     ids: list[int] = []
     conn = sqlite3.connect(f"file:{store_path}?mode=ro", uri=True)
     total = conn.execute("SELECT count(*) FROM passages").fetchone()[0]
