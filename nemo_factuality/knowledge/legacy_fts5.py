@@ -91,6 +91,10 @@ def migrate_fts5_store(path: str | Path, *, progress: bool = True) -> Path:
         kb.write_store(path, passages, facts, progress=progress)
     finally:
         src.close()
+    if Path(str(path) + ".faiss").is_file():  # ids were kept, so a dense index built on the old store stays valid
+        from nemo_factuality.knowledge.dense import write_dense_meta
+
+        write_dense_meta(path)
     log.info("migrated %s from SQLite FTS5 to the tantivy BM25 index", path)
     return path
 

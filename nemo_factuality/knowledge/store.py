@@ -11,7 +11,7 @@ On disk a store is two things that are swapped as one:
 Building streams the JSONL line by line into a temporary SQLite file and a fresh generation
 directory; only when both are complete is the SQLite file renamed over ``kb.sqlite`` (an atomic
 rename), so a store being built is invisible and a reader never sees a half-written index. A
-reader pins the SQLite file it opened (by descriptor), so a rebuild under it changes nothing it
+reader keeps the SQLite file it opened, so a rebuild under it changes nothing it
 answers. Opening verifies the index files against the manifest; a corrupted index is a clear error.
 
 Passages JSONL: ``{"title": str, "text": str, "source"?: str}``.
@@ -55,7 +55,6 @@ CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
 """
 _FACT_INSERT = ("INSERT INTO facts(subject, relation, value, text, subject_norm, relation_norm, value_norm) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)")
-_HAS_PROC_FD = Path("/proc/self/fd").is_dir()
 
 
 def normalize(text: str) -> str:
@@ -101,8 +100,8 @@ def clamp_k(k: object, n_passages: int) -> int:
 class KnowledgeStore:
     """Read-only access to a built store; safe to share across threads and processes.
 
-    Threads share one tantivy searcher and get one SQLite connection each, all on the SQLite file
-    pinned at open. ``verify=True`` checks every index file's CRC32 at open (reads the index once);
+    Threads share one tantivy searcher and one SQLite connection, both on the build that was
+    current at open (a later rebuild does not change what this object answers). ``verify=True`` checks every index file's CRC32 at open (reads the index once);
     ``False`` checks sizes only.
     """
 
@@ -111,10 +110,10 @@ class KnowledgeStore:
         if not self.path.is_file():
             raise FileNotFoundError(f"knowledge store {self.path} does not exist; build it with "
                                     "'nemo-factuality kb build --passages F.jsonl --out kb.sqlite'")
-        self._local = threading.local()
-        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._db: sqlite3.Connection | None = None
         self._pool = None
-        meta = self._pin_and_read_meta()
+        meta = self._open_and_read_meta()
         self.generation = meta["bm25_generation"]
         self.index_dir = bm25_root(self.path) / self.generation
         self._manifest = meta["bm25_manifest"]
@@ -127,44 +126,44 @@ class KnowledgeStore:
         self.n_passages = int(meta["passages"])
 
     # -- opening -------------------------------------------------------------------------------
-    def _pin_and_read_meta(self) -> dict[str, str]:
-        """Pin the SQLite file by descriptor and read its meta; retried if a rebuild swapped it meanwhile."""
+    def _open_and_read_meta(self) -> dict[str, str]:
+        """Open the SQLite file and read its meta; retried if a rebuild swapped the file meanwhile.
+
+        The one connection keeps the opened file (and so its index generation) for the store's
+        life, even after a rebuild renames a new file over the path. It is shared by all threads
+        under a lock: lookups take microseconds, and tantivy holds the GIL while searching anyway.
+        """
         for _ in range(3):
-            self._pin()
+            self.close()
+            inode = os.stat(self.path).st_ino
+            # immutable=1: stores are never modified in place (rebuilds replace the file); no locking on NFS.
+            self._db = sqlite3.connect(f"file:{self.path}?mode=ro&immutable=1", uri=True, check_same_thread=False)
             meta = self._read_meta()
-            if (bm25_root(self.path) / meta["bm25_generation"]).is_dir():
+            self._inode = inode
+            if os.stat(self.path).st_ino == inode and (bm25_root(self.path) / meta["bm25_generation"]).is_dir():
                 break
-            # A rebuild replaced the file after we pinned it and dropped this generation: pin the new one.
+            # A rebuild replaced the file while we opened it: open the new one.
         return meta
 
-    def _pin(self) -> None:
-        self.close()
-        self._fd = os.open(self.path, os.O_RDONLY)
-
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            # /proc/self/fd/N is the very file opened in _pin even after a rebuild renames a new one over
-            # the path; immutable=1 because stores are never modified in place (also: no locks on NFS).
-            uri = (f"file:/proc/self/fd/{self._fd}?mode=ro&immutable=1" if _HAS_PROC_FD
-                   else f"file:{self.path}?mode=ro")
-            conn = sqlite3.connect(uri, uri=True, check_same_thread=False)
-            self._local.conn = conn
-        return conn
+    def _query(self, sql: str, params: Sequence = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
 
     def _read_meta(self) -> dict[str, str]:
         try:
-            conn = self._conn()
-            names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master")}
-            meta = dict(conn.execute("SELECT key, value FROM meta")) if "meta" in names else {}
+            names = {r[0] for r in self._query("SELECT name FROM sqlite_master")}
+            meta = dict(self._query("SELECT key, value FROM meta")) if "meta" in names else {}
         except sqlite3.DatabaseError as err:
+            self.close()
             raise FactualityInputError(f"{self.path} is not a readable SQLite knowledge store: {err}") from None
         if "passages_fts" in names and "bm25_generation" not in meta:
+            self.close()
             raise FactualityInputError(
                 f"{self.path} is a knowledge store in the old SQLite-FTS5 format; migrate it once with "
                 f"'nemo-factuality kb migrate --kb {self.path}' (moves BM25 to tantivy, keeps passage ids and facts)")
         missing = {"passages", "facts", "meta"} - names
         if missing or meta.get("format") != STORE_FORMAT:
+            self.close()
             raise FactualityInputError(f"{self.path} is not a nemo_factuality knowledge store (missing tables "
                                        f"{sorted(missing)}, format {meta.get('format')!r}); {rebuild_hint(self.path)}")
         return meta
@@ -176,11 +175,11 @@ class KnowledgeStore:
             if not self.path.is_file():
                 return (f"knowledge store {self.path} no longer exists (deleted or moved): this process still answers "
                         "from the copy it opened, but a restart would fail; restore or rebuild it")
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+            if os.stat(self.path).st_ino == self._inode:
                 bm25_index.check_manifest(self.index_dir, self._manifest, checksums=False, rebuild_hint=rebuild_hint(self.path))
             else:
                 log.info("knowledge store %s was rebuilt since it was opened; restart to serve the new build", self.path)
-            self._conn().execute("SELECT id FROM passages LIMIT 1").fetchall()
+            self._query("SELECT id FROM passages LIMIT 1")
             self._searcher.search(bm25_index.bm25_query(["a"], None), 1, count=False)
             return None
         except (KeyboardInterrupt, SystemExit):
@@ -190,8 +189,7 @@ class KnowledgeStore:
 
     def count(self) -> tuple[int, int]:
         """(number of passages, number of facts)."""
-        c = self._conn()
-        return c.execute("SELECT count(*) FROM passages").fetchone()[0], c.execute("SELECT count(*) FROM facts").fetchone()[0]
+        return self._query("SELECT count(*) FROM passages")[0][0], self._query("SELECT count(*) FROM facts")[0][0]
 
     # -- passages ------------------------------------------------------------------------------
     def search(self, query: str, k: int = 5, title: str | None = None) -> list[Passage]:
@@ -240,12 +238,19 @@ class KnowledgeStore:
         return self._pool.search(queries, k, titles)
 
     def _rows(self, ids: Sequence[int]) -> dict[int, tuple[str, str]]:
-        marks = ",".join("?" * len(ids))
-        rows = self._conn().execute(f"SELECT id, title, text FROM passages WHERE id IN ({marks})", list(ids))
-        return {pid: (title, text) for pid, title, text in rows}
+        out: dict[int, tuple[str, str]] = {}
+        for i in range(0, len(ids), 500):  # SQLite caps the number of bound parameters
+            chunk = list(ids[i:i + 500])
+            rows = self._query(f"SELECT id, title, text FROM passages WHERE id IN ({','.join('?' * len(chunk))})", chunk)
+            out.update((pid, (title, text)) for pid, title, text in rows)
+        return out
+
+    def passages_by_id(self, ids: Sequence[int]) -> dict[int, tuple[str, str]]:
+        """``{id: (title, text)}`` for the ids that exist."""
+        return self._rows(ids) if ids else {}
 
     def passages_for_title(self, title: str) -> list[Passage]:
-        rows = self._conn().execute("SELECT id, title, text FROM passages WHERE title = ? ORDER BY id", (title,))
+        rows = self._query("SELECT id, title, text FROM passages WHERE title = ? ORDER BY id", (title,))
         return [Passage(i, t, x, 0.0) for i, t, x in rows]
 
     # -- facts ---------------------------------------------------------------------------------
@@ -255,24 +260,19 @@ class KnowledgeStore:
         if relation is not None:
             sql += " AND relation_norm = ?"
             params.append(normalize(relation))
-        return [Fact(*row) for row in self._conn().execute(sql, params)]
+        return [Fact(*row) for row in self._query(sql, params)]
 
     def all_facts(self) -> Iterator[Fact]:
-        for row in self._conn().execute("SELECT subject, relation, value, text FROM facts ORDER BY id"):
-            yield Fact(*row)
+        yield from (Fact(*row) for row in self._query("SELECT subject, relation, value, text FROM facts ORDER BY id"))
 
     def close(self) -> None:
-        """Close this thread's connection, the pinned file and any search worker processes."""
-        conn = getattr(self._local, "conn", None)
-        if conn is not None:
-            conn.close()
-            self._local.conn = None
+        """Close the database connection and any search worker processes."""
+        if self._db is not None:
+            self._db.close()
+            self._db = None
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 # -- building ----------------------------------------------------------------------------------
