@@ -279,7 +279,7 @@ class KnowledgeStore:
 def _check_text(where: str, obj: dict, fields: Iterable[str]) -> None:
     for key in fields:
         value = obj.get(key)
-        if isinstance(value, str):
+        if isinstance(value, str) and not value.isascii():
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError:
