@@ -117,13 +117,16 @@ class KnowledgeStore:
         self.generation = meta["bm25_generation"]
         self.index_dir = bm25_root(self.path) / self.generation
         self._manifest = meta["bm25_manifest"]
-        bm25_index.check_manifest(self.index_dir, self._manifest, checksums=verify, rebuild_hint=rebuild_hint(self.path))
+        self.n_passages = int(meta["passages"])
         try:
+            bm25_index.check_manifest(self.index_dir, self._manifest, checksums=verify, rebuild_hint=rebuild_hint(self.path))
             self._searcher = bm25_index.open_searcher(self.index_dir)
         except ValueError as err:  # tantivy reports unreadable index files as ValueError
+            self.close()
+            if isinstance(err, FactualityInputError):
+                raise
             raise FactualityInputError(f"BM25 index {self.index_dir} cannot be opened ({err}); "
                                        f"{rebuild_hint(self.path)}") from None
-        self.n_passages = int(meta["passages"])
 
     # -- opening -------------------------------------------------------------------------------
     def _open_and_read_meta(self) -> dict[str, str]:
