@@ -20,8 +20,8 @@ import json
 import logging
 import os
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import tantivy
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.registry import EVIDENCE

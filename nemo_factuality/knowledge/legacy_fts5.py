@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 import re
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from nemo_factuality.knowledge import store as kb
 from nemo_factuality.types import FactualityInputError

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Sequence
 
 from nemo_factuality.types import FactualityInputError
 

@@ -30,9 +30,9 @@ import shutil
 import sqlite3
 import threading
 import uuid
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
 
 from tqdm import tqdm
 

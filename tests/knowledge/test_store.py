@@ -6,9 +6,9 @@ import sqlite3
 import pytest
 
 from nemo_factuality.cli import main as cli
+from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.knowledge.evidence import BM25Sections, KnowledgeStoreEvidence, bm25_scores, chunk_sections
 from nemo_factuality.knowledge.store import FACTSCORE_SEPARATOR, KnowledgeStore, build_store, docdb_to_jsonl
-from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.types import Claim, FactualityInputError
 
 PASSAGES = [
