@@ -101,8 +101,8 @@ class KnowledgeStore:
     """Read-only access to a built store; safe to share across threads and processes.
 
     Threads share one tantivy searcher and one SQLite connection, both on the build that was
-    current at open (a later rebuild does not change what this object answers). ``verify=True`` checks every index file's CRC32 at open (reads the index once);
-    ``False`` checks sizes only.
+    current at open (a later rebuild does not change what this object answers). ``verify=True``
+    checks every index file's CRC32 at open (reads the index once); ``False`` checks sizes only.
     """
 
     def __init__(self, path: str | Path, *, verify: bool = True) -> None:
@@ -113,6 +113,7 @@ class KnowledgeStore:
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         self._pool = None
+        self._told_rebuilt = False
         meta = self._open_and_read_meta()
         self.generation = meta["bm25_generation"]
         self.index_dir = bm25_root(self.path) / self.generation
@@ -180,8 +181,9 @@ class KnowledgeStore:
                         "from the copy it opened, but a restart would fail; restore or rebuild it")
             if os.stat(self.path).st_ino == self._inode:
                 bm25_index.check_manifest(self.index_dir, self._manifest, checksums=False, rebuild_hint=rebuild_hint(self.path))
-            else:
+            elif not self._told_rebuilt:  # still healthy: this object serves the build it opened, consistently
                 log.info("knowledge store %s was rebuilt since it was opened; restart to serve the new build", self.path)
+                self._told_rebuilt = True
             self._query("SELECT id FROM passages LIMIT 1")
             self._searcher.search(bm25_index.bm25_query(["a"], None), 1, count=False)
             return None
