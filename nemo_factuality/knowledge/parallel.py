@@ -5,6 +5,10 @@ at a time; processes do not share a GIL. Each worker opens the store once (its i
 memory-mapped, so the page cache is shared, not copied) and checks that it opened the same
 generation as the parent, so a rebuild between the two opens is an error, not mixed results.
 Results come back as plain tuples over the pool's pipe (between our own processes).
+
+Workers are started with ``spawn`` (safe in threaded servers), which re-imports the main module:
+a script that calls ``search_batch`` with ``workers != 1`` needs the usual
+``if __name__ == "__main__":`` guard, as with any multiprocessing code.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The embedded knowledge store: real SQLite FTS5, streaming build, title scoping, safe queries, CLI."""
+"""The embedded knowledge store: real SQLite + tantivy, streaming build, title scoping, safe queries, CLI."""
 
 import json
 import sqlite3
