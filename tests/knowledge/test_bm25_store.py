@@ -250,3 +250,16 @@ def test_not_a_store(tmp_path):
     with pytest.raises(FactualityInputError, match="not a nemo_factuality knowledge store"):
         KnowledgeStore(tmp_path / "other.sqlite")
     assert Path(tmp_path / "other.sqlite").is_file()
+
+
+def test_stop_word_terms_are_pruned_on_large_stores(tmp_path):
+    rows = [{"title": f"T{i}", "text": f"the common filler {i}" + (" zebra" if i == 7 else "")} for i in range(1200)]
+    path = build_store(_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "kb.sqlite", progress=False)
+    pruned, exact = KnowledgeStore(path), KnowledgeStore(path, max_df_frac=1.0)
+    # "the"/"common"/"filler" are in every passage: dropped, so only the zebra passage matches.
+    assert [h.title for h in pruned.search("the common zebra", k=3)] == ["T7"]
+    hits = exact.search("the common zebra", k=3)
+    assert hits[0].title == "T7" and len(hits) == 3 and hits[0].score > hits[1].score
+    assert len(pruned.search("the common", k=3)) == 3  # all terms common: the rarest is kept
+    with pytest.raises(FactualityInputError, match="max_df_frac must be in"):
+        KnowledgeStore(path, max_df_frac=0.0)
