@@ -125,14 +125,14 @@ class KnowledgeStoreEvidence:
     """Top-``k`` passages from the embedded store; scoped to the sample's topic title when it has one.
 
     ``workers`` processes answer a large batch's BM25 queries in parallel (None or 0: every core;
-    small batches stay in-process).
+    small batches stay in-process). ``max_df_frac``: see ``KnowledgeStore`` (1.0: exact BM25).
     """
 
     def __init__(self, store_path: str, k: int = 5, title_scoped: bool = True, dense: bool = False,
-                 workers: int | None = None) -> None:
+                 workers: int | None = None, max_df_frac: float = 0.3) -> None:
         from nemo_factuality.knowledge.store import KnowledgeStore
 
-        self.store = KnowledgeStore(store_path)
+        self.store = KnowledgeStore(store_path, max_df_frac=max_df_frac)
         self.dense = None
         if dense:  # embedding search (GTR-style in FActScore/KnowRL) instead of BM25
             from nemo_factuality.knowledge.dense import DenseIndex
@@ -173,14 +173,14 @@ class HybridEvidence:
     """
 
     def __init__(self, store_path: str, k: int = 5, title_scoped: bool = True, fetch_k: int = 50, rrf_k: int = 60,
-                 workers: int | None = None, encoder_path: str | None = None) -> None:
+                 workers: int | None = None, encoder_path: str | None = None, max_df_frac: float = 0.3) -> None:
         from nemo_factuality.knowledge.dense import DenseIndex
         from nemo_factuality.knowledge.store import KnowledgeStore
 
         if fetch_k < k or rrf_k < 0:
             raise FactualityInputError(f"kb_hybrid needs fetch_k >= k and rrf_k >= 0 (got fetch_k={fetch_k}, k={k}, "
                                        f"rrf_k={rrf_k})")
-        self.store = KnowledgeStore(store_path)
+        self.store = KnowledgeStore(store_path, max_df_frac=max_df_frac)
         self.dense = DenseIndex(store_path, store=self.store, encoder_path=encoder_path)
         self.k, self.title_scoped, self.fetch_k, self.rrf_k, self.workers = k, title_scoped, fetch_k, rrf_k, workers
 

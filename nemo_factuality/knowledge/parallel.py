@@ -40,12 +40,12 @@ def search_serial(store, queries: Sequence[str], k: int, titles: Sequence[str | 
     return [store.search(q, k=k, title=t) for q, t in zip(queries, titles)]
 
 
-def _open_in_worker(path: str, generation: str) -> None:
+def _open_in_worker(path: str, generation: str, options: dict) -> None:
     global _STORE
     from nemo_factuality.knowledge.store import KnowledgeStore
 
     # The parent already verified checksums; sizes are enough here.
-    _STORE = KnowledgeStore(path, verify=False)
+    _STORE = KnowledgeStore(path, verify=False, **options)
     if _STORE.generation != generation:
         raise FactualityInputError(f"knowledge store {path} was rebuilt while search workers started "
                                    f"(generation {_STORE.generation}, parent has {generation}); reopen the store")
@@ -58,11 +58,12 @@ def _search_chunk(chunk: list[tuple[str, str | None]], k: int) -> list[list[tupl
 class SearchPool:
     """A persistent pool of ``workers`` search processes over one store generation."""
 
-    def __init__(self, path: Path, generation: str, workers: int) -> None:
+    def __init__(self, path: Path, generation: str, workers: int, options: dict) -> None:
+        """``options``: the parent store's query options, so workers answer exactly as it would."""
         self.workers = workers
         # spawn, not fork: the parent may be a threaded server, and forking threads is unsafe.
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_open_in_worker, initargs=(str(path), generation))
+                                         initializer=_open_in_worker, initargs=(str(path), generation, options))
         log.info("started %d BM25 search worker processes for %s", workers, path)
 
     def search(self, queries: Sequence[str], k: int, titles: Sequence[str | None]) -> list:

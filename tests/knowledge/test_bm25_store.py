@@ -156,6 +156,11 @@ def test_batched_search_in_worker_processes_matches_serial(big_kb):
     parallel = store.search_batch(queries, k=3, titles=titles, workers=2)  # 200 >= 32 * 2: two processes
     assert parallel == serial and all(len(s) == 3 for s in serial)
     store.close()
+    # Workers answer with the parent's query options (here: pruning "shared", in every passage).
+    pruning = KnowledgeStore(big_kb, min_passages_for_pruning=1)
+    pruned = pruning.search_batch(queries, k=3, titles=titles, workers=2)
+    assert pruned == pruning.search_batch(queries, k=3, titles=titles, workers=1) and pruned != serial
+    pruning.close()
     with pytest.raises(FactualityInputError, match="2 queries but 1 titles"):
         KnowledgeStore(big_kb).search_batch(["a", "b"], titles=["x"])
 
