@@ -268,3 +268,13 @@ def test_stop_word_terms_are_pruned_on_large_stores(tmp_path):
     assert len(pruned.search("the common", k=3)) == 3  # all terms common: the rarest is kept
     with pytest.raises(FactualityInputError, match="max_df_frac must be in"):
         KnowledgeStore(path, max_df_frac=0.0)
+
+
+def test_reward_readiness_reports_a_deleted_store(kb):
+    from nemo_factuality.knowledge.evidence import KnowledgeStoreEvidence
+    from nemo_factuality.pipeline import merged_health
+
+    ev = KnowledgeStoreEvidence(str(kb), workers=1)
+    assert merged_health([ev]) == {"knowledge_store": None}
+    kb.unlink()
+    assert "no longer exists" in merged_health([ev])["knowledge_store"]
