@@ -2,7 +2,7 @@
 
 ``load_config(Schema, "klcf", ["reward.weights.recall=2.0"], group="serve")`` reads
 ``conf/serve/klcf.yaml`` on top of ``Schema()`` and applies Hydra-style ``key=value``
-overrides. Unknown keys anywhere raise ``ConfigError`` naming the key and the file, so a typo
+overrides. A YAML may start with ``defaults: [other]`` to build on ``conf/<group>/other.yaml``. Unknown keys anywhere raise ``ConfigError`` naming the key and the file, so a typo
 never runs silently with a default.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 T = TypeVar("T")
 
@@ -59,15 +59,52 @@ def load_config(
         if config_name:
             path = resolve_config_path(config_name, group)
             source = str(path)
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, _load_with_defaults(path, group, ()))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"Overrides must look like key=value, got {bad}")
         source = f"command-line overrides {list(overrides)}"
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except ConfigKeyError as err:  # a typo in a key: name it and the closest valid keys
+        raise ConfigError(f"unknown config key {getattr(err, 'full_key', None) or err} in {source}"
+                          f"{_close_keys(err)}") from err
+    except MissingMandatoryValue as err:  # a "???" in the YAML: the user has to supply it
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(f"{key} has no value: add {key}=... to the command line "
+                          f"(config {config_name or 'defaults'} leaves it to you)") from err
     except OmegaConfBaseException as err:
         raise ConfigError(f"Invalid config from {source}: {err}") from err
+
+
+def _load_with_defaults(path: Path, group: str | None, chain: tuple[Path, ...]) -> DictConfig:
+    """A YAML file with Hydra-style ``defaults: [base, ...]`` (names in the same group) merged underneath it."""
+    if path in chain:
+        raise ConfigError(f"config {path} includes itself through defaults: {' -> '.join(map(str, chain + (path,)))}")
+    node = OmegaConf.load(path)
+    bases = node.pop("defaults", None) if isinstance(node, DictConfig) else None
+    if bases is None:
+        return node
+    if isinstance(bases, str):
+        bases = [bases]
+    merged = OmegaConf.create({})
+    for base in bases:
+        merged = OmegaConf.merge(merged, _load_with_defaults(resolve_config_path(str(base), group), group, chain + (path,)))
+    return OmegaConf.merge(merged, node)
+
+
+def _close_keys(err: ConfigKeyError) -> str:
+    """``"; did you mean 'actor_nodes'?"`` when the schema at the failing level has a similar field name."""
+    import difflib
+    from dataclasses import fields
+
+    schema = getattr(err, "object_type", None)
+    key = str(getattr(err, "key", "") or "")
+    if not (is_dataclass(schema) and key):
+        return ""
+    names = [f.name for f in fields(schema)]
+    close = difflib.get_close_matches(key, names, n=3)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; valid keys here: {', '.join(names)}"
 
 
 def to_yaml(cfg: Any) -> str:

@@ -4,7 +4,8 @@ A record is ``{"id", "prompt", "response", "claims": null | [{"text", "label"}],
 ``claims: null`` means the response abstained and labels are ``supported``, ``not_supported``
 or ``irrelevant``. Each metric keeps its public tool's convention:
 
-* SAFE F1@K: irrelevant claims excluded; averaged over items with at least one S/NS claim.
+* SAFE F1@K: irrelevant claims excluded from P and R; averaged, as SAFE's evaluation does, over every
+  response with at least one claim of any label (all irrelevant: F1 = 0, precision 0).
 * FActScore: irrelevant counted as not supported; ``null`` or zero claims = abstained.
 * VeriScore: the group is the domain; K = upper median / max of claim totals; irrelevant
   claims count in the total (VeriScore has no irrelevant class); items without claims skipped.
@@ -78,9 +79,9 @@ def parse_record(raw: Mapping[str, Any], *, where: str, group_by: str | None = N
 
 
 def _safe_block(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, float]:
-    counts = [(r.count("supported"), r.count("not_supported")) for r in records]
-    counts = [(s, ns) for s, ns in counts if s + ns > 0]
-    return aggregate_f1_at_k(counts, ks)
+    """SAFE's aggregate over responses with >= 1 claim; ``n_all_irrelevant`` of them had no S/NS claim (F1 0)."""
+    counts = [(r.count("supported"), r.count("not_supported")) for r in records if r.claims]
+    return {**aggregate_f1_at_k(counts, ks), "n_all_irrelevant": sum(1 for s, ns in counts if s + ns == 0)}
 
 
 def _factscore_block(records: Sequence[EvalRecord], gammas: Sequence[float]) -> dict[str, Any]:

@@ -63,16 +63,39 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 40
     return hf
 
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
 def build_tiny_causal_lm(family: str = "qwen2", *, vocab_size: int = 512, tie_word_embeddings: bool = False,
-                         num_layers: int = 2, seed: int = 0, out_dir: str | Path | None = None):
-    """A 2-layer GQA ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` built from config (float32, CPU)."""
+                         num_layers: int = 2, seed: int = 0, out_dir: str | Path | None = None,
+                         head_dim: int | None = None, rope_theta: float | None = None, rope_scaling: dict | None = None,
+                         legacy_config_layout: bool = False):
+    """A 2-layer GQA ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` built from config (float32, CPU).
+
+    ``head_dim`` other than hidden/heads (= 16), a non-default ``rope_theta`` and ``rope_scaling`` (e.g.
+    ``LLAMA3_SCALING``) exercise what converters must carry over. ``save_pretrained`` writes the installed
+    transformers' layout (5.x: ``rope_parameters``); ``legacy_config_layout`` rewrites ``config.json`` the
+    transformers-4 way (top-level ``rope_theta`` / ``rope_scaling``, ``torch_dtype``).
+    """
+    import json
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=256,
                   tie_word_embeddings=tie_word_embeddings)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
+    rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta or 10000.0}
     torch.manual_seed(seed)
+    from nemo_factuality.convert.hf_config import installed_layout
+
+    if installed_layout() == "rope_parameters":
+        common["rope_parameters"] = rope
+    else:
+        common.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope_scaling)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif family == "llama":
@@ -82,4 +105,50 @@ def build_tiny_causal_lm(family: str = "qwen2", *, vocab_size: int = 512, tie_wo
     model.eval()
     if out_dir is not None:
         model.save_pretrained(str(out_dir))
+        if legacy_config_layout:
+            path = Path(out_dir) / "config.json"
+            cfg = json.loads(path.read_text())
+            params = cfg.pop("rope_parameters", None) or {"rope_type": "default", **(rope_scaling or {})}
+            cfg["rope_theta"] = params.pop("rope_theta", cfg.get("rope_theta", rope_theta or 10000.0))
+            cfg["rope_scaling"] = None if params.get("rope_type") == "default" else params
+            cfg["torch_dtype"] = cfg.pop("dtype", "float32")
+            path.write_text(json.dumps(cfg, indent=2))
     return model
+
+
+def build_tiny_sequence_classifier(out_dir: str | Path, *, family: str = "bert", num_labels: int = 1, seed: int = 0,
+                                   head_bias: float | None = None, label2id: dict[str, int] | None = None):
+    """A tiny ``*ForSequenceClassification`` (BERT cross-encoder or Llama reward model) saved with the tiny tokenizer.
+
+    Args:
+        family: ``bert`` (NLI/HHEM-style cross-encoder, biased classifier head) or ``llama`` (reward model:
+            last-token ``score`` head, no bias).
+        num_labels: 1 for a single-logit head (HHEM consistency score, Skywork-style reward).
+        head_bias: if given (BERT only), zero the head's weight and set its bias, so the logit is exactly
+            this value for every input (deterministic verdicts in tests).
+        label2id: label names of a multi-class head.
+    """
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    tok = build_tiny_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    labels = dict(label2id or {}) or None
+    common = dict(num_labels=num_labels, pad_token_id=tok.pad_token_id, vocab_size=len(tok),
+                  **({"label2id": labels, "id2label": {v: k for k, v in labels.items()}} if labels else {}))
+    if family == "bert":
+        model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                         intermediate_size=48, max_position_embeddings=512, **common))
+        if head_bias is not None:
+            with torch.no_grad():
+                model.classifier.weight.zero_()
+                model.classifier.bias.fill_(head_bias)
+    elif family == "llama":
+        model = LlamaForSequenceClassification(LlamaConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                                           num_key_value_heads=1, intermediate_size=96,
+                                                           max_position_embeddings=512, **common))
+    else:
+        raise ValueError(f"family must be 'bert' or 'llama', got {family!r}")
+    model.eval()
+    model.save_pretrained(str(out_dir))
+    return model, tok

@@ -28,10 +28,13 @@ def test_report_numbers_by_hand(tmp_path):
     out = tmp_path / "out" / "report.json"
     assert cli(["eval", "--input", str(_write(tmp_path / "r.jsonl", recs)), "--output", str(out), "--k", "2", "--gamma", "0,10"]) == 0
     g = json.loads(out.read_text())["groups"]["all"]
-    # SAFE over items with S+NS>0 (rec 1: S=2, NS=1; rec 2: S=1, NS=0); rec 4 has only IR -> excluded.
+    # SAFE over every response with >= 1 claim of any label (rec 1: S=2, NS=1; rec 2: S=1, NS=0; rec 4: only IR,
+    # F1 = 0 and P = 0, as SAFE's evaluation counts it); rec 3 abstained (no claims) -> not an item.
     # rec1: P=2/3, R=min(1,2/2)=1, F1=2*(2/3)/(5/3)=0.8; rec2: P=1, R=1/2, F1=2*0.5/1.5=2/3.
-    assert g["safe"]["f1@2"] == pytest.approx((0.8 + 2 / 3) / 2, abs=1e-12)
-    assert g["safe"]["precision"] == pytest.approx((2 / 3 + 1) / 2, abs=1e-12) and g["safe"]["n_items"] == 2
+    assert g["safe"]["f1@2"] == pytest.approx((0.8 + 2 / 3 + 0) / 3, abs=1e-12)
+    assert g["safe"]["recall@2"] == pytest.approx((1 + 1 / 2 + 0) / 3, abs=1e-12)
+    assert g["safe"]["precision"] == pytest.approx((2 / 3 + 1 + 0) / 3, abs=1e-12) and g["safe"]["n_items"] == 3
+    assert g["safe"]["n_all_irrelevant"] == 1
     # FActScore: IR = not supported; rec3 (null) abstains; rec4 responds with 0/1.
     # gamma 0: mean(2/4, 1/1, 0/1) = 0.5; respond 3/4; facts/resp (4+1+1)/3 = 2.
     fs0 = g["factscore"]["gamma0"]
@@ -81,3 +84,15 @@ def test_group_by_missing_field(tmp_path):
     with pytest.raises(FactualityInputError, match="--group-by field 'nope'"):
         eval_main([ "--input", str(_write(tmp_path / "r.jsonl", [_rec(1, [S])])), "--output", str(tmp_path / "o"),
              "--group-by", "nope"])
+
+
+def test_plot_draws_identical_points_once_with_their_count_and_names_what_it_leaves_out(tmp_path):
+    from nemo_factuality.evaluation.render import group_label, point_counts, render_plot
+    from nemo_factuality.evaluation.report import parse_record, precision_points
+
+    recs = [_rec(i, [S, S, NS]) for i in range(5)] + [_rec(5, [S]), _rec(6, None), _rec(7, [IR, IR])]
+    records = [parse_record(r, where=f"x:{i}") for i, r in enumerate(recs)]
+    assert point_counts(precision_points(records)) == {(3, round(2 / 3, 6)): 5, (1, 1.0): 1}
+    assert group_label("all", records) == "all: n=8, 1 abstained, 1 without S/NS"
+    render_plot(records, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

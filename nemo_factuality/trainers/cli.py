@@ -1,0 +1,99 @@
+"""``nemo-factuality train {grpo,ppo,kto} --config-name NAME [key=value ...]`` and the stages' ``python -m`` entry.
+
+parse config → build actor (and critic), reward, data → run the stage's trainer → clean up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+STAGES = {
+    "grpo": ("GRPOConfig", "KLCF, FSPO, KnowRL: group-relative policy optimisation"),
+    "ppo": ("PPOConfig", "RLFH: PPO with a critic and token-level dense rewards"),
+    "kto": ("KTOConfig", "FactAlign: iterated sample → label → KTO + fKTO"),
+}
+
+
+def _parser(stage: str) -> argparse.ArgumentParser:
+    from nemo_factuality.cli import ArgumentParser
+
+    prog = f"nemo-factuality train {stage}"
+    p = ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [key=value ...]", description=STAGES[stage][1],
+                       epilog="key=value overrides change any config key, e.g. trainer.max_steps=10 model.optim.lr=1e-6")
+    p.add_argument("--config-name", default=None,
+                   help="conf/train/<name>.yaml (klcf, fspo, knowrl -> grpo; rlfh -> ppo; factalign -> kto) or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return p
+
+
+def run_stage(stage: str, argv: Sequence[str] | None) -> int:
+    """Build everything from config and run ``stage``; returns the exit code."""
+    from nemo_factuality.trainers import config as schemas
+    from nemo_factuality.trainers.backends import BACKENDS
+    from nemo_factuality.trainers.data import load_pairs, load_prompts
+    from nemo_factuality.trainers.runtime import build_reward, seed_everything
+
+    from nemo_factuality.cli import split_overrides
+
+    parser = _parser(stage)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    overrides = split_overrides(args.overrides, parser.prog)
+    cfg = schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, overrides)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_dir = Path(cfg.exp_manager.explicit_log_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from nemo_factuality.config import to_yaml
+
+    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+    train = load_prompts(cfg.data.train, cfg.data.format)
+    val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
+    seed_everything(cfg.trainer.seed)
+    actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo")
+    reward = build_reward(cfg, actor.tokenizer)
+    try:
+        if stage == "grpo":
+            from nemo_factuality.trainers.grpo import GRPOTrainer
+
+            GRPOTrainer(cfg, actor, reward, train, run_dir=run_dir, val_data=val).fit()
+        elif stage == "ppo":
+            from nemo_factuality.trainers.ppo import PPOTrainer
+
+            PPOTrainer(cfg, actor, critic, reward, train, run_dir=run_dir, val_data=val).fit()
+        else:
+            from nemo_factuality.trainers.kto import KTOTrainer
+
+            pairs = load_pairs(cfg.data.general_pairs) if cfg.data.general_pairs else []
+            KTOTrainer(cfg, actor, reward, train, general_pairs=pairs, run_dir=run_dir).fit()
+    finally:
+        close = getattr(reward, "close", None)
+        if callable(close):
+            close()
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    """``nemo-factuality train <stage> ...``."""
+    from nemo_factuality.cli import UsageError
+
+    argv = list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        lines = ["usage: nemo-factuality train {grpo,ppo,kto} --config-name NAME [key=value ...]", "", "stages:"]
+        lines += [f"  {k:<6} {v[1]}" for k, v in STAGES.items()]
+        print("\n".join(lines))
+        return 0
+    if argv[0] not in STAGES:
+        raise UsageError(f"unknown stage {argv[0]!r}; choose one of {', '.join(STAGES)} (see 'nemo-factuality train --help')")
+    return run_stage(argv[0], argv[1:])
+
+
+def exit_on_user_error(stage: str) -> int:
+    """``python -m nemo_factuality.trainers.<stage>`` behind the CLI's error boundary (one line, exit 2)."""
+    from nemo_factuality.cli import run_command
+
+    return run_command(lambda argv: run_stage(stage, argv), sys.argv[1:], f"train {stage}")
