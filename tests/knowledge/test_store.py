@@ -1,4 +1,4 @@
-"""The embedded knowledge store: real SQLite FTS5, streaming build, title scoping, safe queries, CLI."""
+"""The embedded knowledge store: real SQLite + tantivy, streaming build, title scoping, safe queries, CLI."""
 
 import json
 import sqlite3
@@ -6,9 +6,9 @@ import sqlite3
 import pytest
 
 from nemo_factuality.cli import main as cli
+from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.knowledge.evidence import BM25Sections, KnowledgeStoreEvidence, bm25_scores, chunk_sections
 from nemo_factuality.knowledge.store import FACTSCORE_SEPARATOR, KnowledgeStore, build_store, docdb_to_jsonl
-from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.types import Claim, FactualityInputError
 
 PASSAGES = [

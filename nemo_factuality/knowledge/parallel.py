@@ -1,0 +1,81 @@
+"""Batched BM25 search on every core: worker processes that each open the same read-only store.
+
+tantivy's Python binding holds the GIL while it searches, so a thread pool would run one search
+at a time; processes do not share a GIL. Each worker opens the store once (its index files are
+memory-mapped, so the page cache is shared, not copied) and checks that it opened the same
+generation as the parent, so a rebuild between the two opens is an error, not mixed results.
+Results come back as plain tuples over the pool's pipe (between our own processes).
+
+Workers are started with ``spawn`` (safe in threaded servers), which re-imports the main module:
+a script that calls ``search_batch`` with ``workers != 1`` needs the usual
+``if __name__ == "__main__":`` guard, as with any multiprocessing code.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from nemo_factuality.types import FactualityInputError
+
+log = logging.getLogger(__name__)
+
+_STORE = None  # the worker process's store, opened by _open_in_worker
+
+
+def resolve_workers(workers: int | None) -> int:
+    """``None`` or ``0`` → the cores this process may use; otherwise ``workers`` (must be >= 0)."""
+    if workers is None or workers == 0:
+        return len(os.sched_getaffinity(0))
+    if workers < 0:
+        raise FactualityInputError(f"workers must be >= 0 (0 or None = every core), got {workers}")
+    return int(workers)
+
+
+def search_serial(store, queries: Sequence[str], k: int, titles: Sequence[str | None]) -> list:
+    return [store.search(q, k=k, title=t) for q, t in zip(queries, titles)]
+
+
+def _open_in_worker(path: str, generation: str, options: dict) -> None:
+    global _STORE
+    from nemo_factuality.knowledge.store import KnowledgeStore
+
+    # The parent already verified checksums; sizes are enough here.
+    _STORE = KnowledgeStore(path, verify=False, **options)
+    if _STORE.generation != generation:
+        raise FactualityInputError(f"knowledge store {path} was rebuilt while search workers started "
+                                   f"(generation {_STORE.generation}, parent has {generation}); reopen the store")
+
+
+def _search_chunk(chunk: list[tuple[str, str | None]], k: int) -> list[list[tuple]]:
+    return [[(p.id, p.title, p.text, p.score) for p in _STORE.search(q, k=k, title=t)] for q, t in chunk]
+
+
+class SearchPool:
+    """A persistent pool of ``workers`` search processes over one store generation."""
+
+    def __init__(self, path: Path, generation: str, workers: int, options: dict) -> None:
+        """``options``: the parent store's query options, so workers answer exactly as it would."""
+        self.workers = workers
+        # spawn, not fork: the parent may be a threaded server, and forking threads is unsafe.
+        self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=_open_in_worker, initargs=(str(path), generation, options))
+        log.info("started %d BM25 search worker processes for %s", workers, path)
+
+    def search(self, queries: Sequence[str], k: int, titles: Sequence[str | None]) -> list:
+        from nemo_factuality.knowledge.store import Passage
+
+        pairs = list(zip(queries, titles))
+        size = max(8, -(-len(pairs) // (self.workers * 4)))  # ~4 chunks per worker balances uneven queries
+        chunks = [pairs[i:i + size] for i in range(0, len(pairs), size)]
+        out: list[list[Passage]] = []
+        for result in self._pool.map(_search_chunk, chunks, [k] * len(chunks)):
+            out.extend([Passage(*row) for row in hits] for hits in result)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
