@@ -1,0 +1,138 @@
+"""One contract per role in a training stage: the policy actor and the critic (NeMo-RL style ``interfaces``).
+
+The stages (``grpo.py``, ``ppo.py``, ``kto.py``) only call these methods, so the same reward →
+advantage → loss code drives a tiny HF model on CPU (``backends/hf.py``) and NeMo-Aligner's
+Megatron actors with TP/PP/DP (``backends/aligner.py``).
+
+Tensor layout (NeMo-Aligner's, so its actors need no reshaping):
+
+* ``tokens``: ``[B, S]`` int64, prompt followed by response, right-padded with the pad id.
+* ``prompt_lengths``: ``[B]`` prompt tokens; ``response_lengths``: ``[B]`` prompt + response tokens
+  (Aligner's name; the response includes its EOS when it ended).
+* ``is_end``: ``[B]`` bool, the response ended with EOS before the length limit.
+* per-token quantities (log-probs, values, advantages, masks) are ``[B, S-1]``: position ``t``
+  holds the prediction of ``tokens[:, t+1]``; the response's actions are ``[prompt_len-1, response_len-1)``.
+
+A loss function is backend-agnostic: it receives what the backend's forward produced for one micro
+batch (``{"logprobs": [b, S-1]}`` for the actor, ``{"values": [b, S-1]}`` for the critic, plus
+``"entropy"`` when asked for) and the micro batch's own tensors, and returns ``(loss, metrics)``.
+Losses are already normalised by the *global* token/sequence count of the optimiser step (the
+stage puts it in the batch), so a backend just sums gradients over micro batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+LossFn = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample rollouts (NeMo-Aligner's ``sampling_params`` + ``length_params.max_length``)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    use_greedy: bool = False
+
+
+@dataclass
+class Rollout:
+    """Generated sequences in Aligner's layout (see module docstring)."""
+
+    tokens: torch.Tensor  # [B, S] int64
+    prompt_lengths: torch.Tensor  # [B] int64
+    response_lengths: torch.Tensor  # [B] int64, prompt + response (incl. EOS when it ended)
+    is_end: torch.Tensor  # [B] bool
+
+    def __post_init__(self) -> None:
+        b = self.tokens.shape[0]
+        for name in ("prompt_lengths", "response_lengths", "is_end"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (b,):
+                raise ValueError(f"Rollout.{name} has shape {list(t.shape)}, expected [{b}]")
+        if bool((self.response_lengths < self.prompt_lengths).any()):
+            raise ValueError("Rollout.response_lengths must be >= prompt_lengths")
+        if bool((self.response_lengths > self.tokens.shape[1]).any()):
+            raise ValueError(f"Rollout.response_lengths exceed the sequence length {self.tokens.shape[1]}")
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def response_ids(self, i: int, *, eos_id: int | None = None) -> list[int]:
+        """Response token ids of row ``i`` without the trailing EOS (what the reward sees)."""
+        ids = self.tokens[i, int(self.prompt_lengths[i]) : int(self.response_lengths[i])].tolist()
+        if ids and bool(self.is_end[i]) and (eos_id is None or ids[-1] == eos_id):
+            ids = ids[:-1]
+        return ids
+
+
+@runtime_checkable
+class PolicyActor(Protocol):
+    """The trained policy plus its frozen reference (initial policy) for KL."""
+
+    tokenizer: Any
+    eos_id: int
+    pad_id: int
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
+        """Sample one response per prompt row (repeat rows for ``n`` samples per prompt)."""
+        ...
+
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """``[B, S-1]`` log-probs of the taken tokens under the current policy (no grad)."""
+        ...
+
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """``[B, S-1]`` log-probs under the reference policy (no grad)."""
+        ...
+
+    def reset_reference(self) -> None:
+        """Make the current weights the reference (FactAlign: each iteration's starting policy)."""
+        ...
+
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
+                   need_entropy: bool = False) -> dict[str, float]:
+        """One optimiser step over ``batch`` (must hold ``tokens``, ``prompt_lengths``, ``response_lengths``).
+
+        Splits into micro batches, sums ``loss_fn`` gradients, clips, steps the optimiser and LR
+        schedule; returns the loss functions' metrics averaged over micro batches plus ``grad_norm`` and ``lr``.
+        """
+        ...
+
+    def save(self, path: Path) -> None:
+        """Write the full training state (weights, optimiser, schedule, reference) under ``path``."""
+        ...
+
+    def load(self, path: Path) -> None:
+        """Restore what ``save`` wrote."""
+        ...
+
+    def export(self, path: Path) -> None:
+        """Write the current policy in the backend's deployable format (HF ``save_pretrained`` / ``.nemo``)."""
+        ...
+
+
+@runtime_checkable
+class Critic(Protocol):
+    """A value model over the actor's token layout."""
+
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        """``[B, S-1]`` value estimates (no grad)."""
+        ...
+
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, float]:
+        """One optimiser step; ``loss_fn`` receives ``{"values": [b, S-1]}``."""
+        ...
+
+    def save(self, path: Path) -> None:
+        ...
+
+    def load(self, path: Path) -> None:
+        ...
