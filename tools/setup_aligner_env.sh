@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
 # Build (when missing) and print the path of the NeMo-Aligner 0.7.0 venv the aligner backend's tests
-# run in. The venv lives outside the checkout, keyed by the hash of its pinned requirements and of this
-# script, so CI and every worktree share one build (~5 min, ~6 GB) and a requirements change builds a
-# new one. The checkout itself is not installed into it: callers put the checkout on PYTHONPATH, so one
-# venv serves any checkout without going stale.
+# run in. The venv lives outside the checkout, keyed by the hash of its pinned requirements, so CI and
+# every worktree share one build (~5 min, ~6 GB) and a requirements change builds a new one. The
+# checkout itself is not installed into it: callers put the checkout on PYTHONPATH, so one venv serves
+# any checkout without going stale.
 #
 #   tools/setup_aligner_env.sh            # build if missing; prints the venv path on the last line
+#   tools/setup_aligner_env.sh --path     # only print where it is (or would be); builds nothing
 #   ALIGNER_VENV_ROOT=/some/dir tools/setup_aligner_env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-key=$(cat requirements/aligner.txt requirements/aligner-constraints.txt tools/setup_aligner_env.sh \
-      | sha256sum | cut -c1-12)
+key=$(cat requirements/aligner.txt requirements/aligner-constraints.txt | sha256sum | cut -c1-12)
 root=${ALIGNER_VENV_ROOT:-$HOME/.cache/nemo_factuality}
 venv="$root/aligner-venv-$key"
+if [ "${1:-}" = "--path" ]; then
+  echo "$venv"
+  exit 0
+fi
 if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then
   echo "$venv"
   exit 0
