@@ -35,6 +35,9 @@ nice -n 19 "${pip[@]}" torch==2.13.0
 nice -n 19 "${pip[@]}" -c requirements/aligner-constraints.txt -r requirements/aligner.txt
 # Whatever the resolver did, the CPU torch is what runs (a no-op when it was kept).
 nice -n 19 "${pip[@]}" --no-deps torch==2.13.0
+# torchvision (pulled by nvidia-modelopt) is a CUDA build whose ops do not register on the CPU torch, and
+# torchmetrics imports it when present; nothing NeMo's GPT/Aligner path uses needs it.
+"$build/bin/python" -m pip uninstall -q -y torchvision
 "$build/bin/python" - <<'EOF'
 import torch, nemo, nemo_aligner, megatron.core, pytriton  # noqa: F401  (the build is usable)
 assert not torch.cuda.is_available() and "+cpu" in torch.__version__, torch.__version__
