@@ -48,6 +48,7 @@ class AlignerRuntime:
     max_steps: int = 100  # the LR schedule's horizon (optimiser steps)
     gradient_clip_val: float = 1.0
     seed: int = 1234
+    rollout_micro_batch_size: int = 16  # prompts generated together (KV cache ∝ this × sequence length)
     # Merged last onto the checkpoint's model config (Aligner's ``++model.*`` overrides), e.g. the
     # presets' activation recompute / distributed optimizer / sequence parallel settings.
     model_overrides: dict[str, Any] = field(default_factory=dict)
@@ -243,6 +244,18 @@ class AlignerActor:
 
     # ---- rollouts and log-probs -----------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
+        """Rollouts in chunks of ``rollout_micro_batch_size`` prompts, right-padded with ``pad_id`` to one width."""
+        step = max(1, self.runtime.rollout_micro_batch_size)
+        parts = [self._generate_chunk(prompt_ids[i:i + step], sampling) for i in range(0, len(prompt_ids), step)]
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.tokens.shape[1] for p in parts)
+        tokens = torch.cat([torch.nn.functional.pad(p.tokens, (0, width - p.tokens.shape[1]), value=self.pad_id) for p in parts])
+        return Rollout(tokens=tokens, prompt_lengths=torch.cat([p.prompt_lengths for p in parts]),
+                       response_lengths=torch.cat([p.response_lengths for p in parts]),
+                       is_end=torch.cat([p.is_end for p in parts]))
+
+    def _generate_chunk(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
         lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
         if int(lengths.min()) < 1:
             raise ValueError("every prompt needs at least one token")

@@ -1,0 +1,147 @@
+"""Runs in the NeMo-Aligner venv (python or torchrun, gloo): drives ``AlignerActor`` and writes what it saw.
+
+    torchrun --nproc_per_node 2 tests/trainers/aligner_driver.py --nemo DIR --out DIR --tp 2 [--scenario core]
+
+Each rank writes ``<out>/rank<r>.json``. Scenarios:
+
+* ``core``: greedy rollouts for its data-parallel slice of PROMPTS, log-probs, reference log-probs,
+  ``train_step`` × steps with the project's PPO/GRPO policy loss (global token count via
+  ``all_reduce_sum``), log-probs and reference log-probs after, then ``reset_reference``.
+* ``resume``: step, save, step → A; load the saved state, step again → B (B must equal A); export a ``.nemo``.
+* ``sample``: sampled (not greedy) rollouts, twice with the same seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nemo_factuality.testing import aligner_cpu  # noqa: E402
+
+aligner_cpu.apply()
+
+import torch  # noqa: E402
+
+from nemo_factuality.algorithms.advantages import response_mask  # noqa: E402
+from nemo_factuality.algorithms.losses import ppo_policy_loss  # noqa: E402
+from nemo_factuality.trainers.backends.aligner import AlignerActor, AlignerRuntime  # noqa: E402
+from nemo_factuality.trainers.interfaces import SamplingParams  # noqa: E402
+
+PROMPTS = ["The Eiffel Tower is", "Marie Curie won", "Water boils at 100 degrees", "Albert Einstein was born in Ulm"]
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
+MAX_NEW = 6
+
+
+def _actor(args) -> AlignerActor:
+    model_cfg = {"restore_from_path": args.nemo, "tensor_model_parallel_size": args.tp,
+                 "pipeline_model_parallel_size": args.pp, "micro_batch_size": 1, "global_batch_size": len(PROMPTS),
+                 "forward_micro_batch_size": 2, "dtype": "float32",
+                 "optim": {"name": "sgd", "lr": args.lr, "weight_decay": 0.0, "sched": {"name": "constant"}}}
+    runtime = AlignerRuntime(devices=int(os.environ.get("WORLD_SIZE", 1)), max_steps=10, gradient_clip_val=10.0,
+                             model_overrides=dict(aligner_cpu.CPU_MODEL_OVERRIDES))
+    return AlignerActor(model_cfg, runtime)
+
+
+def _my_prompts(actor: AlignerActor) -> tuple[list[list[int]], list[float], int]:
+    per_rank = len(PROMPTS) // actor.data_parallel_size
+    start = actor.data_parallel_rank * per_rank
+    ids = [actor.tokenizer.encode(p) for p in PROMPTS[start:start + per_rank]]
+    return ids, ADVANTAGES[start:start + per_rank], start
+
+
+def _batch(actor: AlignerActor, rollout, advantages: list[float], old_logprobs: torch.Tensor) -> dict:
+    mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, rollout.tokens.shape[1] - 1)
+    global_tokens = actor.all_reduce_sum(mask.sum())
+    adv = torch.tensor(advantages).unsqueeze(1).expand_as(mask).contiguous()
+    return {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
+            "mask": mask, "advantages": adv, "old_logprobs": old_logprobs, "global_tokens": global_tokens}
+
+
+def policy_loss(out, mb):
+    return ppo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["mask"],
+                           global_tokens=float(mb["global_tokens"]))
+
+
+def _rows(t: torch.Tensor) -> list:
+    return t.tolist()
+
+
+def core(actor: AlignerActor, args) -> dict:
+    prompts, advantages, start = _my_prompts(actor)
+    t0 = time.monotonic()
+    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    gen_s = time.monotonic() - t0
+    lp0, ref0 = actor.logprobs(rollout), actor.reference_logprobs(rollout)
+    batch = _batch(actor, rollout, advantages, lp0)
+    metrics = [actor.train_step(batch, policy_loss, micro_batch_size=1) for _ in range(args.steps)]
+    lp1, ref1 = actor.logprobs(rollout), actor.reference_logprobs(rollout)
+    actor.reset_reference()
+    ref2 = actor.reference_logprobs(rollout)
+    return {"start": start, "prompts": prompts, "tokens": _rows(rollout.tokens), "prompt_lengths": _rows(rollout.prompt_lengths),
+            "response_lengths": _rows(rollout.response_lengths), "is_end": _rows(rollout.is_end),
+            "lp0": _rows(lp0), "ref0": _rows(ref0), "lp1": _rows(lp1), "ref1": _rows(ref1), "ref2": _rows(ref2),
+            "metrics": metrics, "generate_s": gen_s, "pad_id": actor.pad_id, "eos_id": actor.eos_id}
+
+
+def resume(actor: AlignerActor, args) -> dict:
+    prompts, advantages, start = _my_prompts(actor)
+    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    batch = _batch(actor, rollout, advantages, actor.logprobs(rollout))
+    actor.train_step(batch, policy_loss, micro_batch_size=1)
+    ckpt = Path(args.out) / "ckpt"
+    actor.save(ckpt)
+    m_a = actor.train_step(batch, policy_loss, micro_batch_size=1)
+    lp_a = actor.logprobs(rollout)
+    actor.load(ckpt)
+    m_b = actor.train_step(batch, policy_loss, micro_batch_size=1)
+    lp_b = actor.logprobs(rollout)
+    actor.export(Path(args.out) / "trained.nemo")
+    return {"start": start, "tokens": _rows(rollout.tokens), "prompt_lengths": _rows(rollout.prompt_lengths),
+            "response_lengths": _rows(rollout.response_lengths), "lp_a": _rows(lp_a), "lp_b": _rows(lp_b),
+            "metrics_a": m_a, "metrics_b": m_b}
+
+
+def sample(actor: AlignerActor, args) -> dict:
+    prompts, _, start = _my_prompts(actor)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_k=0, top_p=1.0)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(args.seed)
+        r = actor.generate(prompts * 2, params)
+        runs.append({"tokens": _rows(r.tokens), "response_lengths": _rows(r.response_lengths),
+                     "prompt_lengths": _rows(r.prompt_lengths), "is_end": _rows(r.is_end)})
+    return {"start": start, "runs": runs}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nemo", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--scenario", choices=("core", "resume", "sample"), default="core")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    actor = _actor(args)
+    setup_s = time.monotonic() - t0
+    result = {"core": core, "resume": resume, "sample": sample}[args.scenario](actor, args)
+    result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
+                  dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

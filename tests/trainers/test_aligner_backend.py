@@ -1,0 +1,134 @@
+"""The aligner backend on NeMo-Aligner's real Megatron actor, on CPU/gloo, in the Aligner venv.
+
+A tiny Qwen2 is converted with our converter, restored by Aligner, and driven through the
+``PolicyActor`` calls (``aligner_driver.py``) at world 1, TP=2 and DP=2 (torchrun, 2 processes):
+rollouts and log-probs agree with Hugging Face on the same weights, training moves the policy in the
+direction of the advantages while the reference (``cpu_weight_swap``) stays put, TP=2 and DP=2 give
+what world 1 gives, and save → load → step equals the uninterrupted step. Skips with the reason when
+the venv is absent (``tools/setup_aligner_env.sh`` builds it; ``.ci/run`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_factuality.testing.aligner_env import aligner_venv, run_in_aligner_venv, skip_reason
+from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = "tests/trainers/aligner_driver.py"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def venv():
+    found = aligner_venv()
+    if found is None:
+        pytest.skip(skip_reason())
+    return found
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """(HF dir, extracted .nemo written by our converter)."""
+    root = tmp_path_factory.mktemp("aligner_policy")
+    hf = root / "hf"
+    build_tiny_causal_lm("qwen2", vocab_size=400, out_dir=hf)
+    build_tiny_tokenizer(hf)
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf),
+                          "--out", str(root / "policy"), "--extracted"],
+                         env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return hf, root / "policy"
+
+
+def drive(venv: Path, nemo: Path, out: Path, *, nproc: int = 1, timeout: float = 240, **args) -> list[dict]:
+    """Run the driver; returns every rank's JSON, ordered by rank."""
+    flags = [f"--{k}={v}" for k, v in args.items()]
+    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def action_values(result: dict, key: str) -> list[list[float]]:
+    """Per row, ``result[key]`` at the response's action positions ``[prompt_len-1, response_len-1)``."""
+    return [row[p - 1 : r - 1] for row, p, r in zip(result[key], result["prompt_lengths"], result["response_lengths"])]
+
+
+def assert_close(a: list[list[float]], b: list[list[float]], atol: float) -> None:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    worst = max(max(abs(x - y) for x, y in zip(ra, rb)) for ra, rb in zip(a, b))
+    assert worst <= atol, f"max |Δ| {worst:.3g} > {atol}"
+
+
+@pytest.fixture(scope="module")
+def world1(venv, policy, tmp_path_factory):
+    return drive(venv, policy[1], tmp_path_factory.mktemp("world1"))[0]
+
+
+def _hf_logprobs(hf: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(tokens).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def test_rollouts_and_logprobs_agree_with_hugging_face(world1, policy):
+    from transformers import AutoModelForCausalLM
+
+    hf = policy[0]
+    tokens = torch.tensor(world1["tokens"])
+    for i, prompt in enumerate(world1["prompts"]):
+        p, r = world1["prompt_lengths"][i], world1["response_lengths"][i]
+        assert p == len(prompt) and world1["tokens"][i][:p] == prompt and p < r
+        assert all(t == world1["pad_id"] for t in world1["tokens"][i][r:])
+    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    for i, prompt in enumerate(world1["prompts"]):  # greedy: HF continues the prompt with the same tokens
+        r = world1["response_lengths"][i]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=r - len(prompt), do_sample=False,
+                                 eos_token_id=world1["eos_id"], pad_token_id=world1["pad_id"])[0].tolist()
+        assert world1["tokens"][i][:r] == ref[:r]
+    ours = action_values(world1, "lp0")
+    theirs = action_values({**world1, "hf": _hf_logprobs(hf, tokens).tolist()}, "hf")
+    assert_close(ours, theirs, atol=2e-5)
+    assert_close(action_values(world1, "ref0"), ours, atol=0.0)  # before training the reference is the policy
+
+
+def test_training_follows_the_advantages_and_the_reference_stays(world1):
+    before, after = action_values(world1, "lp0"), action_values(world1, "lp1")
+    advantages = [1.0, -1.0, 0.5, -0.5]
+    moved = [sum(a) - sum(b) for a, b in zip(after, before)]
+    assert all(m * adv > 0 for m, adv in zip(moved, advantages)), moved
+    assert_close(action_values(world1, "ref1"), before, atol=1e-6)  # cpu_weight_swap restores the initial weights
+    assert_close(action_values(world1, "ref2"), after, atol=1e-6)  # reset_reference adopts the current weights
+    for m in world1["metrics"]:
+        assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(0.5) and {"clipfrac", "approx_kl"} <= set(m)
+
+
+def test_tensor_parallel_2_equals_world_1(venv, policy, world1, tmp_path):
+    ranks = drive(venv, policy[1], tmp_path, nproc=2, tp=2)
+    for result in ranks:
+        assert result["dp_size"] == 1 and result["tokens"] == world1["tokens"]
+        for key in ("lp0", "lp1", "ref1"):
+            assert_close(action_values(result, key), action_values(world1, key), atol=2e-5)
+
+
+def test_data_parallel_2_equals_world_1(venv, policy, world1, tmp_path):
+    ranks = drive(venv, policy[1], tmp_path, nproc=2)
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and all(r["dp_size"] == 2 for r in ranks)
+    for result in ranks:
+        rows = slice(result["start"], result["start"] + len(result["prompts"]))
+        sliced = {k: world1[k][rows] for k in ("lp0", "lp1", "prompt_lengths", "response_lengths")}
+        for key in ("lp0", "lp1"):  # one optimiser step over both ranks' halves = the step over the whole batch
+            assert_close(action_values(result, key), action_values(sliced, key), atol=2e-5)
