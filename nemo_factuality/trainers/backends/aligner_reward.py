@@ -41,7 +41,8 @@ def _what_to_check(url: str, model: str) -> str:
 
 def check_reward_server(url: str, model: str, *, timeout_s: float) -> None:
     """Wait at most ``timeout_s`` for Triton's ``/v2/models/<model>/ready``; raise ``RemoteRewardError`` otherwise."""
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     last = "no answer"
     while True:
         try:
@@ -56,7 +57,8 @@ def check_reward_server(url: str, model: str, *, timeout_s: float) -> None:
         if time.monotonic() >= deadline:
             break
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-    raise RemoteRewardError(f"reward server {url} is not ready after {timeout_s:g} s ({last}): {_what_to_check(url, model)}")
+    raise RemoteRewardError(f"reward server {url} is not ready after {time.monotonic() - start:.1f} s ({last}): "
+                            f"{_what_to_check(url, model)}")
 
 
 @functools.lru_cache(maxsize=1)
