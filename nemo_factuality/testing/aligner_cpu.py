@@ -20,6 +20,7 @@ What it replaces, each a failure observed on CPU (shared/specs/aligner_actor_cpu
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import sys
 import types
@@ -27,6 +28,12 @@ import types
 import torch
 
 _APPLIED = False
+_IMPORT_BEFORE_WRAPPING = (
+    "megatron.core.models.gpt", "megatron.core.transformer.utils", "megatron.core.fusions.fused_bias_gelu",
+    "megatron.core.fusions.fused_bias_swiglu", "nemo.collections.nlp.modules.common.text_generation_utils",
+    "nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor", "nemo_aligner.utils.distributed",
+    "nemo_aligner.utils.train_utils", "nemo_aligner.utils.utils",
+)
 _FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
               "zeros_like", "ones_like", "empty_like", "full_like", "linspace", "tril", "triu", "eye")
 
@@ -63,15 +70,23 @@ def _tensor_to(original):
     return to
 
 
-def _typed_constructor(dtype: torch.dtype):
-    """``torch.cuda.FloatTensor(data)`` / ``(n, m)`` → a CPU tensor of that dtype."""
+class _TypedTensorMeta(type):
+    """``torch.cuda.FloatTensor(data)`` / ``(n, m)`` builds a CPU tensor of that dtype, and
+    ``isinstance(t, torch.cuda.FloatTensor)`` (NeMo's clip_grads) holds for CPU tensors of that dtype."""
 
-    def make(*args):
+    dtype: torch.dtype
+
+    def __call__(cls, *args):
         if len(args) == 1 and not isinstance(args[0], int):
-            return torch.as_tensor(args[0], dtype=dtype)
-        return torch.empty(*args, dtype=dtype)
+            return torch.as_tensor(args[0], dtype=cls.dtype)
+        return torch.empty(*args, dtype=cls.dtype)
 
-    return make
+    def __instancecheck__(cls, obj):
+        return torch.is_tensor(obj) and obj.dtype == cls.dtype
+
+
+def _typed_constructor(dtype: torch.dtype):
+    return _TypedTensorMeta(f"Cpu{dtype}Tensor", (), {"dtype": dtype})
 
 
 def _patch_torch_devices() -> None:
@@ -192,12 +207,19 @@ def apply() -> bool:
     from nemo_factuality.convert import cpu
 
     cpu.apply()
-    _patch_torch_devices()
-    _gloo_safe_all_gather()
     _stub_transformer_engine()
     _stub_trt_llm()
     _patch_apex_names()
     _patch_nemo_model_building()
+    # Modules that torch.jit.script functions at import must be imported before the factories are
+    # wrapped: TorchScript cannot compile a call to a Python wrapper of a builtin.
+    for module in _IMPORT_BEFORE_WRAPPING:
+        importlib.import_module(module)
+    _patch_torch_devices()
+    from nemo.core.classes.modelPT import ModelPT
+
+    ModelPT.cuda = lambda self, *a, **k: self  # NeMo's generate() moves the model with it
+    _gloo_safe_all_gather()
     _APPLIED = True
     return True
 

@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=0.5)
+    ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--scenario", choices=("core", "resume", "sample"), default="core")
     args = ap.parse_args()

@@ -108,12 +108,15 @@ def test_rollouts_and_logprobs_agree_with_hugging_face(world1, policy):
 def test_training_follows_the_advantages_and_the_reference_stays(world1):
     before, after = action_values(world1, "lp0"), action_values(world1, "lp1")
     advantages = [1.0, -1.0, 0.5, -0.5]
-    moved = [sum(a) - sum(b) for a, b in zip(after, before)]
-    assert all(m * adv > 0 for m, adv in zip(moved, advantages)), moved
+    # the surrogate objective Σ_i A_i Σ_t Δlog π rises, and the second step starts from a lower loss
+    gain = sum(adv * (sum(a) - sum(b)) for adv, a, b in zip(advantages, after, before, strict=True))
+    assert gain > 0.1, gain
+    first, second = world1["metrics"]
+    assert second["loss"] < first["loss"] and first["approx_kl"] == 0.0 < second["approx_kl"]
     assert_close(action_values(world1, "ref1"), before, atol=1e-6)  # cpu_weight_swap restores the initial weights
     assert_close(action_values(world1, "ref2"), after, atol=1e-6)  # reset_reference adopts the current weights
     for m in world1["metrics"]:
-        assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(0.5) and {"clipfrac", "approx_kl"} <= set(m)
+        assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(0.05) and {"clipfrac", "approx_kl"} <= set(m)
 
 
 def test_tensor_parallel_2_equals_world_1(venv, policy, world1, tmp_path):

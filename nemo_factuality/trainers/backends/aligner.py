@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -94,6 +94,7 @@ def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> di
         "micro_batch_size": model_cfg.get("micro_batch_size", 1),
         "global_batch_size": model_cfg.get("global_batch_size", 1),
         "precision": precision, "seed": runtime.seed,
+        "gradient_as_bucket_view": True,  # NeMo's trainer builder reads it (SFT checkpoints carry it; converted ones not)
         "optim": nemo_optim(model_cfg.get("optim", {"lr": 1e-6}), runtime.max_steps),
         "peft": {"peft_scheme": "none", "restore_from_path": None},
         "data": {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False},
@@ -149,6 +150,7 @@ def _stage_actor_class():
                         out["entropy"] = _token_entropy(parallel_logits)
                     loss, metrics = loss_fn(out, batch)
                     reported = {k: torch.as_tensor(float(v)) for k, v in metrics.items()}
+                    reported["loss"] = loss.detach().float()  # this micro batch's share of the step's loss
                     return loss * scale, reported
 
                 return parallel_logits, loss_func
@@ -166,12 +168,26 @@ def _stage_actor_class():
                 data_iterator=self._make_data_iterator_list(data_iter), model=self.model,
                 num_microbatches=get_num_microbatches(), forward_only=forward_only, seq_length=tokens.size(1),
                 micro_batch_size=self.cfg.micro_batch_size)
-            # metrics live on the last pipeline stage: average there, then share with every rank
-            metrics = [{k: sum(float(r[k]) for r in reduced) / len(reduced) for k in reduced[0]} if reduced else None]
-            torch.distributed.broadcast_object_list(metrics, src=torch.distributed.get_world_size() - 1)
-            return metrics[0].get("loss", 0.0), metrics[0]
+            return _step_metrics(reduced)
 
     return StageReinforceActor
+
+
+def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, float]]:
+    """Loss functions' metrics averaged over micro batches; ``loss`` summed over micro batches and DP ranks
+    (the step's global loss, since each share is normalised by the global count). They exist on the last
+    pipeline stage only: computed there, then broadcast to every rank."""
+    from megatron.core import parallel_state as mpu
+
+    metrics: dict[str, float] = {}
+    if reduced:
+        metrics = {k: sum(float(r[k]) for r in reduced) / len(reduced) for k in reduced[0] if k != "loss"}
+        loss = torch.tensor([sum(float(r["loss"]) for r in reduced)])
+        torch.distributed.all_reduce(loss, group=mpu.get_data_parallel_group())
+        metrics["loss"] = float(loss)
+    shared = [metrics]
+    torch.distributed.broadcast_object_list(shared, src=torch.distributed.get_world_size() - 1)
+    return shared[0].get("loss", 0.0), shared[0]
 
 
 def split_micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
@@ -256,12 +272,14 @@ class AlignerActor:
                        is_end=torch.cat([p.is_end for p in parts]))
 
     def _generate_chunk(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
+        from nemo_aligner.utils.utils import batch_pad_to_fixed_len
+
         lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
         if int(lengths.min()) < 1:
             raise ValueError("every prompt needs at least one token")
-        text = torch.full((len(prompt_ids), int(lengths.max())), self.eos_id, dtype=torch.long)  # Aligner pads with EOS
-        for i, p in enumerate(prompt_ids):
-            text[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        # as Aligner's collate: EOS-padded to the longest prompt + the tokens to generate
+        text = batch_pad_to_fixed_len([torch.as_tensor(list(p), dtype=torch.long) for p in prompt_ids],
+                                      int(lengths.max()) + sampling.max_new_tokens, self.eos_id)
         m = self.model
         m._length_params = {"max_length": sampling.max_new_tokens, "min_length": 1}
         m._sampling_params = dict(m._sampling_params, use_greedy=sampling.use_greedy, temperature=sampling.temperature,
@@ -368,10 +386,18 @@ class AlignerActor:
 
 def _restore(path: str, overrides: dict, runtime: AlignerRuntime):
     """Aligner's training-script sequence: config merge → trainer → load_from_nemo → distributed init → PTL setup."""
+    from nemo_aligner.utils.train_script_utils import (
+        extract_optimizer_scheduler_from_ptl_model,
+        init_distributed,
+        init_peft,
+        init_using_ptl,
+    )
+    from nemo_aligner.utils.utils import (
+        load_and_override_model_config,
+        load_from_nemo,
+        retrieve_model_state_dict_in_cpu,
+    )
     from omegaconf import OmegaConf
-    from nemo_aligner.utils.train_script_utils import (extract_optimizer_scheduler_from_ptl_model, init_distributed,
-                                                      init_peft, init_using_ptl)
-    from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo, retrieve_model_state_dict_in_cpu
 
     model_cfg = load_and_override_model_config(path, OmegaConf.create(overrides))
     trainer = _nemo_trainer(model_cfg, runtime)
@@ -395,8 +421,8 @@ def _restore(path: str, overrides: dict, runtime: AlignerRuntime):
 
 def _nemo_trainer(model_cfg: Any, runtime: AlignerRuntime):
     """NeMo's Megatron trainer (NLPDDPStrategy, precision plugins) as Aligner's ``resolve_and_create_trainer`` builds it."""
-    from omegaconf import OmegaConf
     from nemo_aligner.utils.train_script_utils import resolve_and_create_trainer
+    from omegaconf import OmegaConf
 
     accelerator = runtime.accelerator if runtime.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
     cfg = OmegaConf.create({

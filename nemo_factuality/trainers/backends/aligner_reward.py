@@ -22,8 +22,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
