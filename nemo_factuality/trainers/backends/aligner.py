@@ -181,10 +181,13 @@ def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[s
 
     metrics: dict[str, float] = {}
     if reduced:
-        metrics = {k: sum(float(r[k]) for r in reduced) / len(reduced) for k in reduced[0] if k != "loss"}
-        loss = torch.tensor([sum(float(r["loss"]) for r in reduced)])
-        torch.distributed.all_reduce(loss, group=mpu.get_data_parallel_group())
-        metrics["loss"] = float(loss)
+        keys = sorted(k for k in reduced[0] if k != "loss")
+        values = torch.tensor([sum(float(r[k]) for r in reduced) / len(reduced) for k in keys]
+                              + [sum(float(r["loss"]) for r in reduced)], dtype=torch.float64)
+        torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
+        dp = mpu.get_data_parallel_world_size()
+        metrics = {k: float(v) / dp for k, v in zip(keys, values[:-1].tolist(), strict=True)}
+        metrics["loss"] = float(values[-1])
     shared = [metrics]
     torch.distributed.broadcast_object_list(shared, src=torch.distributed.get_world_size() - 1)
     return shared[0].get("loss", 0.0), shared[0]
