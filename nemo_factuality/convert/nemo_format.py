@@ -7,6 +7,7 @@
                              Transformer Engine layer-norm names; per-layer tensors stacked on a leading layer axis,
                              chunked as a TP=``tp`` run would store them (see ``layout``)
     tokenizer/               the HF tokenizer files (``tokenizer.type`` points here, never at a Hub id)
+    tokenizer.json           (or tokenizer.model / vocab.json) NeMo's registered ``tokenizer.model`` artifact
     hf_config.json           the source config.json (makes NeMo → HF exact)
     manifest.json            sha256 of every converted tensor (checked by the reverse converter and ``verify``)
 
@@ -120,7 +121,9 @@ def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tok
         # NeMo hands ``type`` unresolved to HF AutoTokenizer.from_pretrained (NeMo 2.x no longer chdirs into the
         # checkpoint while building the model): see ``tokenizer_type``. ``model`` is a registered artifact
         # (``nemo:`` = inside the archive), which NeMo's save_to carries over.
-        "tokenizer": {"library": "huggingface", "type": tokenizer_type, "model": f"nemo:tokenizer/{tokenizer_file}",
+        # The artifact sits at the archive root: NeMo's save_to re-packs ``nemo:`` artifacts by base name from
+        # a flat folder, so a ``nemo:tokenizer/...`` path makes every later save_to (a trained policy) fail.
+        "tokenizer": {"library": "huggingface", "type": tokenizer_type, "model": f"nemo:{tokenizer_file}",
                       "use_fast": True},
         "target": "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel",
     }
@@ -275,6 +278,7 @@ def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", e
         shutil.copy2(hf_dir / f, work / "tokenizer" / f)
     if "tokenizer_config.json" in tok_files:
         _write_loadable_tokenizer_config(work / "tokenizer")
+    shutil.copy2(hf_dir / main_file, work / main_file)  # the registered artifact (see nemo_model_config)
     # AutoTokenizer falls back to config.json when tokenizer_config.json names no class it knows (older transformers)
     shutil.copy2(hf_dir / "config.json", work / "tokenizer" / "config.json")
     _maybe_simulate_crash("package")

@@ -15,6 +15,8 @@ What it replaces, each a failure observed on CPU (shared/specs/aligner_actor_cpu
 * ``nemo_aligner.utils.trt_llm`` imports tensorrt_llm → tensorrt → mpi4py (stubbing those breaks
   Lightning's MPI detection): the module is replaced by one whose ``GPTGenerateTRTLLM`` raises.
 * gloo: ``all_gather`` of 0-dim tensors (NCCL accepts them, gloo does not) in ``rebalance_nd_tensor``.
+* Apex's distributed Adam classes that NeMo's checkpointing isinstance-checks; megatron-core 0.12's async
+  checkpoint writer against torch 2.13's ``_write_item`` signature.
 """
 
 from __future__ import annotations
@@ -177,6 +179,10 @@ def _patch_nemo_model_building() -> None:
     from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 
     nlp_overrides.HAVE_APEX = True  # the strategy refuses to start without Apex; nothing here calls it
+    # imported together with Apex's distributed Adam (absent here); checkpointing isinstance-checks them
+    for name in ("MegatronDistributedFusedAdam", "McoreDistributedOptimizer"):
+        if not hasattr(nlp_overrides, name):
+            setattr(nlp_overrides, name, type(name, (), {}))
     build_module.set_defaults_if_not_set_tensor_model_parallel_attributes = set_defaults_if_not_set_tensor_model_parallel_attributes
     # get_specs builds every spec eagerly (TE ones included); without TE only the local spec exists
     gpt_module.get_specs = lambda *args, **kwargs: gpt_module.get_gpt_layer_local_spec(None, False)
@@ -194,6 +200,25 @@ def _gloo_safe_all_gather() -> None:
         return original(tensor_list, tensor, *args, **kwargs)
 
     torch.distributed.all_gather = all_gather
+
+
+def _patch_checkpoint_writer() -> None:
+    """megatron-core 0.12's async checkpoint writer calls torch's ``_write_item`` without the
+    ``serialization_format`` argument that torch ≥ 2.7 requires (the venv pairs it with torch 2.13)."""
+    import inspect
+
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
+    from torch.distributed.checkpoint import filesystem
+
+    if "serialization_format" not in inspect.signature(filesystem._write_item).parameters:
+        return
+    fs_async._write_item = functools.partial(_write_item_torch_save, filesystem._write_item)
+
+
+def _write_item_torch_save(write_item_fn, *args):
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    return write_item_fn(*args, SerializationFormat.TORCH_SAVE)
 
 
 def apply() -> bool:
@@ -220,6 +245,7 @@ def apply() -> bool:
 
     ModelPT.cuda = lambda self, *a, **k: self  # NeMo's generate() moves the model with it
     _gloo_safe_all_gather()
+    _patch_checkpoint_writer()
     _APPLIED = True
     return True
 

@@ -42,7 +42,8 @@ def _actor(args) -> AlignerActor:
     model_cfg = {"restore_from_path": args.nemo, "tensor_model_parallel_size": args.tp,
                  "pipeline_model_parallel_size": args.pp, "micro_batch_size": 1, "global_batch_size": len(PROMPTS),
                  "forward_micro_batch_size": 2, "dtype": "float32",
-                 "optim": {"name": "sgd", "lr": args.lr, "weight_decay": 0.0, "sched": {"name": "constant"}}}
+                 "optim": {"name": "sgd", "lr": args.lr, "momentum": args.momentum, "weight_decay": 0.0,
+                           "sched": {"name": "constant"}}}
     runtime = AlignerRuntime(devices=int(os.environ.get("WORLD_SIZE", 1)), max_steps=10, gradient_clip_val=10.0,
                              model_overrides=dict(aligner_cpu.CPU_MODEL_OVERRIDES))
     return AlignerActor(model_cfg, runtime)
@@ -128,6 +129,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--scenario", choices=("core", "resume", "sample"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()

@@ -75,7 +75,9 @@ def nemo_optim(optim: Mapping[str, Any], max_steps: int) -> dict:
         raise ValueError(f"model.optim.sched.name={name!r}: the aligner backend supports constant | cosine")
     out = {"name": optim.get("name", "adamw"), "lr": optim["lr"], "weight_decay": optim.get("weight_decay", 0.0),
            "sched": nemo_sched}
-    if out["name"] != "sgd":
+    if out["name"] == "sgd":
+        out["momentum"] = optim.get("momentum", 0.0)
+    else:
         out["betas"] = list(optim.get("betas", (0.9, 0.999)))
         out["eps"] = optim.get("eps", 1e-8)
     return out
@@ -368,10 +370,10 @@ class AlignerActor:
 
     def load(self, path: Path) -> None:
         path = Path(path)
-        if not (path / "state.ckpt").exists():
-            raise FileNotFoundError(f"{path / 'state.ckpt'} does not exist: not a checkpoint written by AlignerActor.save")
+        if not (path / "state" / "metadata.json").is_file():  # NeMo stores "<name>.ckpt" as the directory <name>/
+            raise FileNotFoundError(f"{path / 'state'} holds no distributed checkpoint: not written by AlignerActor.save")
         connector = self.trainer._checkpoint_connector  # what Aligner's init_using_ptl resumes through
-        connector.resume_start(str(path / "state.ckpt"))
+        connector.resume_start(str(path / "state"))
         connector.restore_model()
         connector.restore_training_state()
         connector.resume_end()
@@ -382,9 +384,26 @@ class AlignerActor:
         self.model.init_policy_state_dict = torch.load(reference, weights_only=True) if reference.exists() else None
 
     def export(self, path: Path) -> None:
-        """A ``.nemo`` (NeMo's ``save_to``; every rank takes part) that ``convert nemo-to-hf`` turns into HF."""
+        """A ``.nemo`` (NeMo's ``save_to``; every rank takes part) that ``convert nemo-to-hf`` turns into HF.
+
+        NeMo packs only registered artifacts; the HF tokenizer directory the policy was restored with
+        (``tokenizer.type``) is added as ``tokenizer/``, as our converter lays it out."""
         self.model.save_to(str(path))
+        if torch.distributed.get_rank() == 0:
+            _pack_tokenizer_dir(Path(path), Path(str(self.model.cfg.tokenizer.type)))
         torch.distributed.barrier()
+
+
+def _pack_tokenizer_dir(nemo: Path, tokenizer_dir: Path) -> None:
+    import tarfile
+
+    if not tokenizer_dir.is_dir():
+        log.warning("tokenizer.type=%s is not a directory: %s carries only NeMo's tokenizer artifact", tokenizer_dir, nemo)
+        return
+    with tarfile.open(nemo, "a") as tar:  # NeMo writes an uncompressed tar
+        for f in sorted(tokenizer_dir.iterdir()):
+            if f.is_file():
+                tar.add(f, arcname=f"./tokenizer/{f.name}")
 
 
 def _restore(path: str, overrides: dict, runtime: AlignerRuntime):
