@@ -1,9 +1,9 @@
 """The aligner backend on NeMo-Aligner's real Megatron actor, on CPU/gloo, in the Aligner venv.
 
 A tiny Qwen2 is converted with our converter, restored by Aligner, and driven through the
-``PolicyActor`` calls (``aligner_driver.py``) at world 1, TP=2 and DP=2 (torchrun, 2 processes):
+``PolicyActor`` calls (``aligner_driver.py``) at world 1, TP=2, PP=2 and DP=2 (torchrun, 2 processes):
 rollouts and log-probs agree with Hugging Face on the same weights, training moves the policy in the
-direction of the advantages while the reference (``cpu_weight_swap``) stays put, TP=2 and DP=2 give
+direction of the advantages while the reference (``cpu_weight_swap``) stays put, TP=2, PP=2 and DP=2 give
 what world 1 gives, and save → load → step equals the uninterrupted step. Skips with the reason when
 the venv is absent (``tools/setup_aligner_env.sh`` builds it; ``.ci/run`` does).
 """
@@ -119,9 +119,10 @@ def test_training_follows_the_advantages_and_the_reference_stays(world1):
         assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(0.05) and {"clipfrac", "approx_kl"} <= set(m)
 
 
-def test_tensor_parallel_2_equals_world_1(venv, policy, world1, tmp_path):
-    ranks = drive(venv, policy[1], tmp_path, nproc=2, tp=2)
-    for result in ranks:
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_tensor_or_pipeline_parallel_2_equals_world_1(venv, policy, world1, tmp_path, layout):
+    ranks = drive(venv, policy[1], tmp_path, nproc=2, **layout)
+    for result in ranks:  # every rank holds the broadcast rollouts, log-probs and metrics
         assert result["dp_size"] == 1 and result["tokens"] == world1["tokens"]
         for key in ("lp0", "lp1", "ref1"):
             assert_close(action_values(result, key), action_values(world1, key), atol=2e-5)
