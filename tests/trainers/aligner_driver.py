@@ -30,7 +30,8 @@ import torch  # noqa: E402
 
 from nemo_factuality.algorithms.advantages import response_mask  # noqa: E402
 from nemo_factuality.algorithms.losses import ppo_policy_loss  # noqa: E402
-from nemo_factuality.trainers.backends.aligner import AlignerActor, AlignerRuntime  # noqa: E402
+from nemo_factuality.trainers.backends.aligner import AlignerActor, build_actor  # noqa: E402
+from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
 from nemo_factuality.trainers.interfaces import SamplingParams  # noqa: E402
 
 PROMPTS = ["The Eiffel Tower is", "Marie Curie won", "Water boils at 100 degrees", "Albert Einstein was born in Ulm"]
@@ -39,14 +40,15 @@ MAX_NEW = 6
 
 
 def _actor(args) -> AlignerActor:
-    model_cfg = {"restore_from_path": args.nemo, "tensor_model_parallel_size": args.tp,
-                 "pipeline_model_parallel_size": args.pp, "micro_batch_size": 1, "global_batch_size": len(PROMPTS),
-                 "forward_micro_batch_size": 2, "dtype": "float32",
-                 "optim": {"name": "sgd", "lr": args.lr, "momentum": args.momentum, "weight_decay": 0.0,
-                           "sched": {"name": "constant"}}}
-    runtime = AlignerRuntime(devices=int(os.environ.get("WORLD_SIZE", 1)), max_steps=10, gradient_clip_val=10.0,
-                             model_overrides=dict(aligner_cpu.CPU_MODEL_OVERRIDES))
-    return AlignerActor(model_cfg, runtime)
+    """Built the way a stage builds it: the typed GRPO config (trainer.backend=aligner) → ``build_actor``."""
+    overrides = [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "trainer.gradient_clip_val=10.0",
+                 f"model.tensor_model_parallel_size={args.tp}", f"model.pipeline_model_parallel_size={args.pp}",
+                 "model.micro_batch_size=1", f"model.global_batch_size={len(PROMPTS)}", "model.forward_micro_batch_size=2",
+                 "model.dtype=float32", "model.optim.name=sgd", f"model.optim.lr={args.lr}", "model.optim.weight_decay=0.0",
+                 "model.optim.sched.name=constant", "remote_rm.url=http://127.0.0.1:5555"]  # (no reward is called here)
+    cfg = load_train_config(GRPOConfig, None, overrides)
+    model_overrides = {**aligner_cpu.CPU_MODEL_OVERRIDES, "optim": {"momentum": args.momentum}}
+    return build_actor(cfg, max_steps=10, rollout_micro_batch_size=3, model_overrides=model_overrides)
 
 
 def _my_prompts(actor: AlignerActor) -> tuple[list[list[int]], list[float], int]:

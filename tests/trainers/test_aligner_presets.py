@@ -55,3 +55,26 @@ def test_32b_does_not_fit_one_node_which_is_why_it_takes_two():
     one_node = Layout(tp=8, pp=1, dp=1, **preset["grpo"]["layout"])
     assert training_bytes(arch, one_node)["total"] / GIB > BUDGET_GIB
     assert preset["nodes"] == 2
+
+
+STAGES = {"grpo": ("GRPOConfig", "klcf"), "ppo": ("PPOConfig", "rlfh"), "kto": ("KTOConfig", "factalign")}
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_preset_overrides_validate_against_the_stage_schemas(path):
+    from nemo_factuality.trainers import config as schemas
+    from nemo_factuality.trainers.backends.aligner import AlignerRuntime, load_preset
+
+    for method, (schema, config_name) in STAGES.items():
+        overrides, runtime = load_preset(path.stem, method)
+        cfg = schemas.load_train_config(getattr(schemas, schema), config_name,
+                                        [*overrides, "model.restore_from_path=/models/policy.nemo"])
+        preset = yaml.safe_load(path.read_text())
+        assert cfg.trainer.backend == "aligner" and cfg.model.dtype == "bfloat16"
+        assert cfg.model.tensor_model_parallel_size == preset["common"]["model"]["tensor_model_parallel_size"]
+        assert cfg.model.micro_batch_size == preset[method]["layout"]["micro_batch"]
+        assert cfg.model.length_params.max_length == preset[method]["overrides"]["model"]["length_params"]["max_length"]
+        rt = AlignerRuntime(**runtime)
+        assert rt.num_nodes * rt.devices == preset["nodes"] * 8
+        assert rt.model_overrides["optim"]["name"] == "distributed_fused_adam"
+        assert rt.model_overrides["activations_checkpoint_granularity"] == "full"

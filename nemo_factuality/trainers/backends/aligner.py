@@ -457,6 +457,14 @@ def _nemo_trainer(model_cfg: Any, runtime: AlignerRuntime):
     return resolve_and_create_trainer(cfg, "reinforce")
 
 
+def build_aligner(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[AlignerActor, None]:
+    """(actor, critic) for a stage config with ``trainer.backend=aligner`` (the ``BACKENDS`` builder shape)."""
+    if critic:
+        raise NotImplementedError("trainer.backend=aligner has no in-process critic: RLFH's PPO critic is meant to be "
+                                  "Aligner's critic server (serve_ppo_critic.py), not wired yet; use trainer.backend=hf")
+    return build_actor(cfg, **runtime), None
+
+
 def build_actor(cfg: Any, **runtime: Any) -> AlignerActor:
     """The aligner backend's actor for a stage config (``cfg.model``, ``cfg.trainer``); ``runtime`` overrides
     ``AlignerRuntime`` fields (devices/num_nodes default to the launcher's WORLD_SIZE on one node)."""
@@ -468,3 +476,38 @@ def build_actor(cfg: Any, **runtime: Any) -> AlignerActor:
                 "max_steps": runtime.pop("max_steps", getattr(trainer, "max_steps", 100)),
                 "gradient_clip_val": getattr(trainer, "gradient_clip_val", 1.0), "seed": getattr(trainer, "seed", 1234)}
     return AlignerActor(cfg.model, AlignerRuntime(**{**defaults, **runtime}))
+
+
+PRESET_DIR = Path(__file__).resolve().parents[3] / "conf" / "train" / "aligner"
+
+
+def load_preset(name: str, method: str) -> tuple[list[str], dict[str, Any]]:
+    """A model preset (``conf/train/aligner/<name>.yaml``) for ``method`` (grpo | ppo | kto) as
+    (stage-config ``key=value`` overrides, ``AlignerRuntime`` fields incl. ``model_overrides``)."""
+    import yaml
+
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"no aligner preset {name!r} in {PRESET_DIR}; known: {known}")
+    preset = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if method not in preset:
+        raise KeyError(f"{path} has no {method!r} section (grpo | ppo | kto)")
+    stage = _merge({k: v for k, v in preset["common"].items() if k != "aligner"},
+                   {k: v for k, v in preset[method]["overrides"].items() if k != "aligner_runtime"})
+    runtime = dict(preset[method]["overrides"].get("aligner_runtime", {}))
+    runtime.update(num_nodes=preset["nodes"], devices=preset["gpus_per_node"],
+                   model_overrides=preset["common"].get("aligner", {}))
+    return _dotlist(stage), runtime
+
+
+def _dotlist(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    import json
+
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out += _dotlist(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={json.dumps(value) if isinstance(value, list) else value}")
+    return out
