@@ -122,6 +122,32 @@ def sample(actor: AlignerActor, args) -> dict:
     return {"start": start, "runs": runs}
 
 
+def stage(actor: AlignerActor, args) -> dict:
+    """The project's GRPO stage (``GRPOTrainer``) on this actor with the toy scalar reward passed in
+    (remote_rm.url only satisfies the schema; nothing is served), then a resume."""
+    from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+
+    run_dir = Path(args.out) / "run"
+    cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=2))
+    GRPOTrainer(cfg, actor, good_fraction, prompts(4), run_dir=run_dir).fit()
+    first = read_metrics(run_dir)
+    cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=3))
+    GRPOTrainer(cfg, actor, good_fraction, prompts(4), run_dir=run_dir).fit()  # resumes from step 2
+    return {"metrics": read_metrics(run_dir), "first_run_steps": len(first),
+            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if (run_dir / "checkpoints").is_dir() else [],
+            "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.iterdir())}
+
+
+def _stage_overrides(args, run_dir: Path, *, max_steps: int) -> list[str]:
+    return [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", f"trainer.max_steps={max_steps}",
+            "trainer.save_interval=1", "trainer.progress_bar=false", "grpo.num_prompts_per_step=2",
+            "grpo.num_rollouts_per_prompt=4", "grpo.truncated=keep", "model.micro_batch_size=4", "model.global_batch_size=8",
+            "model.forward_micro_batch_size=4", "model.length_params.max_length=6", "model.dtype=float32",
+            "model.optim.name=sgd", "model.optim.lr=0.05", "remote_rm.url=http://127.0.0.1:5555", f"exp_manager.explicit_log_dir={run_dir}",
+            "exp_manager.create_tensorboard_logger=false"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nemo", required=True)
@@ -132,12 +158,12 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--momentum", type=float, default=0.0)
-    ap.add_argument("--scenario", choices=("core", "resume", "sample"), default="core")
+    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
     actor = _actor(args)
     setup_s = time.monotonic() - t0
-    result = {"core": core, "resume": resume, "sample": sample}[args.scenario](actor, args)
+    result = {"core": core, "resume": resume, "sample": sample, "stage": stage}[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())
     out = Path(args.out)

@@ -159,3 +159,18 @@ def test_save_load_resumes_exactly_and_the_trained_policy_converts_back_to_huggi
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(str(back)).encode("Paris") == AutoTokenizer.from_pretrained(str(policy[0])).encode("Paris")
+
+
+def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(venv, policy, tmp_path):
+    """``GRPOTrainer`` (the stage itself, toy reward) for 2 steps, then a rerun to 3 resumes from step 2's
+    NeMo checkpoint; the run ends with an exported ``.nemo``."""
+    import tarfile
+
+    result = drive(venv, policy[1], tmp_path, scenario="stage", timeout=300)[0]
+    assert result["first_run_steps"] == 2 and [m["step"] for m in result["metrics"]] == [1, 2, 3]
+    assert {"step_000002", "step_000003", "latest"} <= set(result["checkpoints"])
+    for m in result["metrics"]:
+        assert m["grad_norm"] > 0 and m["optimizer_steps"] >= 1 and 0.0 <= m["reward/score"] <= 1.0
+    assert result["metrics"][1]["kl"] > 0  # the policy moved away from the reference after step 1
+    names = tarfile.open(tmp_path / "run" / "final").getnames()
+    assert "./model_config.yaml" in names and "./tokenizer/tokenizer_config.json" in names

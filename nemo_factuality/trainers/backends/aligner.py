@@ -260,6 +260,10 @@ class AlignerActor:
         torch.distributed.all_reduce(out, group=mpu.get_data_parallel_group())
         return out.cpu()
 
+    def global_sum(self, value: float) -> float:
+        """The stages' hook for global token/sequence counts (sum over data-parallel ranks)."""
+        return float(self.all_reduce_sum(torch.tensor([float(value)], dtype=torch.float64))[0])
+
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -382,6 +386,16 @@ class AlignerActor:
         reference = path / f"reference.rank{torch.distributed.get_rank()}.pt"
         # tensors and plain containers only: a checkpoint file never runs code
         self.model.init_policy_state_dict = torch.load(reference, weights_only=True) if reference.exists() else None
+
+    def load_weights(self, path: Path) -> None:
+        """Only the policy weights of a ``save`` directory (the stages' restore-best-on-early-stop)."""
+        path = Path(path)
+        if not (path / "state" / "metadata.json").is_file():
+            raise FileNotFoundError(f"{path / 'state'} holds no distributed checkpoint: not written by AlignerActor.save")
+        connector = self.trainer._checkpoint_connector
+        connector.resume_start(str(path / "state"))
+        connector.restore_model()
+        connector.resume_end()
 
     def export(self, path: Path) -> None:
         """A ``.nemo`` (NeMo's ``save_to``; every rank takes part) that ``convert nemo-to-hf`` turns into HF.
