@@ -78,3 +78,17 @@ def test_preset_overrides_validate_against_the_stage_schemas(path):
         assert rt.num_nodes * rt.devices == preset["nodes"] * 8
         assert rt.model_overrides["optim"]["name"] == "distributed_fused_adam"
         assert rt.model_overrides["activations_checkpoint_granularity"] == "full"
+
+
+def test_the_aligner_backend_modules_import_light():
+    """Importing the backend (as the stages' registry does) loads neither NeMo, Aligner, Megatron nor PyTriton."""
+    import subprocess
+    import sys
+
+    code = ("import sys, nemo_factuality.trainers.backends.aligner, nemo_factuality.trainers.backends.aligner_reward, "
+            "nemo_factuality.trainers.backends.aligner_memory; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('nemo', 'nemo_aligner', 'megatron', 'pytriton', 'lightning')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
