@@ -139,6 +139,28 @@ def stage(actor: AlignerActor, args) -> dict:
             "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.iterdir())}
 
 
+def learn(actor: AlignerActor, args) -> dict:
+    """The training-stages issue's learning check on this backend: GRPO, the toy reward, 20 steps."""
+    from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+
+    run_dir = Path(args.out) / "learn"
+    torch.manual_seed(args.seed)
+    cfg = load_train_config(GRPOConfig, None, _learn_overrides(args, run_dir))
+    GRPOTrainer(cfg, actor, good_fraction, prompts(8), run_dir=run_dir).fit()
+    return {"metrics": read_metrics(run_dir)}
+
+
+def _learn_overrides(args, run_dir: Path) -> list[str]:
+    """The hf backend's learning-check settings (tests/trainers/test_grpo.py: grpo_cfg)."""
+    return [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "trainer.max_steps=20",
+            "trainer.save_interval=0", "trainer.progress_bar=false", "grpo.num_prompts_per_step=4",
+            "grpo.num_rollouts_per_prompt=8", "grpo.truncated=keep", "model.micro_batch_size=8",
+            "model.global_batch_size=16", "model.forward_micro_batch_size=16", "model.length_params.max_length=6",
+            "model.dtype=float32", "model.optim.name=sgd", f"model.optim.lr={args.lr}", "remote_rm.url=http://127.0.0.1:5555",
+            f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false"]
+
+
 def _stage_overrides(args, run_dir: Path, *, max_steps: int) -> list[str]:
     return [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", f"trainer.max_steps={max_steps}",
             "trainer.save_interval=1", "trainer.progress_bar=false", "grpo.num_prompts_per_step=2",
@@ -158,12 +180,18 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--momentum", type=float, default=0.0)
-    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage"), default="core")
+    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "learn"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
-    actor = _actor(args)
+    if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
+        cfg = load_train_config(GRPOConfig, None, _learn_overrides(args, Path(args.out) / "learn"))
+        actor = build_actor(cfg, max_steps=100, rollout_micro_batch_size=32,
+                            model_overrides=dict(aligner_cpu.CPU_MODEL_OVERRIDES))
+    else:
+        actor = _actor(args)
     setup_s = time.monotonic() - t0
-    result = {"core": core, "resume": resume, "sample": sample, "stage": stage}[args.scenario](actor, args)
+    scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "learn": learn}
+    result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())
     out = Path(args.out)
