@@ -44,10 +44,12 @@ def _actor(args) -> AlignerActor:
     overrides = [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "trainer.gradient_clip_val=10.0",
                  f"model.tensor_model_parallel_size={args.tp}", f"model.pipeline_model_parallel_size={args.pp}",
                  "model.micro_batch_size=1", f"model.global_batch_size={len(PROMPTS)}", "model.forward_micro_batch_size=2",
-                 "model.dtype=float32", "model.optim.name=sgd", f"model.optim.lr={args.lr}", "model.optim.weight_decay=0.0",
+                 "model.dtype=float32", f"model.optim.name={args.optim}", f"model.optim.lr={args.lr}", "model.optim.weight_decay=0.0",
                  "model.optim.sched.name=constant", "remote_rm.url=http://127.0.0.1:5555"]  # (no reward is called here)
     cfg = load_train_config(GRPOConfig, None, overrides)
-    model_overrides = {**aligner_cpu.CPU_MODEL_OVERRIDES, "optim": {"momentum": args.momentum}}
+    model_overrides = dict(aligner_cpu.CPU_MODEL_OVERRIDES)
+    if args.optim == "sgd":
+        model_overrides["optim"] = {"momentum": args.momentum}
     return build_actor(cfg, max_steps=10, rollout_micro_batch_size=3, model_overrides=model_overrides)
 
 
@@ -110,6 +112,18 @@ def resume(actor: AlignerActor, args) -> dict:
             "metrics_a": m_a, "metrics_b": m_b}
 
 
+def adamw_save(actor: AlignerActor, args) -> dict:
+    """torch AdamW's state cannot go into NeMo 2.2's sharded checkpoint: save must say what to change."""
+    prompts, advantages, start = _my_prompts(actor)
+    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    actor.train_step(_batch(actor, rollout, advantages, actor.logprobs(rollout)), policy_loss, micro_batch_size=1)
+    try:
+        actor.save(Path(args.out) / "ckpt")
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
 def sample(actor: AlignerActor, args) -> dict:
     prompts, _, start = _my_prompts(actor)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_k=0, top_p=1.0)
@@ -157,7 +171,7 @@ def _learn_overrides(args, run_dir: Path) -> list[str]:
             "trainer.save_interval=0", "trainer.progress_bar=false", "grpo.num_prompts_per_step=4",
             "grpo.num_rollouts_per_prompt=8", "grpo.truncated=keep", "model.micro_batch_size=8",
             "model.global_batch_size=16", "model.forward_micro_batch_size=16", "model.length_params.max_length=6",
-            "model.dtype=float32", "model.optim.name=sgd", f"model.optim.lr={args.lr}", "remote_rm.url=http://127.0.0.1:5555",
+            "model.dtype=float32", f"model.optim.name={args.optim}", f"model.optim.lr={args.lr}", "remote_rm.url=http://127.0.0.1:5555",
             f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false"]
 
 
@@ -180,7 +194,8 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--momentum", type=float, default=0.0)
-    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "learn"), default="core")
+    ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")  # the learn scenario's optimiser
+    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "learn", "adamw_save"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
     if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
@@ -190,7 +205,8 @@ def main() -> int:
     else:
         actor = _actor(args)
     setup_s = time.monotonic() - t0
-    scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "learn": learn}
+    scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "learn": learn,
+                 "adamw_save": adamw_save}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

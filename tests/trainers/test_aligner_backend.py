@@ -205,3 +205,8 @@ def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(venv
     noise = np.std(rewards[:3]) + 1e-3
     assert len(rewards) == 20 and end - start > 0.25 and end - start > 5 * noise, rewards
     assert all(math.isfinite(h["loss/policy"]) and math.isfinite(h["loss/kl"]) for h in history)
+
+
+def test_saving_torch_adamw_state_fails_naming_what_to_change(venv, policy, tmp_path):
+    result = drive(venv, policy[1], tmp_path, scenario="adamw_save", optim="adamw", lr=1e-3)[0]
+    assert "distributed_fused_adam" in result["error"] and "model.optim.name=sgd" in result["error"]

@@ -365,12 +365,24 @@ class AlignerActor:
     def save(self, path: Path) -> None:
         """NeMo's distributed checkpoint (weights, optimiser, LR schedule) + this rank's reference shard."""
         path = Path(path)
+        self._check_optimizer_state_is_shardable()
         path.mkdir(parents=True, exist_ok=True)
         self.trainer.save_checkpoint(str(path / "state.ckpt"))
         rank = torch.distributed.get_rank()
         if self.model.init_policy_state_dict is not None:
             torch.save(self.model.init_policy_state_dict, path / f"reference.rank{rank}.pt")
         torch.distributed.barrier()
+
+    def _check_optimizer_state_is_shardable(self) -> None:
+        """NeMo 2.2 shards a plain torch optimizer's per-parameter state like the parameter itself; torch's
+        Adam/AdamW keep a 0-dim ``step`` tensor there, which Megatron's checkpointing then rejects with a bare
+        shape assertion. Say what to change instead."""
+        for state in self.optimizer.state.values():
+            if any(torch.is_tensor(v) and v.dim() == 0 for v in state.values()):
+                raise ValueError(f"{type(self.optimizer).__name__} keeps 0-dim per-parameter state (step) that NeMo "
+                                 "2.2's distributed checkpoint cannot shard: use distributed_fused_adam or fused_adam "
+                                 "(Apex, GPU; AlignerRuntime.model_overrides optim.name, as the conf/train/aligner "
+                                 "presets do) or model.optim.name=sgd")
 
     def load(self, path: Path) -> None:
         path = Path(path)
