@@ -173,7 +173,7 @@ class GRPOTrainer:
             kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], "k1" if g.kl_estimator == "k1" else "k3", m.loss_agg, **norm)
             loss = loss + g.initial_policy_kl_penalty * kl
             metrics["loss/kl"] = kl.item()
-        # Micro-batch shares add up to the step's loss; scale metrics the same way so their sum is the step's value.
+        # Each micro batch returns its share of the step's loss; `update` sums the shares back per step.
         return loss, metrics
 
     def update(self, exp: Mapping[str, torch.Tensor]) -> dict[str, float]:

@@ -131,3 +131,31 @@ def test_abstaining_reward_skips_the_update(tiny_policy, tmp_path):
     history, actor = run(grpo_cfg(tiny_policy, tmp_path / "nan", **{"trainer.max_steps": 1}), abstain)
     assert history[0]["skipped_minibatches"] == 2 and history[0]["optimizer_steps"] == 0
     assert history[0]["reward/abstain_frac"] == 1.0
+
+
+def test_cpu_weight_swap_reference_equals_a_frozen_copy(tiny_policy, tmp_path):
+    cfgs = [grpo_cfg(tiny_policy, tmp_path / name, **{"model.reference": name}) for name in ("copy", "cpu_weight_swap")]
+    actors = []
+    for cfg in cfgs:
+        torch.manual_seed(0)
+        actors.append(HFActor(cfg.model, max_steps=10))
+    rollout = Rollout(torch.tensor([[5, 6, 7, 8, 9, 10]] * 2), torch.tensor([2, 3]), torch.tensor([6, 5]),
+                      torch.tensor([True, True]))
+    batch = {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths}
+    for actor in actors:  # one identical update moves both policies away from their reference
+        actor.train_step(batch, lambda out, mb: (-out["logprobs"].sum(), {}), micro_batch_size=2)
+    ref_copy, ref_swap = (a.reference_logprobs(rollout) for a in actors)
+    assert torch.equal(ref_copy, ref_swap)
+    assert not torch.equal(actors[1].logprobs(rollout), ref_swap)  # the swap put the trained weights back
+    assert torch.equal(actors[0].logprobs(rollout), actors[1].logprobs(rollout))
+
+
+def test_kl_in_reward_subtracts_beta_times_mean_token_kl(trainer, monkeypatch):
+    g = trainer.cfg.grpo
+    g.initial_policy_kl_penalty, g.kl_in, g.kl_estimator, g.advantage_scale = 0.5, "reward", "k1", "none"
+    offsets = torch.tensor([0.0, 2.0, 0.0, 0.0])  # row 1's policy is 2 nats per token above the reference
+    monkeypatch.setattr(trainer.actor, "reference_logprobs",
+                        lambda rollout: trainer.actor.logprobs(rollout) - offsets.unsqueeze(1))
+    exp, _ = _synthetic(trainer, [1.0, 1.0, 0.0, 0.0], [True] * 4)
+    # group 0: rewards 1 and 1 − 0.5·2 = 0 → Dr.GRPO advantages +0.5 / −0.5 on every response token
+    assert exp["advantages"][0, 1].item() == pytest.approx(0.5) and exp["advantages"][1, 1].item() == pytest.approx(-0.5)
