@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Build (when missing) and print the path of the NeMo-Aligner 0.7.0 venv the aligner backend's tests
 # run in. The venv lives outside the checkout, keyed by the hash of its pinned requirements, so CI and
-# every worktree share one build (~5 min, ~6 GB) and a requirements change builds a new one. The
-# checkout itself is not installed into it: callers put the checkout on PYTHONPATH, so one venv serves
+# every worktree share one build (~8 min on 2 shared cores, ~3 GB) and a requirements change builds a
+# new one. The checkout itself is not installed into it: callers put the checkout on PYTHONPATH, so one venv serves
 # any checkout without going stale.
 #
 #   tools/setup_aligner_env.sh            # build if missing; prints the venv path on the last line
@@ -27,7 +27,7 @@ mkdir -p "$root"
 build="$venv.build.$$"
 trap 'rm -rf "$build"' EXIT
 start=$(date +%s)
-echo "building the NeMo-Aligner venv in $venv (about 5 min)" >&2
+echo "building the NeMo-Aligner venv in $venv (about 8 min)" >&2
 "$PY" -m venv "$build"
 pip=("$build/bin/python" -m pip install -q --progress-bar off)
 # The CPU torch first; the constraints keep it (nemo's extras would pull a CUDA torch 2.14 otherwise).

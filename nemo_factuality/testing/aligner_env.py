@@ -31,7 +31,7 @@ def aligner_venv() -> Path | None:
 
 def skip_reason() -> str:
     return (f"the NeMo-Aligner venv is not built: run `bash {SETUP_SCRIPT.relative_to(REPO_ROOT)}` "
-            f"(~5 min, ~6 GB; .ci/run does) or point ${ENV_VAR} at one")
+            f"(~8 min, ~3 GB; .ci/run does) or point ${ENV_VAR} at one")
 
 
 def aligner_env(**extra: str) -> dict[str, str]:
