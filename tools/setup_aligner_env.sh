@@ -2,8 +2,8 @@
 # Build (when missing) and print the path of the NeMo-Aligner 0.7.0 venv the aligner backend's tests
 # run in. The venv lives outside the checkout, keyed by the hash of its pinned requirements, so CI and
 # every worktree share one build (~8 min on 2 shared cores, ~3 GB) and a requirements change builds a
-# new one. The checkout itself is not installed into it: callers put the checkout on PYTHONPATH, so one venv serves
-# any checkout without going stale.
+# new one. The checkout itself is not installed into it: callers put the checkout on PYTHONPATH, so one
+# venv serves any checkout without going stale.
 #
 #   tools/setup_aligner_env.sh            # build if missing; prints the venv path on the last line
 #   tools/setup_aligner_env.sh --path     # only print where it is (or would be); builds nothing
