@@ -168,7 +168,7 @@ def _patch_apex_names() -> None:
 
 
 def _multi_tensor_scale(_chunk, _overflow_buf, tensor_lists, scale):
-    for src, dst in zip(*tensor_lists):
+    for src, dst in zip(*tensor_lists, strict=True):
         dst.copy_(src * scale)
 
 

@@ -60,12 +60,12 @@ def drive(venv: Path, nemo: Path, out: Path, *, nproc: int = 1, timeout: float =
 
 def action_values(result: dict, key: str) -> list[list[float]]:
     """Per row, ``result[key]`` at the response's action positions ``[prompt_len-1, response_len-1)``."""
-    return [row[p - 1 : r - 1] for row, p, r in zip(result[key], result["prompt_lengths"], result["response_lengths"])]
+    return [row[p - 1 : r - 1] for row, p, r in zip(result[key], result["prompt_lengths"], result["response_lengths"], strict=True)]
 
 
 def assert_close(a: list[list[float]], b: list[list[float]], atol: float) -> None:
     assert [len(x) for x in a] == [len(y) for y in b]
-    worst = max(max(abs(x - y) for x, y in zip(ra, rb)) for ra, rb in zip(a, b))
+    worst = max(max(abs(x - y) for x, y in zip(ra, rb, strict=True)) for ra, rb in zip(a, b, strict=True))
     assert worst <= atol, f"max |Δ| {worst:.3g} > {atol}"
 
 
