@@ -72,6 +72,12 @@ def policy_loss(out, mb):
                            global_tokens=float(mb["global_tokens"]))
 
 
+def entropy_bonus_loss(out, mb):
+    """Maximise the mean response-token entropy (exercises ``need_entropy``: vocab gathered over TP)."""
+    mean_entropy = (out["entropy"] * mb["mask"]).sum() / float(mb["global_tokens"])
+    return -mean_entropy, {"entropy": float(mean_entropy.detach())}
+
+
 def _rows(t: torch.Tensor) -> list:
     return t.tolist()
 
@@ -87,7 +93,8 @@ def core(actor: AlignerActor, args) -> dict:
     lp1, ref1 = actor.logprobs(rollout), actor.reference_logprobs(rollout)
     actor.reset_reference()
     ref2 = actor.reference_logprobs(rollout)
-    return {"start": start, "prompts": prompts, "tokens": _rows(rollout.tokens), "prompt_lengths": _rows(rollout.prompt_lengths),
+    entropy = actor.train_step(batch, entropy_bonus_loss, micro_batch_size=1, need_entropy=True)
+    return {"entropy_step": entropy, "start": start, "prompts": prompts, "tokens": _rows(rollout.tokens), "prompt_lengths": _rows(rollout.prompt_lengths),
             "response_lengths": _rows(rollout.response_lengths), "is_end": _rows(rollout.is_end),
             "lp0": _rows(lp0), "ref0": _rows(ref0), "lp1": _rows(lp1), "ref1": _rows(ref1), "ref2": _rows(ref2),
             "metrics": metrics, "generate_s": gen_s, "pad_id": actor.pad_id, "eos_id": actor.eos_id}

@@ -115,6 +115,8 @@ def test_training_follows_the_advantages_and_the_reference_stays(world1):
     assert second["loss"] < first["loss"] and first["approx_kl"] == 0.0 < second["approx_kl"]
     assert_close(action_values(world1, "ref1"), before, atol=1e-6)  # cpu_weight_swap restores the initial weights
     assert_close(action_values(world1, "ref2"), after, atol=1e-6)  # reset_reference adopts the current weights
+    entropy = world1["entropy_step"]  # need_entropy: a loss on the entropy trains like any other
+    assert entropy["loss"] < 0 and entropy["grad_norm"] > 0
     for m in world1["metrics"]:
         assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(0.05) and {"clipfrac", "approx_kl"} <= set(m)
 
@@ -126,6 +128,8 @@ def test_tensor_or_pipeline_parallel_2_equals_world_1(venv, policy, world1, tmp_
         assert result["dp_size"] == 1 and result["tokens"] == world1["tokens"]
         for key in ("lp0", "lp1", "ref1"):
             assert_close(action_values(result, key), action_values(world1, key), atol=2e-5)
+        # entropies from TP-sharded logits (gathered) equal world 1's; summed over micro batches and ranks
+        assert result["entropy_step"]["loss"] == pytest.approx(world1["entropy_step"]["loss"], abs=1e-5)
 
 
 def test_data_parallel_2_equals_world_1(venv, policy, world1, tmp_path):
