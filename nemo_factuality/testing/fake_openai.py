@@ -17,10 +17,9 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Callable, Mapping
 
 
 @dataclass
@@ -63,8 +62,8 @@ class ScriptedOpenAIServer:
         model: the model id listed by ``/v1/models``.
     """
 
-    def __init__(self, script: ScriptFn | None = None, *, by_substring: Mapping[str, Reply | str] | None = None,
-                 default: Reply | str = "", model: str = "judge") -> None:
+    def __init__(self, script: ScriptFn | None = None, *, by_substring: Mapping[str, "Reply | str"] | None = None,
+                 default: "Reply | str" = "", model: str = "judge") -> None:
         self.script = script
         self.by_substring = dict(by_substring or {})
         self.default = default
@@ -75,7 +74,7 @@ class ScriptedOpenAIServer:
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> ScriptedOpenAIServer:
+    def start(self) -> "ScriptedOpenAIServer":
         handler = _make_handler(self)
         self._httpd = _Server(("127.0.0.1", 0), handler)
         self._httpd.daemon_threads = True
@@ -91,7 +90,7 @@ class ScriptedOpenAIServer:
             self._thread.join(timeout=10)
         self._httpd = self._thread = None
 
-    def __enter__(self) -> ScriptedOpenAIServer:
+    def __enter__(self) -> "ScriptedOpenAIServer":
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -64,7 +64,7 @@ class SlurmCluster:
         self.conf = root / "slurm.conf"
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
 
-    def start(self, timeout_s: float = 30) -> SlurmCluster:
+    def start(self, timeout_s: float = 30) -> "SlurmCluster":
         for d in ("state", "log", "spool/n1", "spool/n2"):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         ports = set()
