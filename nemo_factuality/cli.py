@@ -2,14 +2,24 @@
 
 Commands are imported lazily so ``nemo-factuality eval`` never imports PyTriton or Megatron.
 Each target is ``module:function`` taking ``argv: list[str]`` and returning an exit code.
+
+This module is the one error boundary of every command (``run_command``): a user error — bad
+input, config or override, a path that does not exist, a bad flag — is printed as one line
+``nemo-factuality <command>: error: <message>`` on stderr with exit code 2, never a traceback.
+``--debug`` (anywhere on the command line) or ``NEMO_FACTUALITY_DEBUG=1`` re-raises it with the
+traceback, for bug reports. Commands raise; they do not print errors themselves.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import logging
+import os
 import sys
+from typing import Callable, NoReturn, Sequence
 
+DEBUG_ENV = "NEMO_FACTUALITY_DEBUG"
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("nemo_factuality.evaluation.cli:main", "score responses: FActScore, SAFE F1@K, VeriScore, HalluLens"),
     "kb": ("nemo_factuality.knowledge.cli:main", "build / query the embedded knowledge store"),
@@ -20,34 +30,115 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class UsageError(ValueError):
+    """A command line argparse rejects (unknown flag, missing or malformed value)."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` to an option's help unless there is no default to speak of (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or action.required or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with every default shown in ``--help`` and errors raised (one line at the boundary), not printed."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def split_overrides(values: Sequence[str], prog: str) -> list[str]:
+    """``key=value`` config overrides from positional words; anything else is a usage error."""
+    bad = [v for v in values if "=" not in v or v.startswith("=")]
+    if bad:
+        raise UsageError(f"unrecognised arguments {bad}: config overrides look like key=value (see '{prog} --help')")
+    return list(values)
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean 'the user asked for something wrong' (imported lazily: each is cheap)."""
+    from nemo_factuality.config import ConfigError
+    from nemo_factuality.registry import RegistryError
+    from nemo_factuality.types import FactualityInputError
+
+    types: list[type[BaseException]] = [UsageError, FactualityInputError, ConfigError, RegistryError,
+                                        FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                                        PermissionError]
+    launch = sys.modules.get("nemo_factuality.launch.render")  # only loaded when a launch command ran
+    if launch is not None:
+        types.append(launch.LaunchConfigError)
+    return tuple(types)
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.strerror}: {err.filename}"
+    text = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
+    return " ".join(text.split()) or type(err).__name__
+
+
+def debug_requested(argv: Sequence[str] = ()) -> bool:
+    return "--debug" in argv or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def run_command(func: Callable[[list[str]], int | None], argv: Sequence[str], name: str) -> int:
+    """Run ``func(argv)`` behind the error boundary: user errors become one stderr line and exit code 2."""
+    debug = debug_requested(argv)
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        return int(func(argv) or 0)
+    except KeyboardInterrupt:
+        print(f"nemo-factuality {name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if debug or not isinstance(err, _user_error_types()):
+            raise
+        print(f"nemo-factuality {name}: error: {_one_line(err)}", file=sys.stderr)
+        return 2
+
+
 def _usage() -> str:
-    lines = ["usage: nemo-factuality <command> [args...]", "", "commands:"]
+    lines = ["usage: nemo-factuality [--version] [--debug] <command> [args...] [key=value ...]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines.append("\nRun 'nemo-factuality <command> --help' for a command's options.")
+    lines += ["", "options:", "  --version  print the version and exit",
+              f"  --debug    show the traceback of an error (also: {DEBUG_ENV}=1)",
+              "", "Run 'nemo-factuality <command> --help' for a command's options."]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    words = [a for a in argv if a != "--debug"]
+    if not words or words[0] in ("-h", "--help"):
         print(_usage())
         return 0
-    command, rest = argv[0], argv[1:]
+    if words[0] == "--version":
+        from nemo_factuality import __version__
+
+        print(f"nemo-factuality {__version__}")
+        return 0
+    command = words[0]
     if command not in COMMANDS:
-        print(f"nemo-factuality: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"nemo-factuality: error: unknown command {command!r}; commands: {', '.join(COMMANDS)} "
+              "(see 'nemo-factuality --help')", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    target, _ = COMMANDS[command]
-    module_name, func_name = target.split(":")
+    module_name, func_name = COMMANDS[command][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)
-    from nemo_factuality.types import FactualityInputError
-
-    try:
-        return int(func(rest) or 0)
-    except FactualityInputError as err:  # bad input: say what is wrong, no traceback
-        print(f"nemo-factuality {command}: error: {err}", file=sys.stderr)
-        return 2
+    rest = argv[argv.index(command) + 1:]
+    if "--debug" in argv[: argv.index(command)]:
+        rest.append("--debug")
+    return run_command(func, rest, command)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # `python -m nemo_factuality.cli`: use the package module, so its error types are the ones raised
+    from nemo_factuality.cli import main as _main
+
+    raise SystemExit(_main())

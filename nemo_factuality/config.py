@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 T = TypeVar("T")
 
@@ -66,6 +66,13 @@ def load_config(
         source = f"command-line overrides {list(overrides)}"
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except ConfigKeyError as err:  # a typo in a key: name it and the closest valid keys
+        raise ConfigError(f"unknown config key {getattr(err, 'full_key', None) or err} in {source}"
+                          f"{_close_keys(err)}") from err
+    except MissingMandatoryValue as err:  # a "???" in the YAML: the user has to supply it
+        key = getattr(err, "full_key", None) or "?"
+        raise ConfigError(f"{key} has no value: add {key}=... to the command line "
+                          f"(config {config_name or 'defaults'} leaves it to you)") from err
     except OmegaConfBaseException as err:
         raise ConfigError(f"Invalid config from {source}: {err}") from err
 
@@ -84,6 +91,20 @@ def _load_with_defaults(path: Path, group: str | None, chain: tuple[Path, ...]) 
     for base in bases:
         merged = OmegaConf.merge(merged, _load_with_defaults(resolve_config_path(str(base), group), group, chain + (path,)))
     return OmegaConf.merge(merged, node)
+
+
+def _close_keys(err: ConfigKeyError) -> str:
+    """``"; did you mean 'actor_nodes'?"`` when the schema at the failing level has a similar field name."""
+    import difflib
+    from dataclasses import fields
+
+    schema = getattr(err, "object_type", None)
+    key = str(getattr(err, "key", "") or "")
+    if not (is_dataclass(schema) and key):
+        return ""
+    names = [f.name for f in fields(schema)]
+    close = difflib.get_close_matches(key, names, n=3)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; valid keys here: {', '.join(names)}"
 
 
 def to_yaml(cfg: Any) -> str:

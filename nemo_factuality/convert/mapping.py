@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from nemo_factuality.convert.hf_config import Rope, read_rope
 from nemo_factuality.types import FactualityInputError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2")
@@ -39,10 +40,9 @@ class ModelSpec:
     padded_vocab: int
     qkv_bias: bool
     tied: bool
-    rope_theta: float
+    rope: Rope
     rms_eps: float
     max_positions: int
-    rope_scaling: dict | None
     reward_head: bool = False  # LlamaForSequenceClassification-style scalar head
     divisor: int = 128  # make_vocab_size_divisible_by
 
@@ -61,7 +61,8 @@ def default_divisor(vocab: int) -> int:
 
 
 def spec_from_hf_config(cfg: dict, make_vocab_size_divisible_by: int | None = None, tp: int = 1) -> ModelSpec:
-    """Model dimensions from an HF ``config.json`` dict; unsupported families fail clearly.
+    """Model dimensions from an HF ``config.json`` dict (either transformers layout); unsupported families
+    and RoPE variants fail clearly (``hf_config.read_rope``).
 
     ``make_vocab_size_divisible_by=None`` uses NeMo's rule (see ``default_divisor``), so nothing is padded.
     """
@@ -69,6 +70,10 @@ def spec_from_hf_config(cfg: dict, make_vocab_size_divisible_by: int | None = No
     if family not in SUPPORTED_FAMILIES:
         raise FactualityInputError(f"unsupported model_type {family!r}: the converters handle {SUPPORTED_FAMILIES} "
                                    "(Llama-3.x and Qwen2/Qwen2.5, incl. DeepSeek-R1-Distill-Qwen)")
+    missing = [k for k in ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+               if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise FactualityInputError(f"config.json lacks integer fields {missing}: not a complete {family} config")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     archs = cfg.get("architectures") or []
@@ -78,8 +83,8 @@ def spec_from_hf_config(cfg: dict, make_vocab_size_divisible_by: int | None = No
         padded_vocab=padded_vocab_size(cfg["vocab_size"], make_vocab_size_divisible_by or default_divisor(cfg["vocab_size"]), tp),
         divisor=make_vocab_size_divisible_by or default_divisor(cfg["vocab_size"]),
         qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias")), tied=bool(cfg.get("tie_word_embeddings")),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_positions=cfg.get("max_position_embeddings", 4096), rope_scaling=cfg.get("rope_scaling"),
+        rope=read_rope(cfg), rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_positions=cfg.get("max_position_embeddings", 4096),
         reward_head=any(a.endswith("ForSequenceClassification") for a in archs),
     )
 

@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from nemo_factuality.convert.hf_config import Rope
 from nemo_factuality.convert.torch_dist import TorchDistReader
 from nemo_factuality.types import FactualityInputError
 
@@ -50,17 +51,17 @@ def hf_config_from_nemo(cfg: dict, weights: TorchDistReader) -> dict:
         "num_key_value_heads": cfg.get("num_query_groups") or heads,
         "head_dim": cfg.get("kv_channels") or cfg["hidden_size"] // heads,
         "vocab_size": vocab, "max_position_embeddings": cfg.get("max_position_embeddings", cfg.get("encoder_seq_length")),
-        "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5), "rope_theta": cfg.get("rotary_base", 10000.0),
+        "rms_norm_eps": cfg.get("layernorm_epsilon", 1e-5), "rope_theta": float(cfg.get("rotary_base", 10000.0)),
         "tie_word_embeddings": bool(cfg.get("share_embeddings_and_output_weights", False)),
         "hidden_act": "silu", "attention_bias": bool(cfg.get("qkv_bias")), "mlp_bias": False,
         "torch_dtype": str(dtype).removeprefix("torch.") if dtype in (torch.float32, torch.bfloat16, torch.float16)
         else _PRECISION.get(cfg.get("precision"), "float32"),
     }
-    if cfg.get("seq_len_interpolation_factor"):
-        factor = cfg["seq_len_interpolation_factor"]
-        config["rope_scaling"] = ({"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                   "original_max_position_embeddings": 8192}
-                                  if cfg.get("scale_positional_embedding") else {"rope_type": "linear", "factor": factor})
+    if cfg.get("scale_positional_embedding"):  # NeMo's Llama-3 frequency scaling (factor 8 unless the config says)
+        factor = float(cfg.get("rope_scaling_factor") or cfg.get("seq_len_interpolation_factor") or 8.0)
+        config["rope_scaling"] = Rope(config["rope_theta"], "llama3", factor).scaling_fields()
+    elif cfg.get("seq_len_interpolation_factor"):
+        config["rope_scaling"] = Rope(config["rope_theta"], "linear", float(cfg["seq_len_interpolation_factor"])).scaling_fields()
     if reward:
         config["num_labels"] = 1
     return config

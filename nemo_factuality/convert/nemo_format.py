@@ -33,6 +33,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from nemo_factuality.convert.hf_config import to_installed_layout
 from nemo_factuality.convert.layout import check_parallelism, checkpoint_name, chunks_for, extra_state_objects
 from nemo_factuality.convert.mapping import ModelSpec, hf_to_mcore_groups, mcore_to_hf, spec_from_hf_config
 from nemo_factuality.convert.safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsReader, write_sharded
@@ -53,18 +54,33 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(memoryview(data)).hexdigest()
 
 
+def read_json_object(path: Path) -> dict:
+    """A JSON object from ``path``; invalid UTF-8/JSON or another type raises ``FactualityInputError`` naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise FactualityInputError(f"{path}: invalid UTF-8 at byte {err.start}") from None
+    except json.JSONDecodeError as err:
+        raise FactualityInputError(f"{path}:{err.lineno}:{err.colno}: invalid JSON ({err.msg})") from None
+    if not isinstance(value, dict):
+        raise FactualityInputError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 class HFCheckpoint:
     """Lazy tensor access over the safetensors shards of an HF model directory (validated on open)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         cfg = self.path / "config.json"
+        if not self.path.is_dir():
+            raise FactualityInputError(f"{self.path} does not exist or is not a directory: pass an HF model directory")
         if not cfg.is_file():
             raise FactualityInputError(f"{self.path} has no config.json: pass an HF model directory (save_pretrained output)")
-        self.config = json.loads(cfg.read_text())
+        self.config = read_json_object(cfg)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = read_json_object(index).get("weight_map") or {}
             self.files = sorted(set(weight_map.values()))
         elif (self.path / "model.safetensors").is_file():
             weight_map, self.files = None, ["model.safetensors"]
@@ -111,7 +127,7 @@ def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tok
         "mcore_gpt": True, "num_layers": spec.num_layers, "hidden_size": spec.hidden, "ffn_hidden_size": spec.ffn,
         "num_attention_heads": spec.heads, "num_query_groups": spec.kv_heads, "kv_channels": spec.head_dim,
         "encoder_seq_length": spec.max_positions, "max_position_embeddings": spec.max_positions,
-        "position_embedding_type": "rope", "rotary_base": spec.rope_theta, "rotary_percentage": 1.0,
+        "position_embedding_type": "rope", "rotary_base": spec.rope.theta, "rotary_percentage": 1.0,
         "activation": "fast-swiglu", "normalization": "rmsnorm", "layernorm_epsilon": spec.rms_eps,
         "bias": False, "qkv_bias": spec.qkv_bias, "share_embeddings_and_output_weights": spec.tied,
         "make_vocab_size_divisible_by": spec.divisor,
@@ -130,9 +146,12 @@ def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tok
     # NeMo's generation path reads these unconditionally (megatron_gpt_model.py, at the first rollout of
     # Aligner's PPO/REINFORCE actors); neither Aligner's configs nor ours set them otherwise. null = off.
     cfg.update({f"activations_checkpoint_{k}": None for k in ACTIVATIONS_CHECKPOINT_KEYS})
-    if spec.rope_scaling and spec.rope_scaling.get("rope_type", spec.rope_scaling.get("type")) in ("llama3", "linear"):
-        cfg["seq_len_interpolation_factor"] = spec.rope_scaling.get("factor")
-        cfg["scale_positional_embedding"] = spec.rope_scaling.get("rope_type") == "llama3"
+    # NeMo applies Llama-3 scaling to the frequencies when scale_positional_embedding is set and divides the
+    # positions by seq_len_interpolation_factor when that is set: one or the other, never both (that would scale twice)
+    if spec.rope.kind == "llama3":
+        cfg.update({"scale_positional_embedding": True, "rope_scaling_factor": spec.rope.factor})
+    elif spec.rope.kind == "linear":
+        cfg["seq_len_interpolation_factor"] = spec.rope.factor
     if spec.reward_head:
         # Aligner builds reward models untied (it overrides share_embeddings_and_output_weights to False)
         cfg.update({"reward_model_type": "binary_ranking", "output_sequence": False, "use_avg_pool": False,
@@ -324,11 +343,16 @@ def read_nemo_config(root: Path, hf_config_path: str | Path | None = None) -> tu
     for needed in ("model_weights", "model_config.yaml"):
         if not (root / needed).exists():
             raise FactualityInputError(f"checkpoint is missing {needed}; is this a NeMo mcore GPT checkpoint?")
-    nemo_cfg = yaml.safe_load((root / "model_config.yaml").read_text())
+    try:
+        nemo_cfg = yaml.safe_load((root / "model_config.yaml").read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise FactualityInputError(f"model_config.yaml of the checkpoint is not valid YAML ({err})") from None
+    if not isinstance(nemo_cfg, dict):
+        raise FactualityInputError("model_config.yaml of the checkpoint is not a mapping")
     if hf_config_path is not None:
-        return nemo_cfg, json.loads(Path(hf_config_path).read_text())
+        return nemo_cfg, read_json_object(Path(hf_config_path))
     if (root / "hf_config.json").is_file():
-        return nemo_cfg, json.loads((root / "hf_config.json").read_text())
+        return nemo_cfg, read_json_object(root / "hf_config.json")
     from nemo_factuality.convert.nemo_config import hf_config_from_nemo
 
     weights = TorchDistReader(root / "model_weights")
@@ -391,7 +415,7 @@ def nemo_to_hf(nemo: str | Path, out_dir: str | Path, *, hf_config: str | Path |
 
         plan = [(name, t.dtype, tuple(t.shape)) for name, t in mcore_to_hf(lambda key: weights.meta(*checkpoint_name(key)), spec)]
         stored = str(plan[0][1]).removeprefix("torch.")  # record the dtype the weights really have
-        config = {**config, "torch_dtype": stored, **({"dtype": stored} if "dtype" in config else {})}
+        config = to_installed_layout(config, dtype=stored)  # what the installed transformers reads back
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
         tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary model directory
         try:

@@ -24,9 +24,11 @@ import logging
 import os
 import pickle
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
+from unittest.mock import patch
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # the DCP format's per-chunk record
@@ -185,6 +187,77 @@ class TorchDistWriter:
         return metadata
 
 
+# What a DCP ``.metadata`` pickle may name (torch 2.x and Megatron's planners); anything else is refused.
+_DCP_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                              "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.distributed.checkpoint.planner": {"SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan",
+                                             "ReadItem", "LoadItemType"},
+    "megatron.core.dist_checkpointing.strategies.torch": {"MCoreSavePlan"},
+    "torch.serialization": {"_get_layout"},  # maps a layout's name to the torch.layout object
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: a global outside the allow-list (e.g. ``os.system`` in a ``__reduce__``) raises."""
+
+    def find_class(self, module: str, name: str):
+        if name in _DCP_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)  # torch.float32, torch.strided, torch.contiguous_format, ...
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which is not part of checkpoint metadata")
+
+
+def load_dcp_metadata(path: Path) -> Metadata:
+    """The DCP ``Metadata`` in ``path``, unpickled with an allow-list of DCP classes (no code runs from the file)."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _DCPMetadataUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        if "not part of checkpoint metadata" in str(err):
+            raise FactualityInputError(f"{path}: refusing to unpickle: {err}. A checkpoint's metadata never needs it; "
+                                       "the file may be crafted to run code. Do not use this checkpoint") from None
+        raise FactualityInputError(f"{path} is corrupted or truncated ({err})") from None
+    except Exception as err:  # any other unpickling failure means a damaged file
+        raise FactualityInputError(f"{path} is corrupted or truncated ({err})") from None
+    if not isinstance(metadata, Metadata):
+        raise FactualityInputError(f"{path} holds a {type(metadata).__name__}, not DCP checkpoint metadata")
+    return metadata
+
+
+@contextmanager
+def untrusted_checkpoint_loading(weights_dir: Path) -> Iterator[None]:
+    """Guard Megatron's ``dist_checkpointing.load`` of a checkpoint from anywhere: no code runs from its files.
+
+    Torch DCP reads ``.metadata`` with plain ``pickle.load`` and non-tensor objects (``_extra_state``) with
+    ``torch.load(weights_only=False)``. The metadata is checked with the allow-list unpickler first (the plain
+    load then builds the same harmless objects), and objects are loaded ``weights_only=True`` meanwhile.
+    """
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    load_dcp_metadata(Path(weights_dir) / ".metadata")
+
+    def load_bytes(planner, read_item, value) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise FactualityInputError(f"{weights_dir}: refusing to load object {fqn!r}: {err}") from None
+        if planner.flatten_state_dict:
+            set_element(planner.original_state_dict, planner.mappings[fqn], obj)
+        else:
+            planner.state_dict[fqn] = obj
+
+    with patch.object(DefaultLoadPlanner, "load_bytes", load_bytes):
+        yield
+
+
 class TorchDistReader:
     """Reads global tensors (or one index of their leading axis) from any torch_dist directory by chunks.
 
@@ -201,11 +274,7 @@ class TorchDistReader:
         if backend != "torch_dist":
             raise FactualityInputError(f"{self.dir}: sharded_backend is {backend!r}; only torch_dist is supported "
                                        "(convert zarr checkpoints with NeMo's convert_zarr_to_torch_dist.py first)")
-        try:
-            with open(meta_path, "rb") as f:
-                self.metadata: Metadata = pickle.load(f)
-        except Exception as err:  # any unpickling failure means a damaged file
-            raise FactualityInputError(f"{meta_path} is corrupted or truncated ({err})") from None
+        self.metadata = load_dcp_metadata(meta_path)
         self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
     def keys(self) -> list[str]:

@@ -12,7 +12,6 @@ as GPU; the dist checkpoint is resharded at load time for the requested TP. Prin
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -35,13 +34,13 @@ def build_model(spec, tp: int, pp: int = 1, pre_process: bool = True, post_proce
         attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
-    scaling = spec.rope_scaling or {}
-    llama3 = scaling.get("rope_type", scaling.get("type")) == "llama3"
+    rope = spec.rope
     return GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=spec.padded_vocab,
                     max_sequence_length=spec.max_positions, position_embedding_type="rope",
                     pre_process=pre_process, post_process=post_process,
-                    rope_scaling=llama3, rope_scaling_factor=float(scaling.get("factor", 8.0)),
-                    rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+                    rope_scaling=rope.kind == "llama3", rope_scaling_factor=rope.factor or 8.0,
+                    seq_len_interpolation_factor=rope.factor if rope.kind == "linear" else None,
+                    rotary_base=int(rope.theta) if float(rope.theta).is_integer() else rope.theta,
                     share_embeddings_and_output_weights=spec.tied, parallel_output=True)
 
 
@@ -50,12 +49,14 @@ def load_into(model, weights_dir: str) -> None:
     from megatron.core import dist_checkpointing
 
     from nemo_factuality.convert.mapping import to_te_name
+    from nemo_factuality.convert.torch_dist import untrusted_checkpoint_loading
 
     # everything the model asks for, `_extra_state` objects included, at Megatron's default strictness (as NeMo)
     sharded = model.sharded_state_dict(prefix="model.")
     assert all(v.key == "model." + to_te_name(v.key[len("model."):]) for v in sharded.values()), \
         "the local layer spec should already map its norms to Transformer Engine names"
-    loaded = dist_checkpointing.load(sharded, weights_dir)
+    with untrusted_checkpoint_loading(weights_dir):
+        loaded = dist_checkpointing.load(sharded, weights_dir)
     loaded = {k[len("model."):]: v for k, v in loaded.items()}
     missing, unexpected = model.load_state_dict(loaded, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -136,8 +137,9 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1)
 
     from nemo_factuality.convert import cpu
     from nemo_factuality.convert.mapping import spec_from_hf_config
-    from nemo_factuality.convert.nemo_format import check_manifest, opened_nemo, read_nemo_config
+    from nemo_factuality.convert.nemo_format import HFCheckpoint, check_manifest, opened_nemo, read_nemo_config
 
+    spec_from_hf_config(HFCheckpoint(hf_dir).config)  # the reference must be readable before Megatron starts
     cpu.apply()
     if not dist.is_initialized():
         if "RANK" in os.environ:
@@ -187,12 +189,12 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nemo_factuality.convert.verify", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hf", required=True)
-    ap.add_argument("--nemo", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--tol", type=float, default=1e-5)
+    from nemo_factuality.cli import ArgumentParser
+    from nemo_factuality.convert.cli import add_verify_arguments
+
+    ap = ArgumentParser(prog="python -m nemo_factuality.convert.verify",
+                        description="compare Megatron-Core logits (from the .nemo) with the HF model, one process per rank")
+    add_verify_arguments(ap)
     args = ap.parse_args(argv)
     result = run(args.hf, args.nemo, args.tp, args.tol, pp=args.pp)
     if "max_abs_diff" in result:  # the reporting rank (last pipeline stage, TP rank 0)
@@ -201,5 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # through the CLI's error boundary: a bad checkpoint is one line and exit 2 per rank
+    from nemo_factuality.cli import run_command
+    from nemo_factuality.convert.verify import main as _main
+
+    sys.exit(run_command(_main, sys.argv[1:], "convert verify"))

@@ -21,17 +21,28 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
+from nemo_factuality.cli import ArgumentParser, UsageError, split_overrides
 from nemo_factuality.config import load_config
 from nemo_factuality.evaluation.render import render_markdown, render_plot
-from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
+from nemo_factuality.evaluation.report import (
+    EvalOptions,
+    EvalRecord,
+    build_report,
+    check_core_fields,
+    check_unique_ids,
+    group_of,
+    parse_record,
+    to_json_safe,
+)
 from nemo_factuality.jsonl import iter_jsonl
-from nemo_factuality.types import Label
+from nemo_factuality.types import FactualityInputError, Label
 
 log = logging.getLogger(__name__)
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
@@ -70,6 +81,16 @@ def _needs_checking(raw: dict[str, Any]) -> bool:
     return isinstance(claims, list) and any(isinstance(c, dict) and "label" not in c for c in claims)
 
 
+def _check_pipeline_fields(where: str, raw: dict[str, Any], cfg: EvalConfig) -> None:
+    """The fields the pipeline reads from an unlabelled record: topic a string or null, materials a list of strings or null."""
+    topic, materials = raw.get(cfg.topic_field), raw.get(cfg.materials_field)
+    if topic is not None and not isinstance(topic, str):
+        raise FactualityInputError(f"{where}: field {cfg.topic_field!r} must be a string or null, got {type(topic).__name__}")
+    if materials is not None and not (isinstance(materials, list) and all(isinstance(m, str) for m in materials)):
+        raise FactualityInputError(f"{where}: field {cfg.materials_field!r} must be a list of strings or null "
+                                   f"(evidence passages for fact-checking), got {type(materials).__name__}")
+
+
 class EvalFailedError(RuntimeError):
     """Fact-checking failed for a record and ``--fail-fast`` was given (or too many records failed)."""
 
@@ -79,10 +100,15 @@ def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig,
 
     Returns ``{file:line: reason}`` for the records whose fact-check failed (their ``claims`` stay
     unset: they are not abstentions); with ``fail_fast`` the first failure raises ``EvalFailedError``.
+    The fields the pipeline reads are checked on every such record before any is fact-checked.
     """
     where_of = {id(raw): where for where, raw in rows}
     failed: dict[str, str] = {}
-    todo = [raw for _, raw in rows if _needs_checking(raw)]
+    todo = []
+    for where, raw in rows:
+        if _needs_checking(raw):
+            _check_pipeline_fields(where, raw, cfg)
+            todo.append(raw)
     if not todo:
         return failed
     from nemo_factuality.pipeline import build_pipeline
@@ -98,7 +124,7 @@ def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig,
             topics=[r.get(cfg.topic_field) for r in chunk],
             materials=[tuple(r.get(cfg.materials_field) or ()) for r in chunk],
         )
-        for raw, check in zip(chunk, checks):
+        for raw, check in zip(chunk, checks, strict=True):
             if check.error is not None:
                 failed[where_of[id(raw)]] = check.error
                 if fail_fast:
@@ -136,9 +162,9 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"{flag} must be a comma-separated list of integers, got {text!r}") from None
+        raise UsageError(f"{flag} must be a comma-separated list of positive integers, got {text!r}") from None
     if not values or any(v <= 0 for v in values):
-        raise SystemExit(f"{flag} values must be positive integers, got {text!r}")
+        raise UsageError(f"{flag} values must be positive integers, got {text!r}")
     return values
 
 
@@ -146,32 +172,60 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise SystemExit(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
-    if any(v < 0 for v in values):
-        raise SystemExit(f"{flag} values must be >= 0, got {text!r}")
+        raise UsageError(f"{flag} must be a comma-separated list of numbers, got {text!r}") from None
+    if any(not v >= 0 for v in values):  # also rejects nan
+        raise UsageError(f"{flag} values must be >= 0, got {text!r}")
     return values
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="nemo-factuality eval", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="nemo-factuality eval",
+                       description="Score responses with FActScore, SAFE F1@K, VeriScore and HalluLens. Records without "
+                                   "labelled claims are fact-checked first with the --config-name pipeline.",
+                       usage="nemo-factuality eval (--input F.jsonl | --demo) --output PATH [options] [key=value ...]",
+                       epilog="key=value overrides change the fact-checking pipeline of --config-name, e.g. "
+                              "pipeline.verifier.store_path=kb.sqlite (see conf/eval/*.yaml).")
     p.add_argument("--input", type=Path, help="JSONL records (omit with --demo)")
-    p.add_argument("--output", type=Path, required=True, help="report.json path, or a directory to write it in")
+    p.add_argument("--output", type=Path, required=True,
+                   help="report.json path (ends in .json), or a directory to write report.json, report.md and the plot in")
     p.add_argument("--demo", action="store_true", help="evaluate the packaged demo records against the demo knowledge store")
-    p.add_argument("--group-by", default=None, help="record field to group results by")
-    p.add_argument("--k", default="64,100,178", help="SAFE F1@K values (comma-separated)")
-    p.add_argument("--gamma", default="0,10", help="FActScore length-penalty gammas (comma-separated)")
-    p.add_argument("--hallulens-k", type=int, default=32)
-    p.add_argument("--config-name", default=None, help="conf/eval/<name>.yaml for the fact-checking pipeline")
+    p.add_argument("--group-by", default=None, help="record field to group results by (each value gets its own block)")
+    p.add_argument("--k", default="64,100,178", help="SAFE F1@K values (comma-separated positive integers)")
+    p.add_argument("--gamma", default="0,10", help="FActScore length-penalty gammas (comma-separated, >= 0)")
+    p.add_argument("--hallulens-k", type=_positive_int, default=32, help="K of HalluLens LongWiki recall@K")
+    p.add_argument("--config-name", default=None,
+                   help="conf/eval/<name>.yaml: the fact-checking pipeline for records without labels (demo_kb, safe_vllm)")
     p.add_argument("--max-failed-fraction", type=float, default=0.0,
-                   help="exit 1 when more than this fraction of records could not be fact-checked (default 0)")
+                   help="exit 1 when more than this fraction of records could not be fact-checked")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first record whose fact-check fails")
-    args, overrides = p.parse_known_args(list(argv))
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        p.error(f"unrecognised arguments {bad} (config overrides look like key=value)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. pipeline.verifier.store_path=kb.sqlite")
+    args = p.parse_intermixed_args(list(argv))
+    overrides = split_overrides(args.overrides, p.prog)
     if not args.demo and args.input is None:
         p.error("--input is required unless --demo is given")
     return args, overrides
+
+
+def _report_path(output: Path) -> Path:
+    """report.json for ``--output`` (a .json path or a directory); an existing non-directory is refused."""
+    if output.suffix == ".json":
+        if output.is_dir():
+            raise UsageError(f"--output {output} is a directory; name a .json file or drop the .json suffix")
+        return output
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"--output {output} is an existing file; give a directory (report.json, report.md and the plot "
+                         "go in it) or a path ending in .json")
+    return output / "report.json"
 
 
 def _demo_inputs(workdir: Path) -> tuple[Path, list[str]]:
@@ -186,8 +240,10 @@ def _demo_inputs(workdir: Path) -> tuple[Path, list[str]]:
 
 def main(argv: Sequence[str]) -> int:
     args, overrides = _parse_args(argv)
-    out_json = args.output if args.output.suffix == ".json" else args.output / "report.json"
+    out_json = _report_path(args.output)
     input_path = args.input
+    if input_path is not None and not input_path.is_file():
+        raise UsageError(f"--input {input_path} does not exist or is not a file")
     if args.demo:
         input_path, demo_overrides = _demo_inputs(out_json.parent)
         overrides = demo_overrides + overrides
@@ -196,8 +252,20 @@ def main(argv: Sequence[str]) -> int:
     opts = EvalOptions(ks=_ints(args.k, "--k"), gammas=_floats(args.gamma, "--gamma"), hallulens_k=args.hallulens_k,
                        extra={"input": str(input_path), "group_by": args.group_by})
     if not 0.0 <= args.max_failed_fraction <= 1.0:
-        raise SystemExit(f"--max-failed-fraction must be in [0, 1], got {args.max_failed_fraction}")
+        raise UsageError(f"--max-failed-fraction must be in [0, 1], got {args.max_failed_fraction}")
     rows = read_jsonl(input_path)
+    for where, raw in rows:  # all input checked before any (slow) fact-checking
+        check_core_fields(raw, where=where)
+        if args.group_by:
+            group_of(raw, args.group_by, where=where)
+        if _needs_checking(raw):
+            _check_pipeline_fields(where, raw, cfg)
+    check_unique_ids(rows)
+    unlabelled = sum(1 for _, raw in rows if _needs_checking(raw))
+    if unlabelled and not args.config_name and not args.demo:
+        raise UsageError(f"{unlabelled} of {len(rows)} records in {input_path} have no labelled claims, so they must be "
+                         "fact-checked first: pass a pipeline, e.g. --config-name demo_kb pipeline.verifier.store_path=kb.sqlite "
+                         "(conf/eval/*.yaml), or add claims with labels to the records")
     try:
         failed = label_with_pipeline(rows, cfg, fail_fast=args.fail_fast)
     except EvalFailedError as err:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from nemo_factuality.evaluation.report import EvalRecord, precision_points
 
@@ -12,51 +14,138 @@ def _f(x: Any) -> str:
     return "–" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
 
 
+MAX_CELL_CHARS = 80
+
+
+def table_cell(name: str) -> str:
+    """A group name as one markdown table cell: one line, ``|`` escaped, at most ``MAX_CELL_CHARS`` (report.json keeps it whole)."""
+    one_line = " ".join(name[: MAX_CELL_CHARS + 1].split())
+    short = one_line if len(one_line) <= MAX_CELL_CHARS else one_line[: MAX_CELL_CHARS - 1] + "…"
+    return short.replace("|", "\\|")
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """One table row per group with the headline number of each metric."""
     opts = report["options"]
     ks, gammas, hk = opts["k"], opts["gamma"], opts["hallulens_k"]
-    head = ["group", "n", "abstained", "claims/resp", "SAFE P"] + [f"F1@{k}" for k in ks]
+    head = ["group", "n", "abstained", "claims/resp", "SAFE n", "SAFE P"] + [f"F1@{k}" for k in ks]
     head += [f"FActScore γ={g:g}" for g in gammas] + ["respond", "VeriScore F1@Kmed", f"LongWiki F1@{hk}"]
     lines = ["# Factuality evaluation", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, g in report["groups"].items():
         fs = g["factscore"]
-        row = [name, g["n_records"], g["n_abstained"], g["claims_per_response"], g["safe"]["precision"]]
+        row = [table_cell(name), g["n_records"], g["n_abstained"], g["claims_per_response"], g["safe"]["n_items"],
+               g["safe"]["precision"]]
         row += [g["safe"][f"f1@{k}"] for k in ks]
         row += [fs[f"gamma{int(x) if float(x).is_integer() else x}"]["score"] for x in gammas]
         first = next(iter(fs.values()))
         row += [first["respond_ratio"], g["veriscore"]["f1@K_median"], g["hallulens"][f"f1@{hk}"]]
         lines.append("| " + " | ".join(_f(x) for x in row) + " |")
-    lines += ["", "SAFE excludes irrelevant claims; FActScore counts them as not supported and treats responses",
-              "with no claims as abstentions; VeriScore uses each group as its domain (upper-median K).", ""]
+    lines += ["", "SAFE excludes irrelevant claims from P and R and averages over the SAFE n responses with at least one",
+              "claim (all irrelevant: F1 = 0, as SAFE's own evaluation counts them). FActScore counts irrelevant claims",
+              "as not supported and treats responses with no claims as abstentions; VeriScore uses each group as its",
+              "domain (upper-median K).", ""]
     return "\n".join(lines)
 
 
+def _group_records(records: Sequence[EvalRecord]) -> dict[str, list[EvalRecord]]:
+    groups: dict[str, list[EvalRecord]] = {}
+    for r in records:
+        groups.setdefault(r.group, []).append(r)
+    return groups
+
+
+def point_counts(points: Sequence[tuple[float, float]]) -> Counter:
+    """``{(x, y): how many}``: identical points (common with integer claim counts) are drawn once."""
+    return Counter((round(x, 6), round(y, 6)) for x, y in points)
+
+
+def group_label(name: str, members: Sequence[EvalRecord]) -> str:
+    """Legend text: group size, abstentions, and responses with no S/NS claim (no precision, so not plotted)."""
+    abstained = sum(1 for r in members if not r.claims)
+    unplotted = len(members) - abstained - len(precision_points(members))
+    return f"{name}: n={len(members)}, {abstained} abstained" + (f", {unplotted} without S/NS" if unplotted else "")
+
+
+def _bubbles(ax, points: list[tuple[float, float]], x_of, color, label: str) -> None:
+    """One marker per distinct (x, y) with area ∝ count and the count written on it when > 1."""
+    counts = point_counts(points)
+    xs = [x_of(x) for x, _ in counts]
+    ax.scatter(xs, [y for _, y in counts], s=[40 + 25 * n for n in counts.values()], color=color, alpha=0.55,
+               edgecolors="black", linewidths=0.5, label=label)
+    for (x, y), n in counts.items():
+        if n > 1:
+            ax.annotate(str(n), (x_of(x), y), ha="center", va="center", fontsize=7)
+
+
+# Legend cost grows with the number and length of its labels (matplotlib lays out every glyph):
+# past these caps groups are drawn together as "other" and names are shortened.
+MAX_PLOTTED_GROUPS = 10
+MAX_LEGEND_CHARS = 40
+
+
+def legend_label(name: str) -> str:
+    """A group name as a legend entry: one line, at most ``MAX_LEGEND_CHARS``, ``$`` kept literal (no mathtext)."""
+    one_line = " ".join(name[: MAX_LEGEND_CHARS + 1].split())
+    short = one_line if len(one_line) <= MAX_LEGEND_CHARS else one_line[: MAX_LEGEND_CHARS - 1] + "…"
+    return short.replace("$", r"\$")
+
+
+def plotted_groups(records: Sequence[EvalRecord]) -> list[tuple[str, list[EvalRecord]]]:
+    """``(shortened name, records)`` per plotted series: the first ``MAX_PLOTTED_GROUPS`` groups (first-seen
+    order), then one "other (N groups)" series for the rest."""
+    groups = _group_records(records)
+    names = list(groups)
+    series = [(legend_label(n), groups[n]) for n in names[:MAX_PLOTTED_GROUPS]]
+    rest = names[MAX_PLOTTED_GROUPS:]
+    if rest:
+        series.append((f"other ({len(rest)} groups)", [r for n in rest for r in groups[n]]))
+    return series
+
+
 def render_plot(records: Sequence[EvalRecord], path: Path) -> None:
-    """Scatter of SAFE precision against claims per response, one colour per group (PNG)."""
+    """Two panels (PNG): SAFE precision per group (distribution + mean) and precision vs. claims per response.
+
+    Identical points are drawn once, sized by and labelled with their count; the legend gives each group's
+    size and how many responses abstained or had no supported/not-supported claim (not plotted: no precision).
+    Cost is linear in the number of records whatever the groups: at most ``MAX_PLOTTED_GROUPS`` + 1
+    series (the rest drawn together, in grey), names of at most ``MAX_LEGEND_CHARS`` characters.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
-    groups: dict[str, list[EvalRecord]] = {}
-    for r in records:
-        groups.setdefault(r.group, []).append(r)
-    for k, (name, members) in enumerate(groups.items()):
+    series = plotted_groups(records)
+    colors = plt.get_cmap("tab10").colors
+    fig, (dist, scatter) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100, gridspec_kw={"width_ratios": [1, 1.3]})
+    for k, (name, members) in enumerate(series):
         pts = precision_points(members)
+        label = group_label(name, members)
+        color = "grey" if k == MAX_PLOTTED_GROUPS else colors[k % len(colors)]
+        _bubbles(dist, [(k, y) for _, y in pts], lambda x: x, color, label)
         if pts:
-            xs, ys = zip(*pts)
-            # Claim counts are integers: shift each group a little so overlapping groups stay visible.
-            shift = (k - (len(groups) - 1) / 2) * 0.08
-            ax.scatter([x + shift for x in xs], ys, label=name, alpha=0.7)
-    ax.set_xlabel("claims per response")
-    ax.set_ylabel("precision (S / (S + NS))")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title("Precision vs. claims per response")
-    if len(groups) > 1:
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+            mean = sum(y for _, y in pts) / len(pts)
+            dist.hlines(mean, k - 0.3, k + 0.3, color=color, linewidth=2)
+        shift = (k - (len(series) - 1) / 2) * 0.12  # claim counts are integers: keep groups side by side
+        _bubbles(scatter, pts, lambda x, s=shift: x + s, color, label)
+    dist.set_xticks(range(len(series)), [name for name, _ in series], rotation=20)
+    claim_counts = sorted({len(r.claims) for r in records if r.claims})
+    if len(claim_counts) <= 12:  # few distinct counts: tick exactly those
+        scatter.set_xticks(claim_counts)
+    dist.set_ylabel("SAFE precision S / (S + NS)")
+    dist.set_title("Precision per group (bar = mean)")
+    scatter.set_xlabel("claims per response")
+    scatter.set_title("Precision vs. claims per response")
+    for ax in (dist, scatter):
+        ax.set_ylim(-0.08, 1.08)
+        ax.grid(alpha=0.3)
+    handles = [Line2D([], [], marker="o", linestyle="", color="grey" if k == MAX_PLOTTED_GROUPS else colors[k % len(colors)],
+                      alpha=0.55, label=label)
+               for k, label in enumerate(scatter.get_legend_handles_labels()[1])]  # fixed-size markers in the legend
+    fig.legend(handles=handles, loc="lower center", ncol=min(3, max(1, len(handles))), fontsize=8, frameon=False)
+    fig.text(0.5, 0.955, "marker area and number = responses at that point", ha="center", fontsize=8, color="dimgray")
+    fig.tight_layout(rect=(0, 0.1, 1, 0.95))
     with open(path, "wb") as fh:  # explicit handle: the temp name has no .png suffix
         fig.savefig(fh, format="png")
     plt.close(fig)

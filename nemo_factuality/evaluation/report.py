@@ -4,7 +4,8 @@ A record is ``{"id", "prompt", "response", "claims": null | [{"text", "label"}],
 ``claims: null`` means the response abstained and labels are ``supported``, ``not_supported``
 or ``irrelevant``. Each metric keeps its public tool's convention:
 
-* SAFE F1@K: irrelevant claims excluded; averaged over items with at least one S/NS claim.
+* SAFE F1@K: irrelevant claims excluded from P and R; averaged, as SAFE's evaluation does, over every
+  response with at least one claim of any label (all irrelevant: F1 = 0, precision 0).
 * FActScore: irrelevant counted as not supported; ``null`` or zero claims = abstained.
 * VeriScore: the group is the domain; K = upper median / max of claim totals; irrelevant
   claims count in the total (VeriScore has no irrelevant class); items without claims skipped.
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from nemo_factuality.metrics import aggregate_f1_at_k, factscore, longwiki_scores
 from nemo_factuality.metrics.veriscore import domain_k, model_stats
@@ -50,37 +52,91 @@ class EvalOptions:
 
 def parse_record(raw: Mapping[str, Any], *, where: str, group_by: str | None = None) -> EvalRecord:
     """Validate one JSON record; errors name ``where`` (file:line) and the field."""
-    for key in ("id", "prompt", "response"):
-        if key not in raw:
-            raise FactualityInputError(f"{where}: missing field {key!r}")
-    if not isinstance(raw["response"], str):
-        raise FactualityInputError(f"{where}: field 'response' must be a string")
+    rid, prompt, response = check_core_fields(raw, where=where)
     claims_raw = raw.get("claims")
     claims: tuple[tuple[str, str], ...] | None = None
     if claims_raw is not None:
         if not isinstance(claims_raw, list):
             raise FactualityInputError(f"{where}: field 'claims' must be null or a list")
-        parsed = []
-        for j, c in enumerate(claims_raw):
-            if not isinstance(c, Mapping) or "text" not in c or "label" not in c:
-                raise FactualityInputError(f"{where}: claims[{j}] needs 'text' and 'label'")
-            label = str(c["label"]).strip().lower()
-            if label not in LABELS:
-                raise FactualityInputError(f"{where}: claims[{j}].label {c['label']!r} is not one of {LABELS}")
-            parsed.append((str(c["text"]), label))
-        claims = tuple(parsed)
-    group = "all"
-    if group_by:
-        if group_by not in raw:
-            raise FactualityInputError(f"{where}: --group-by field {group_by!r} is missing from this record")
-        group = str(raw[group_by])
-    return EvalRecord(str(raw["id"]), str(raw["prompt"]), raw["response"], claims, group, int(raw.get("unparseable", 0)))
+        claims = tuple(_parse_claim(c, j, where) for j, c in enumerate(claims_raw))
+    group = group_of(raw, group_by, where=where) if group_by else "all"
+    return EvalRecord(rid, prompt, response, claims, group, _count(raw, "unparseable", where))
+
+
+def check_core_fields(raw: Mapping[str, Any], *, where: str) -> tuple[str, str, str]:
+    """``(id, prompt, response)`` of a record: id a string or integer (as text), prompt and response strings."""
+    for key in ("id", "prompt", "response"):
+        if key not in raw:
+            raise FactualityInputError(f"{where}: missing field {key!r}")
+    rid = raw["id"]
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        raise FactualityInputError(f"{where}: field 'id' must be a string or an integer, got {type(rid).__name__}")
+    for key in ("prompt", "response"):
+        if not isinstance(raw[key], str):
+            raise FactualityInputError(f"{where}: field {key!r} must be a string, got {type(raw[key]).__name__}")
+    return str(rid), raw["prompt"], raw["response"]
+
+
+def check_unique_ids(rows: Iterable[tuple[str, Mapping[str, Any]]]) -> None:
+    """Raise if two records share an id (compared as text: HalluLens scores per id, so 1 and "1" would merge).
+
+    ``rows`` are ``(file:line, record)`` with valid ids (see ``check_core_fields``).
+    """
+    first_seen: dict[str, str] = {}
+    for where, raw in rows:
+        rid = str(raw["id"])
+        if rid in first_seen:
+            raise FactualityInputError(
+                f"{where}: id {_short(raw['id'])} repeats the id on {first_seen[rid]} (ids are compared as text, so 1 and "
+                '"1" are the same); give every record its own id')
+        first_seen[rid] = where
+
+
+def group_of(raw: Mapping[str, Any], group_by: str, *, where: str) -> str:
+    """The record's ``--group-by`` value as text; it must be present and a JSON scalar."""
+    if group_by not in raw:
+        raise FactualityInputError(f"{where}: --group-by field {group_by!r} is missing from this record")
+    value = raw[group_by]
+    if isinstance(value, (list, dict)):
+        raise FactualityInputError(f"{where}: --group-by field {group_by!r} must be a string or a number, "
+                                   f"got {type(value).__name__}")
+    return str(value)
+
+
+def _parse_claim(c: Any, j: int, where: str) -> tuple[str, str]:
+    if not isinstance(c, Mapping) or "text" not in c or "label" not in c:
+        raise FactualityInputError(f"{where}: claims[{j}] needs 'text' and 'label'")
+    if not isinstance(c["text"], str):
+        raise FactualityInputError(f"{where}: claims[{j}].text must be a string, got {type(c['text']).__name__}")
+    label = c["label"].strip().lower() if isinstance(c["label"], str) else None
+    if label not in LABELS:
+        raise FactualityInputError(f"{where}: claims[{j}].label {_short(c['label'])} is not one of {LABELS}")
+    return c["text"], label
+
+
+def _count(raw: Mapping[str, Any], key: str, where: str) -> int:
+    """A non-negative integer field (0 when absent)."""
+    value = raw.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise FactualityInputError(f"{where}: field {key!r} must be a non-negative integer (a count of claims), "
+                                   f"got {_short(value)}")
+    return value
+
+
+def _short(value: Any) -> str:
+    """A bounded repr for error messages (values may be huge or deeply nested)."""
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__}>"
+    if isinstance(value, int) and value.bit_length() > 256:
+        return f"<integer of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _safe_block(records: Sequence[EvalRecord], ks: Sequence[int]) -> dict[str, float]:
-    counts = [(r.count("supported"), r.count("not_supported")) for r in records]
-    counts = [(s, ns) for s, ns in counts if s + ns > 0]
-    return aggregate_f1_at_k(counts, ks)
+    """SAFE's aggregate over responses with >= 1 claim; ``n_all_irrelevant`` of them had no S/NS claim (F1 0)."""
+    counts = [(r.count("supported"), r.count("not_supported")) for r in records if r.claims]
+    return {**aggregate_f1_at_k(counts, ks), "n_all_irrelevant": sum(1 for s, ns in counts if s + ns == 0)}
 
 
 def _factscore_block(records: Sequence[EvalRecord], gammas: Sequence[float]) -> dict[str, Any]:

@@ -185,5 +185,10 @@ class OpenAIJudgeClient:
             raise _Retryable(f"malformed response body: {resp.text[:200]!r}") from None
         if not isinstance(text, str):
             raise _Retryable(f"response content is {type(text).__name__}, not text")
-        logprobs = (choice.get("logprobs") or {}).get("content")
+        raw_logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+        logprobs = raw_logprobs.get("content") if isinstance(raw_logprobs, dict) else raw_logprobs
+        # Whatever shape came back is handed on as is; the p(true) parser turns a malformed one into an
+        # unparseable verdict rather than this client raising for the whole batch.
+        if logprobs is not None and not isinstance(logprobs, (list, tuple)):
+            logprobs = (logprobs,)
         return text, choice.get("finish_reason"), tuple(logprobs) if logprobs else None

@@ -14,13 +14,36 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from nemo_factuality.types import Label
 
-_BRACKET = re.compile(r"\[(.*?)\]", re.DOTALL)
+
+def _bracket_contents(text: str) -> list[str]:
+    """Contents of each ``[...]`` from left to right, as ``re.findall(r"\\[(.*?)\\]", text, re.DOTALL)``.
+
+    Each match runs from the leftmost ``[`` to the next ``]`` (inner ``[`` kept). Done with
+    ``str.find`` because that regex retries from every unclosed ``[`` (quadratic on "[[[[...").
+    """
+    out, pos = [], 0
+    while (open_at := text.find("[", pos)) >= 0:
+        close_at = text.find("]", open_at + 1)
+        if close_at < 0:
+            break  # no "]" left: no later "[" can close either
+        out.append(text[open_at + 1 : close_at])
+        pos = close_at + 1
+    return out
+
+
+def _first_bracket(text: str) -> str | None:
+    """Content of the first ``[...]`` (as ``re.search`` with the pattern above), or None."""
+    open_at = text.find("[")
+    close_at = text.find("]", open_at + 1) if open_at >= 0 else -1
+    return text[open_at + 1 : close_at] if close_at >= 0 else None
 
 
 @dataclass(frozen=True)
@@ -62,7 +85,7 @@ def parse_rlfh_assess(text: str | None) -> Parsed:
 
 def parse_safe_rating(text: str | None) -> Parsed:
     """SAFE rating: the last bracketed ``[Supported]`` / ``[Not Supported]`` (case/punctuation tolerant)."""
-    for content in reversed(_BRACKET.findall(text or "")):
+    for content in reversed(_bracket_contents(text or "")):
         norm = " ".join(re.sub(r"[^\w\s]", "", content).lower().split())
         if norm == "supported":
             return Parsed(Label.SUPPORTED)
@@ -73,7 +96,7 @@ def parse_safe_rating(text: str | None) -> Parsed:
 
 def parse_safe_relevance(text: str | None, symbol: str = "Foo") -> Parsed:
     """SAFE relevance: ``[Foo]`` relevant / ``[Not Foo]`` irrelevant (last matching bracket)."""
-    for content in reversed(_BRACKET.findall(text or "")):
+    for content in reversed(_bracket_contents(text or "")):
         norm = " ".join(content.strip(" *.`").lower().split())
         if norm == symbol.lower():
             return Parsed(True)
@@ -98,20 +121,72 @@ def parse_covered(text: str | None) -> Parsed:
     return Parsed(" ".join(m.group(1).lower().split()) in ("covered", "yes"))
 
 
-def p_true_from_logprobs(logprobs: Sequence[Mapping[str, Any]] | None) -> float | None:
-    """p(True) from the first generated token's top logprobs (True/False mass renormalised), if present."""
-    if not logprobs:
-        return None
+_TRUE_TOKENS, _FALSE_TOKENS = ("true", "yes"), ("false", "no")
+
+
+def parse_p_true(logprobs: Any) -> Parsed:
+    """p(True) from the first generated token's top logprobs (True/Yes mass over True/Yes + False/No mass).
+
+    ``logprobs`` is the OpenAI ``choices[0].logprobs.content`` list: one object per generated token,
+    ``{"token": str, "logprob": float, "top_logprobs": [{"token", "logprob"}, ...]}``. Never raises:
+
+    * ``Parsed(p)`` with ``0 <= p <= 1`` when a top candidate of the first token is True/False/Yes/No;
+    * ``Parsed(None)`` (no error) when there are no logprobs or no such candidate: nothing to read;
+    * ``Parsed(None, error)`` when the logprobs are malformed (not a list of objects, a candidate
+      without a string ``token`` or without a numeric ``logprob`` that is ≤ 0 and not NaN).
+    """
+    if logprobs is None or (isinstance(logprobs, (list, tuple)) and not logprobs):
+        return Parsed(None)
+    if not isinstance(logprobs, (list, tuple)) or not isinstance(logprobs[0], Mapping):
+        return _bad_logprobs("expected a list of token objects", logprobs)
     first = logprobs[0]
-    mass = {"true": 0.0, "false": 0.0}
-    for cand in first.get("top_logprobs") or [first]:
-        tok = str(cand.get("token", "")).strip().lower()
-        if tok in ("true", "yes"):
-            mass["true"] += math.exp(float(cand["logprob"]))
-        elif tok in ("false", "no"):
-            mass["false"] += math.exp(float(cand["logprob"]))
-    total = mass["true"] + mass["false"]
-    return mass["true"] / total if total > 0 else None
+    candidates = first.get("top_logprobs") or [first]
+    if not isinstance(candidates, (list, tuple)):
+        return _bad_logprobs("top_logprobs is not a list", candidates)
+    mass = {True: 0.0, False: 0.0}
+    for cand in candidates:
+        token = cand.get("token") if isinstance(cand, Mapping) else None
+        logprob = _as_logprob(cand.get("logprob")) if isinstance(cand, Mapping) else None
+        if not isinstance(token, str) or logprob is None:
+            return _bad_logprobs("a candidate needs a string 'token' and a numeric 'logprob' <= 0", cand)
+        word = token.strip().lower()
+        if word in _TRUE_TOKENS or word in _FALSE_TOKENS:
+            mass[word in _TRUE_TOKENS] += math.exp(logprob)
+    total = mass[True] + mass[False]
+    return Parsed(mass[True] / total) if total > 0 else Parsed(None)
+
+
+def _as_logprob(x: Any) -> float | None:
+    """``x`` as a log-probability (a number <= 0, -inf allowed), or None if it is not one."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return None
+    try:
+        value = float(x)
+    except OverflowError:  # an integer beyond float range
+        value = -math.inf if x < 0 else math.inf
+    # Tiny positive values are rounding noise of log(1); anything larger is not a log-probability.
+    return min(value, 0.0) if value <= 1e-6 else None  # NaN fails the comparison too
+
+
+def _bad_logprobs(why: str, value: Any) -> Parsed:
+    return Parsed(None, f"unparseable logprobs ({why}): {_excerpt(value)}")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def _excerpt(value: Any) -> str:
+    """A short repr that stays cheap on huge or deeply nested values."""
+    try:
+        return _REPR.repr(value)
+    except ValueError:  # an integer over Python's digit limit
+        return f"<{type(value).__name__}>"
+
+
+def p_true_from_logprobs(logprobs: Any) -> float | None:
+    """p(True) as in ``parse_p_true``; None when absent, without a True/False candidate, or malformed. Never raises."""
+    return parse_p_true(logprobs).value
 
 
 SIMPLEQA_GRADES = {"A": "CORRECT", "B": "INCORRECT", "C": "NOT_ATTEMPTED"}
@@ -141,16 +216,14 @@ def _factscore_compat(text: str) -> dict[str, Any]:
 
 
 def _safe_rating_compat(text: str) -> dict[str, Any]:
-    m = _BRACKET.search(text)
-    content = m.group(1) if m else ""
+    content = _first_bracket(text) or ""
     cleaned = re.sub(r"[^\w\s]", "", content).strip()
     answer = cleaned if cleaned in ("Supported", "Not Supported") else None
     return {"bracket_content": content, "answer": answer, "counted_as": answer or "dropped"}
 
 
 def _safe_relevance_compat(text: str, max_retries: int = 10) -> dict[str, Any]:
-    m = _BRACKET.search(text)
-    content = m.group(1) if m else ""
+    content = _first_bracket(text) or ""
     if content in ("Foo", "Not Foo"):
         return {"bracket_content": content, "is_relevant": content == "Foo", "model_calls": 1}
     # SAFE re-asks the same question max_retries times, then assumes the fact is relevant.
@@ -175,6 +248,8 @@ def _hallulens_compat(text: str) -> dict[str, Any]:
             parsed = json.loads(text.split("\n")[0])
         except json.JSONDecodeError:
             return {"raises": "AttributeError", "meaning": "unparseable: HalluLens would re-query the LLM"}
+        except (RecursionError, ValueError) as err:  # nested too deep; an integer over Python's digit limit
+            return {"raises": type(err).__name__, "meaning": "unparseable: json.loads cannot read this reply"}
     out: dict[str, Any] = {"raises": None, "parsed": parsed}
     if isinstance(parsed, dict) and "is_supported" in parsed:
         out["is_supported"] = parsed["is_supported"]

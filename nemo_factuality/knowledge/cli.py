@@ -11,30 +11,56 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
+from nemo_factuality.cli import ArgumentParser, UsageError
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nemo-factuality kb", description="embedded knowledge store (SQLite FTS5)")
-    sub = p.add_subparsers(dest="action", required=True)
-    b = sub.add_parser("build", help="stream passages (and facts) from JSONL into a store")
+SCORE_NOTE = {
+    "bm25": "# rank 1 = best match. score = BM25 relevance (higher is better; it only compares passages for the "
+            "same query, and is near 0 when every query word is in most passages, e.g. 'born'; the rank still orders them)",
+    "dense": "# rank 1 = best match. score = cosine similarity of the MiniLM embeddings (-1..1, higher is better)",
+}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="nemo-factuality kb", description="embedded knowledge store (SQLite FTS5)")
+    sub = p.add_subparsers(dest="action", required=True, metavar="{build,query}")
+    b = sub.add_parser("build", help="stream passages (and facts) from JSONL into a store",
+                       description="stream passages (and facts) from JSONL into a store")
     src = b.add_mutually_exclusive_group(required=True)
     src.add_argument("--passages", type=Path, help='JSONL lines {"title", "text"}')
     src.add_argument("--demo", action="store_true", help="the packaged demo passages and facts (invented people)")
     src.add_argument("--factscore-db", type=Path, help="a FActScore documents(title, text) SQLite DB")
     b.add_argument("--facts", type=Path, help='JSONL lines {"subject", "relation", "value", "text"}')
-    b.add_argument("--out", type=Path, required=True)
-    b.add_argument("--batch-size", type=int, default=10_000)
+    b.add_argument("--out", type=Path, required=True, help="the store to write (SQLite file, replaced atomically)")
+    b.add_argument("--batch-size", type=_positive_int, default=10_000, help="passages inserted per transaction")
     b.add_argument("--dense", action="store_true", help="also embed passages into a FAISS index (retrieval extra)")
-    q = sub.add_parser("query", help="BM25 search")
-    q.add_argument("--kb", type=Path, required=True)
-    q.add_argument("text")
-    q.add_argument("--title")
-    q.add_argument("-k", type=int, default=5)
+    q = sub.add_parser("query", help="search a store (BM25, or --dense)", description="search a store (BM25, or --dense); "
+                       "prints one JSON line per passage, best first, with its rank and score")
+    q.add_argument("--kb", type=Path, required=True, help="the store built with 'kb build'")
+    q.add_argument("text", help="the query (any text; quoting is handled)")
+    q.add_argument("--title", help="only passages of this title (exact)")
+    q.add_argument("-k", type=_positive_int, default=5, help="how many passages to show")
     q.add_argument("--dense", action="store_true", help="search the FAISS index instead of BM25")
     return p
+
+
+def _require_file(path: Path | None, flag: str) -> None:
+    if path is not None and not path.is_file():
+        raise UsageError(f"{flag} {path} does not exist or is not a file")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -43,6 +69,8 @@ def main(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
     if args.action == "build":
         passages = args.passages
+        for path, flag in ((args.passages, "--passages"), (args.facts, "--facts"), (args.factscore_db, "--factscore-db")):
+            _require_file(path, flag)
         if args.demo:
             data = Path(__file__).resolve().parents[1] / "data"
             passages, args.facts = data / "demo_passages.jsonl", data / "demo_facts.jsonl"
@@ -64,6 +92,8 @@ def main(argv: Sequence[str]) -> int:
         searcher = DenseIndex(args.kb)
     else:
         searcher = KnowledgeStore(args.kb)
-    for p in searcher.search(args.text, k=args.k, title=args.title):
-        print(json.dumps({"id": p.id, "title": p.title, "score": round(p.score, 4), "text": p.text}, ensure_ascii=False))
+    print(SCORE_NOTE["dense" if args.dense else "bm25"], file=sys.stderr)
+    for rank, p in enumerate(searcher.search(args.text, k=args.k, title=args.title), start=1):
+        print(json.dumps({"rank": rank, "score": float(f"{p.score:.4g}"), "id": p.id, "title": p.title, "text": p.text},
+                         ensure_ascii=False))
     return 0

@@ -63,12 +63,12 @@ class DenseIndex:
     """Cosine-similarity search over a store's passages (``search(query, k, title=None)``)."""
 
     def __init__(self, store_path: str | Path, *, encoder_path: str | None = None) -> None:
-        import faiss
-
         self.store = KnowledgeStore(store_path)
         index_path = Path(str(store_path) + ".faiss")
         if not index_path.is_file():
             raise FileNotFoundError(f"no dense index at {index_path}; build it with 'nemo-factuality kb build ... --dense'")
+        import faiss  # after the checks: its loader logs several lines even when nothing is searched
+
         self.index = faiss.read_index(str(index_path))
         self.ids = np.load(str(index_path) + ".ids.npy")
         self.encoder = _encoder(encoder_path)

@@ -1,43 +1,65 @@
 """``nemo-factuality launch <stage> [--cluster PROFILE] [--dry-run] [--out FILE] [key=value ...]``.
 
-Renders ``slurm/het_job.sbatch.j2`` from ``conf/launch/<stage>.yaml`` and ``conf/cluster/<profile>.yaml``;
-``--dry-run`` prints and writes the script, otherwise it is submitted with ``sbatch`` and the job id printed.
+Renders ``slurm/het_job.sbatch.j2`` from ``conf/launch/<stage>.yaml`` and ``conf/cluster/<profile>.yaml``.
+``--dry-run`` prints the script and writes it to ``--out`` (default ``./<stage>.sbatch``) and nowhere
+else; a real submit writes it under the profile's ``log_root`` (or ``--out``) and runs ``sbatch``.
 Overrides address the stage (``actor_nodes=4``) or the profile (``cluster.partition=batch``).
 """
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from nemo_factuality.config import load_config
+from nemo_factuality.cli import ArgumentParser, split_overrides
+from nemo_factuality.config import REPO_ROOT, load_config
 from nemo_factuality.launch.config import ClusterProfile, LaunchConfig
 from nemo_factuality.launch.render import render, write_script
 
 
-def main(argv: Sequence[str]) -> int:
-    p = argparse.ArgumentParser(prog="nemo-factuality launch", description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", help="conf/launch/<stage>.yaml, e.g. grpo_klcf, ppo_rlfh, grpo_fspo, grpo_knowrl, kto_factalign")
-    p.add_argument("--cluster", default="h100_pyxis", help="conf/cluster/<profile>.yaml")
+def _names(group: str) -> str:
+    return ", ".join(sorted(p.stem for p in (REPO_ROOT / "conf" / group).glob("*.yaml")))
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="nemo-factuality launch",
+                       description="Render slurm/het_job.sbatch.j2 for a stage (conf/launch) on a cluster profile "
+                                   "(conf/cluster) and submit it with sbatch. --dry-run prints it and writes it to --out "
+                                   "or ./<stage>.sbatch only.",
+                       usage="nemo-factuality launch STAGE [--cluster PROFILE] [--dry-run] [--out FILE] [key=value ...]",
+                       epilog="key=value overrides change the stage (actor_nodes=4, tensor_parallel=8) or, prefixed "
+                              "with cluster., the profile (cluster.partition=batch, cluster.account=me).")
+    p.add_argument("stage", help=f"conf/launch/<stage>.yaml ({_names('launch')}) or a YAML path")
+    p.add_argument("--cluster", default="h100_pyxis", help=f"conf/cluster/<profile>.yaml ({_names('cluster')}) or a YAML path")
     p.add_argument("--dry-run", action="store_true", help="print and write the script without submitting")
-    p.add_argument("--out", type=Path, default=None, help="where to write the script (default: <log_root>/<stage>.sbatch)")
-    args, overrides = p.parse_known_args(list(argv))
+    p.add_argument("--out", type=Path, default=None,
+                   help="where to write the script (default: ./<stage>.sbatch with --dry-run, else <log_root>/<stage>.sbatch)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="stage or cluster.* overrides")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    p = _parser()
+    args = p.parse_intermixed_args(list(argv))
+    overrides = split_overrides(args.overrides, p.prog)
     stage_over = [o for o in overrides if not o.startswith("cluster.")]
     cluster_over = [o[len("cluster."):] for o in overrides if o.startswith("cluster.")]
     stage = load_config(LaunchConfig, args.stage, stage_over, group="launch")
     cluster = load_config(ClusterProfile, args.cluster, cluster_over, group="cluster")
-    script = write_script(render(args.stage, stage, cluster), args.out or Path(cluster.log_root) / f"{args.stage}.sbatch")
-    if args.dry_run:
-        print(script.read_text())
+    stage_name = Path(args.stage).stem
+    text = render(stage_name, stage, cluster)
+    if args.dry_run:  # nothing outside --out / the current directory
+        script = write_script(text, args.out or Path.cwd() / f"{stage_name}.sbatch")
+        print(text, end="")
         print(f"# written to {script}", file=sys.stderr)
         return 0
-    Path(cluster.log_root).mkdir(parents=True, exist_ok=True)
+    script = write_script(text, args.out or Path(cluster.log_root) / f"{stage_name}.sbatch")
+    Path(cluster.log_root).mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output directory
     res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True)
     if res.returncode != 0:
-        print(f"sbatch failed ({res.returncode}): {res.stderr.strip()}", file=sys.stderr)
+        print(f"nemo-factuality launch: error: sbatch failed ({res.returncode}): {res.stderr.strip()}", file=sys.stderr)
         return res.returncode
     job_id = res.stdout.strip().split(";")[0]
     print(job_id)

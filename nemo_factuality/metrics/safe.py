@@ -40,12 +40,14 @@ def f1_at_k(supported: int, not_supported: int, k: int = DEFAULT_K) -> SafeScore
 def aggregate_f1_at_k(counts: Iterable[tuple[int, int]], ks: Sequence[int] = (DEFAULT_K,)) -> dict[str, float]:
     """Mean over responses of F1@K for each K, plus mean precision and recall@K.
 
-    Precision of a response with S == 0 is 0 here (P = S / (S + NS) with S = 0); responses with no
-    relevant claims at all (S + NS == 0) must be filtered out by the caller (SAFE averages over
-    items that have at least one claim).
+    ``counts``: one ``(S, NS)`` per annotated response that has at least one claim of any label, as
+    SAFE's evaluation averages: a response whose claims are all irrelevant (S == NS == 0) is an item
+    with F1 = 0 (``f1_at_k`` returns 0 when S == 0), not a dropped one. Its precision is undefined;
+    it counts as 0 here, like every response with S == 0. Responses without claims (abstentions)
+    are the caller's to leave out. ``n_items`` is how many responses were averaged.
     """
     items = list(counts)
-    out: dict[str, float] = {"n_items": float(len(items))}
+    out: dict[str, float] = {"n_items": len(items)}
     if not items:
         for k in ks:
             out[f"f1@{k}"] = float("nan")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import signal
 import threading
 from dataclasses import asdict
 from typing import Sequence
 
+from nemo_factuality.cli import ArgumentParser, split_overrides
 from nemo_factuality.config import load_config, to_yaml
 
 log = logging.getLogger(__name__)
@@ -19,12 +19,22 @@ def main(argv: Sequence[str]) -> int:
     from nemo_factuality.serving.config import ServeConfig
     from nemo_factuality.serving.server import FactualityRewardServer
 
-    parser = argparse.ArgumentParser(prog="nemo-factuality serve", description=__doc__)
-    parser.add_argument("--config-name", default=None, help="conf/serve/<name>.yaml (klcf, rlfh, fspo, knowrl, factalign, demo)")
+    parser = ArgumentParser(prog="nemo-factuality serve",
+                            description="Serve a method reward on PyTriton: reward_model (NeMo-Aligner 0.7.0's protocol) "
+                                        "and factuality_reward (token rewards), with health and Prometheus endpoints.",
+                            usage="nemo-factuality serve --config-name NAME [key=value ...]",
+                            epilog="key=value overrides set any ServeConfig field (nemo_factuality/serving/config.py), "
+                                   "e.g. http_port=5555 max_batch_size=1024 nan_reward=0.0 policy_tokenizer=/models/policy "
+                                   "reward.judge.base_url=http://judge:8000/v1")
+    parser.add_argument("--config-name", default=None,
+                        help="conf/serve/<name>.yaml (klcf, rlfh, fspo, knowrl, factalign, demo) or a YAML path; "
+                             "without it, ServeConfig's defaults")
     parser.add_argument("--fail-fast", action="store_true",
                         help="fail a whole batch when any sample's judge/fact-check fails (default: that sample is NaN "
                              "with details.error; reward_model sends nan_reward). Same as fail_fast=true")
-    args, overrides = parser.parse_known_args(list(argv))
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_intermixed_args(list(argv))
+    overrides = split_overrides(args.overrides, parser.prog)
     if args.fail_fast:
         overrides = [*overrides, "fail_fast=true"]
     cfg = load_config(ServeConfig, args.config_name, overrides, group="serve")

@@ -22,7 +22,10 @@ class ServeConfig:
     metrics_port: int = 5581  # Prometheus text format
     reward_model_name: str = "reward_model"  # NeMo-Aligner's remote_rm.reward_model.name
     rich_model_name: str = "factuality_reward"
-    max_batch_size: int = 256
+    # Largest request (samples) Triton accepts. NeMo-Aligner's RemoteGPTRMClient sends a whole rollout batch in
+    # one request and Aligner's own reward server accepts any size (9999999), so this default does too; lower it
+    # to cap memory per batch (a larger request is then refused with Triton's batch-size error).
+    max_batch_size: int = 9_999_999
     preferred_batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])
     max_queue_delay_us: int = 2000
     # NeMo-Aligner cannot take NaN rewards: abstentions are sent as this value on the reward_model wire.

@@ -2,6 +2,11 @@
 
 Two NodeName entries on one host (different slurmd ports) are needed for heterogeneous jobs. Every
 daemon is stopped by PID in ``stop()``, and the state directory is removed.
+
+Processes are told apart from anything else on the machine by an environment variable unique to this
+cluster (``RUN_ENV``): the daemons and every job submitted through ``sbatch`` carry it, and so does
+each process a job starts (steps, servers, tritonserver). ``job_processes()`` lists exactly those,
+so a test never mistakes another user's ``nemo-factuality serve`` for a leak of its own.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 CONF = """ClusterName=nftest
@@ -44,6 +50,7 @@ NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={d1_port} CPUs=1 RealMem
 NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={d2_port} CPUs=1 RealMemory=2000 State=UNKNOWN
 PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=60 State=UP
 """
+RUN_ENV = "NF_SLURM_TEST_RUN"
 
 
 def _free_port(lo: int = 16800, hi: int = 16899) -> int:
@@ -62,7 +69,8 @@ class SlurmCluster:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.conf = root / "slurm.conf"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        self.run_id = uuid.uuid4().hex
+        self.env = dict(os.environ, SLURM_CONF=str(self.conf), **{RUN_ENV: self.run_id})
 
     def start(self, timeout_s: float = 30) -> "SlurmCluster":
         for d in ("state", "log", "spool/n1", "spool/n2"):
@@ -98,6 +106,24 @@ class SlurmCluster:
                 out.append(int(f.read_text().strip()))
         return out
 
+    def job_processes(self) -> dict[int, str]:
+        """``{pid: command line}`` of the live processes this cluster's jobs started (daemons excluded)."""
+        marker = f"{RUN_ENV}={self.run_id}".encode()
+        daemons, found = set(self.pids()), {}
+        ctld = self.pids()[0] if (self.root / "slurmctld.pid").exists() and self.pids() else None
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) in daemons:
+                continue
+            try:
+                if marker not in (proc / "environ").read_bytes().split(b"\0") or not _alive(int(proc.name)):
+                    continue
+                if ctld is not None and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == ctld:
+                    continue  # slurmctld's own helper (slurmscriptd): part of the daemons, never a job step
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:  # exited meanwhile, or not ours to read
+                continue
+        return found
+
     def sbatch(self, script: Path, cwd: Path, extra_env: dict[str, str] | None = None) -> str:
         env = dict(self.env, **(extra_env or {}))
         res = subprocess.run(["sbatch", "--parsable", str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=30)
@@ -132,6 +158,11 @@ class SlurmCluster:
         for pid in self.pids():
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+        for pid in self.job_processes():  # job steps orphaned by the daemons' exit: ours, so ours to end
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(self.root / "state", ignore_errors=True)
 
 

@@ -26,12 +26,14 @@ _CORPUS = [
 ]
 
 
-def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 400):
+def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 400, corpus: list[str] | None = None):
     """Train a byte-level BPE tokenizer and wrap it as a ``PreTrainedTokenizerFast``.
 
     Args:
         out_dir: if given, ``save_pretrained`` there (``tokenizer.json``, config, chat template).
         vocab_size: BPE vocabulary size including the 256 byte symbols and specials.
+        corpus: training sentences (default: a built-in mix of English, CJK, accents and emoji);
+            another corpus gives other merges, e.g. a second tokenizer for alignment tests.
 
     Returns:
         The HF fast tokenizer (with offsets mapping support and a ChatML-like template).
@@ -48,7 +50,7 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 40
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    tok.train_from_iterator((_CORPUS if corpus is None else corpus) * 4, trainer=trainer)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         unk_token="<unk>",
@@ -63,16 +65,39 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 40
     return hf
 
 
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+
 def build_tiny_causal_lm(family: str = "qwen2", *, vocab_size: int = 512, tie_word_embeddings: bool = False,
-                         num_layers: int = 2, seed: int = 0, out_dir: str | Path | None = None):
-    """A 2-layer GQA ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` built from config (float32, CPU)."""
+                         num_layers: int = 2, seed: int = 0, out_dir: str | Path | None = None,
+                         head_dim: int | None = None, rope_theta: float | None = None, rope_scaling: dict | None = None,
+                         legacy_config_layout: bool = False):
+    """A 2-layer GQA ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` built from config (float32, CPU).
+
+    ``head_dim`` other than hidden/heads (= 16), a non-default ``rope_theta`` and ``rope_scaling`` (e.g.
+    ``LLAMA3_SCALING``) exercise what converters must carry over. ``save_pretrained`` writes the installed
+    transformers' layout (5.x: ``rope_parameters``); ``legacy_config_layout`` rewrites ``config.json`` the
+    transformers-4 way (top-level ``rope_theta`` / ``rope_scaling``, ``torch_dtype``).
+    """
+    import json
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     common = dict(hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=256,
                   tie_word_embeddings=tie_word_embeddings)
+    if head_dim is not None:
+        common["head_dim"] = head_dim
+    rope = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta or 10000.0}
     torch.manual_seed(seed)
+    from nemo_factuality.convert.hf_config import installed_layout
+
+    if installed_layout() == "rope_parameters":
+        common["rope_parameters"] = rope
+    else:
+        common.update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope_scaling)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif family == "llama":
@@ -82,6 +107,14 @@ def build_tiny_causal_lm(family: str = "qwen2", *, vocab_size: int = 512, tie_wo
     model.eval()
     if out_dir is not None:
         model.save_pretrained(str(out_dir))
+        if legacy_config_layout:
+            path = Path(out_dir) / "config.json"
+            cfg = json.loads(path.read_text())
+            params = cfg.pop("rope_parameters", None) or {"rope_type": "default", **(rope_scaling or {})}
+            cfg["rope_theta"] = params.pop("rope_theta", cfg.get("rope_theta", rope_theta or 10000.0))
+            cfg["rope_scaling"] = None if params.get("rope_type") == "default" else params
+            cfg["torch_dtype"] = cfg.pop("dtype", "float32")
+            path.write_text(json.dumps(cfg, indent=2))
     return model
 
 

@@ -69,13 +69,33 @@ def _strip_tags(text: str, start: int, end: int) -> Span | None:
     return Span(start + left, start + right)
 
 
+# Longer than any abbreviation: a letters-and-dots run this long before a period is never one.
+_ABBREVIATION_LOOKBACK = 1 + max(len(a) for a in _ABBREVIATIONS)
+
+
 def _is_abbreviation(text: str, period_index: int) -> bool:
-    """True if the period at ``period_index`` closes an abbreviation or an initial ("J. K.")."""
-    m = re.search(r"([A-Za-z][A-Za-z.]*)$", text[:period_index])
-    if not m:
+    """True if the period at ``period_index`` closes an abbreviation or an initial ("J. K.").
+
+    The word is the run of ASCII letters and dots just before the period, starting at a letter.
+    Only ``_ABBREVIATION_LOOKBACK`` characters are examined, so the cost per period is bounded
+    (segmentation stays linear on "A. A. A. ..."): a longer run cannot be an abbreviation.
+    """
+    lo = max(0, period_index - _ABBREVIATION_LOOKBACK)
+    start = period_index
+    while start > lo and _is_word_char(text[start - 1]):
+        start -= 1
+    if start == lo and lo > 0 and _is_word_char(text[lo - 1]):
+        return False  # the run goes on beyond the window: too long for an abbreviation
+    while start < period_index and text[start] == ".":
+        start += 1  # the word starts at a letter
+    if start == period_index:
         return False
-    word = m.group(1).lower()
-    return word in _ABBREVIATIONS or (len(word) == 1 and text[m.start(1)].isupper())
+    word = text[start:period_index].lower()
+    return word in _ABBREVIATIONS or (len(word) == 1 and text[start].isupper())
+
+
+def _is_word_char(ch: str) -> bool:
+    return ch == "." or ("a" <= ch <= "z") or ("A" <= ch <= "Z")
 
 
 def split_sentences(text: str, start: int = 0, end: int | None = None) -> list[Span]:

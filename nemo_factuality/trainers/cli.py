@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +20,15 @@ STAGES = {
 }
 
 
-def _parser(stage: str | None) -> argparse.ArgumentParser:
-    prog = f"nemo-factuality train {stage}" if stage else "nemo-factuality train"
-    p = argparse.ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [key=value ...]",
-                                description=STAGES[stage][1] if stage else "run a training stage",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _parser(stage: str) -> argparse.ArgumentParser:
+    from nemo_factuality.cli import ArgumentParser
+
+    prog = f"nemo-factuality train {stage}"
+    p = ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [key=value ...]", description=STAGES[stage][1],
+                       epilog="key=value overrides change any config key, e.g. trainer.max_steps=10 model.optim.lr=1e-6")
     p.add_argument("--config-name", default=None,
-                   help="conf/train/<name>.yaml (klcf, fspo, knowrl → grpo; rlfh → ppo; factalign → kto) or a YAML path")
+                   help="conf/train/<name>.yaml (klcf, fspo, knowrl -> grpo; rlfh -> ppo; factalign -> kto) or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
 
 
@@ -37,12 +39,11 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     from nemo_factuality.trainers.data import load_pairs, load_prompts
     from nemo_factuality.trainers.runtime import build_reward, seed_everything
 
-    args, overrides = _parser(stage).parse_known_args(list(sys.argv[1:] if argv is None else argv))
-    bad = [o for o in overrides if o.startswith("-")]
-    if bad:
-        from nemo_factuality.config import ConfigError
+    from nemo_factuality.cli import split_overrides
 
-        raise ConfigError(f"unknown option(s) {bad}; configuration is set with key=value overrides")
+    parser = _parser(stage)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    overrides = split_overrides(args.overrides, parser.prog)
     cfg = schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
@@ -78,23 +79,21 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str]) -> int:
     """``nemo-factuality train <stage> ...``."""
+    from nemo_factuality.cli import UsageError
+
     argv = list(argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in STAGES:
+    if not argv or argv[0] in ("-h", "--help"):
         lines = ["usage: nemo-factuality train {grpo,ppo,kto} --config-name NAME [key=value ...]", "", "stages:"]
         lines += [f"  {k:<6} {v[1]}" for k, v in STAGES.items()]
-        print("\n".join(lines), file=sys.stdout if argv and argv[0] in ("-h", "--help") else sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        print("\n".join(lines))
+        return 0
+    if argv[0] not in STAGES:
+        raise UsageError(f"unknown stage {argv[0]!r}; choose one of {', '.join(STAGES)} (see 'nemo-factuality train --help')")
     return run_stage(argv[0], argv[1:])
 
 
-def exit_on_user_error(fn: Callable[[], int]) -> int:
-    """For ``python -m nemo_factuality.trainers.<stage>``: user errors are one line on stderr and exit 2."""
-    from nemo_factuality.config import ConfigError
-    from nemo_factuality.registry import RegistryError
-    from nemo_factuality.types import FactualityInputError
+def exit_on_user_error(stage: str) -> int:
+    """``python -m nemo_factuality.trainers.<stage>`` behind the CLI's error boundary (one line, exit 2)."""
+    from nemo_factuality.cli import run_command
 
-    try:
-        return int(fn() or 0)
-    except (FactualityInputError, ConfigError, RegistryError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return run_command(lambda argv: run_stage(stage, argv), sys.argv[1:], f"train {stage}")

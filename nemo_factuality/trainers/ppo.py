@@ -167,5 +167,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     from nemo_factuality.trainers.cli import exit_on_user_error
 
-    raise SystemExit(exit_on_user_error(main))
+    raise SystemExit(exit_on_user_error("ppo"))
 

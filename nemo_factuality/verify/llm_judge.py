@@ -105,7 +105,13 @@ class LLMJudgeVerifier:
             label = Label.SUPPORTED if value else Label.NOT_SUPPORTED
         else:
             label = value
-        score = parsers.p_true_from_logprobs(reply.logprobs) if self.style == "truthfulness" else None
+        score = None
+        if self.style == "truthfulness":
+            p_true = parsers.parse_p_true(reply.logprobs)
+            if p_true.error:  # malformed logprobs: an unreadable verdict, never a made-up probability
+                self.stats["unparseable"] += 1
+                return Verdict(cid, Label.UNPARSEABLE, evidence=item.evidence, raw=reply.text, error=p_true.error)
+            score = p_true.value
         if score is None:
             score = 1.0 if label is Label.SUPPORTED else 0.0
         return Verdict(cid, label, score=score, evidence=item.evidence, raw=reply.text, hedged=parsed.hedged)

@@ -16,10 +16,11 @@ from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 
+from nemo_factuality.convert.hf_config import read_rope  # noqa: E402
 from nemo_factuality.convert.mapping import fuse_qkv, spec_from_hf_config, split_qkv  # noqa: E402
 from nemo_factuality.convert.nemo_format import hf_tensors, mcore_state  # noqa: E402
 from nemo_factuality.testing.paths import parity_dir  # noqa: E402
-from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer  # noqa: E402
+from nemo_factuality.testing.tiny_models import LLAMA3_SCALING, build_tiny_causal_lm, build_tiny_tokenizer  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
 
@@ -56,9 +57,12 @@ def test_qkv_interleave_roundtrip_and_layout():
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("convert")
     out = {}
-    for name, family, tied in (("qwen2_untied", "qwen2", False), ("llama_tied", "llama", True)):
+    # non-default rope_theta, head_dim 24 (not hidden/heads = 16), Llama-3 rope scaling, both config.json layouts
+    for name, family, tied, rope in (("qwen2_untied", "qwen2", False, {"rope_theta": 1e6}),
+                                     ("llama_tied", "llama", True, {"rope_theta": 5e5, "rope_scaling": LLAMA3_SCALING,
+                                                                    "legacy_config_layout": True})):
         d = root / name
-        build_tiny_causal_lm(family, tie_word_embeddings=tied, vocab_size=500, out_dir=d)
+        build_tiny_causal_lm(family, tie_word_embeddings=tied, vocab_size=500, out_dir=d, head_dim=24, **rope)
         build_tiny_tokenizer(d)
         out[name] = d
     bridge = root / "qwen2_bridge"
@@ -164,6 +168,7 @@ def test_presharded_tp2_layout_equals_megatron_save_and_loads_at_other_layouts(m
     assert res.returncode == 0, res.stderr[-2000:]
     config = json.loads((back / "config.json").read_text())
     assert config["model_type"] == "qwen2" and config["vocab_size"] == 500 and not config["tie_word_embeddings"]
+    assert read_rope(config).theta == 1e6 and config["head_dim"] == 24  # derived from model_config.yaml alone
     x, y = hf_tensors(hf), hf_tensors(back)
     assert set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in x)
 

@@ -114,3 +114,63 @@ def test_incomplete_coverage_and_damaged_metadata_are_errors(tmp_path):
         TorchDistReader(tmp_path / "b")
     with pytest.raises(FactualityInputError, match="not a torch_dist checkpoint"):
         TorchDistReader(tmp_path)
+
+
+class _Payload:
+    """What a malicious checkpoint would carry: unpickling it runs a shell command (here: creates a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _crafted_checkpoint(tmp_path):
+    """A real torch_dist directory whose ``.metadata`` hides a ``__reduce__`` payload in ``planner_data``."""
+    writer = TorchDistWriter(tmp_path / "ckpt")
+    for layer in range(3):
+        writer.write_group(f"layer.{layer}", _layered_chunks(layer))
+    metadata = writer.finish()
+    marker = tmp_path / "pwned"
+    metadata.planner_data = {"innocent": _Payload(marker)}
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(metadata))
+    return tmp_path / "ckpt", marker
+
+
+def test_crafted_metadata_is_refused_without_running_its_code(tmp_path):
+    ckpt, marker = _crafted_checkpoint(tmp_path)
+    pickle.loads((ckpt / ".metadata").read_bytes())  # plain pickle (the old reader) runs the payload ...
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(FactualityInputError, match=r"refusing to unpickle: it refers to posix\.system"):
+        TorchDistReader(ckpt)  # ... the allow-list unpickler does not
+    assert not marker.exists()
+
+
+def test_verify_guard_checks_metadata_before_megatrons_plain_pickle(tmp_path):
+    from nemo_factuality.convert.torch_dist import untrusted_checkpoint_loading
+
+    ckpt, marker = _crafted_checkpoint(tmp_path)
+    with pytest.raises(FactualityInputError, match="refusing to unpickle"):
+        with untrusted_checkpoint_loading(ckpt):
+            pytest.fail("the guard let a crafted checkpoint through")
+    assert not marker.exists()
+
+
+def test_nemo_to_hf_on_a_crafted_checkpoint_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    ckpt, marker = _crafted_checkpoint(tmp_path)
+    root = tmp_path / "model"
+    (root / "model_weights").mkdir(parents=True)
+    for f in ckpt.iterdir():
+        (root / "model_weights" / f.name).write_bytes(f.read_bytes())
+    (root / "model_config.yaml").write_text("mcore_gpt: true\n")
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "nemo-to-hf", "--nemo", str(root),
+                          "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "refusing to unpickle" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not marker.exists() and not (tmp_path / "out").exists()

@@ -28,10 +28,13 @@ def test_report_numbers_by_hand(tmp_path):
     out = tmp_path / "out" / "report.json"
     assert cli(["eval", "--input", str(_write(tmp_path / "r.jsonl", recs)), "--output", str(out), "--k", "2", "--gamma", "0,10"]) == 0
     g = json.loads(out.read_text())["groups"]["all"]
-    # SAFE over items with S+NS>0 (rec 1: S=2, NS=1; rec 2: S=1, NS=0); rec 4 has only IR -> excluded.
+    # SAFE over every response with >= 1 claim of any label (rec 1: S=2, NS=1; rec 2: S=1, NS=0; rec 4: only IR,
+    # F1 = 0 and P = 0, as SAFE's evaluation counts it); rec 3 abstained (no claims) -> not an item.
     # rec1: P=2/3, R=min(1,2/2)=1, F1=2*(2/3)/(5/3)=0.8; rec2: P=1, R=1/2, F1=2*0.5/1.5=2/3.
-    assert g["safe"]["f1@2"] == pytest.approx((0.8 + 2 / 3) / 2, abs=1e-12)
-    assert g["safe"]["precision"] == pytest.approx((2 / 3 + 1) / 2, abs=1e-12) and g["safe"]["n_items"] == 2
+    assert g["safe"]["f1@2"] == pytest.approx((0.8 + 2 / 3 + 0) / 3, abs=1e-12)
+    assert g["safe"]["recall@2"] == pytest.approx((1 + 1 / 2 + 0) / 3, abs=1e-12)
+    assert g["safe"]["precision"] == pytest.approx((2 / 3 + 1 + 0) / 3, abs=1e-12) and g["safe"]["n_items"] == 3
+    assert g["safe"]["n_all_irrelevant"] == 1
     # FActScore: IR = not supported; rec3 (null) abstains; rec4 responds with 0/1.
     # gamma 0: mean(2/4, 1/1, 0/1) = 0.5; respond 3/4; facts/resp (4+1+1)/3 = 2.
     fs0 = g["factscore"]["gamma0"]
@@ -65,6 +68,22 @@ def test_group_by_and_demo(tmp_path):
     (b'{"id": 1, "prompt": "p", "claims": []}\n', r"r.jsonl:1: missing field 'response'"),
     (b'{"id": 1, "prompt": "p", "response": "r", "claims": [{"text": "c", "label": "maybe"}]}\n', r"label 'maybe' is not one of"),
     (b'{"id": 1, "prompt": "p", "response": "\xff"}\n', r"r.jsonl:1: invalid UTF-8"),
+    # issue 17: each of these was a traceback with exit 1
+    *[(b'{"id": 1, "prompt": "p", "response": "r", "claims": [], "unparseable": ' + v + b"}\n",
+       r"r.jsonl:1: field 'unparseable' must be a non-negative integer") for v in (b"null", b'"three"', b"-Infinity")],
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": [], "x": ' + b"[" * 1000 + b"]" * 1000 + b"}\n",
+     r"r.jsonl:1: JSON nested too deeply"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": [], "x": ' + b"[" * 100000 + b"]" * 100000 + b"}\n",
+     r"r.jsonl:1: JSON nested too deeply"),
+    (b'{"id": ' + b"1" * 4301 + b', "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:1: a JSON integer has more than 4300 digits"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "materials": 1.5}\n', r"r.jsonl:1: field 'materials' must be a list of strings"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "topic": ["t"]}\n', r"r.jsonl:1: field 'topic' must be a string or null"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": []}\n{"id": 2, "prompt": "p", "response": "r", "claims": []}\n'
+     b'{"id": "1", "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:3: id '1' repeats the id on \S*r.jsonl:1"),
+    (b'{"id": [1], "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:1: field 'id' must be a string or an integer"),
+    (b'{"id": 1, "prompt": {"a": 1}, "response": "r", "claims": []}\n', r"r.jsonl:1: field 'prompt' must be a string"),
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": [{"text": ["c"], "label": "supported"}]}\n',
+     r"r.jsonl:1: claims\[0\].text must be a string"),
 ])
 def test_bad_input_is_named_and_nothing_written(tmp_path, capsys, content, needle):
     src = tmp_path / "r.jsonl"
@@ -81,3 +100,48 @@ def test_group_by_missing_field(tmp_path):
     with pytest.raises(FactualityInputError, match="--group-by field 'nope'"):
         eval_main([ "--input", str(_write(tmp_path / "r.jsonl", [_rec(1, [S])])), "--output", str(tmp_path / "o"),
              "--group-by", "nope"])
+
+
+def test_group_by_value_must_be_a_scalar(tmp_path):
+    rec = {**_rec(1, [S]), "g": {"nested": [1, 2]}}
+    with pytest.raises(FactualityInputError, match=r"r.jsonl:1: --group-by field 'g' must be a string or a number"):
+        eval_main(["--input", str(_write(tmp_path / "r.jsonl", [rec])), "--output", str(tmp_path / "o"), "--group-by", "g"])
+
+
+def test_plot_series_and_legend_are_capped(tmp_path):
+    from nemo_factuality.evaluation.render import MAX_LEGEND_CHARS, MAX_PLOTTED_GROUPS, plotted_groups, render_plot
+    from nemo_factuality.evaluation.report import EvalRecord
+
+    names = ["$\\frac{$", "long " * 1000, "two\nlines"] + [f"g{k}" for k in range(22)]
+    records = [EvalRecord(str(i), "p", "r", (("c", S),), name) for i, name in enumerate(names)]
+    series = plotted_groups(records)
+    assert len(series) == MAX_PLOTTED_GROUPS + 1 and series[-1][0] == "other (15 groups)"
+    assert sum(len(members) for _, members in series) == len(records)  # every record is drawn
+    assert all(len(label) <= MAX_LEGEND_CHARS + 2 and "\n" not in label for label, _ in series)
+    assert series[0][0] == "\\$\\frac{\\$"  # literal dollars, not mathtext
+    render_plot(records, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_markdown_table_keeps_one_row_per_group():
+    from nemo_factuality.evaluation.render import render_markdown
+    from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, to_json_safe
+
+    names = ["a|b", "line\nbreak", "z" * 5000]
+    report = to_json_safe(build_report([EvalRecord(str(i), "p", "r", (("c", S),), n) for i, n in enumerate(names)],
+                                       EvalOptions()))
+    rows = [line for line in render_markdown(report).splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 4 and rows[1].startswith("| a\\|b |") and rows[2].startswith("| line break |")
+    assert all(len(r) < 400 for r in rows)
+
+
+def test_plot_draws_identical_points_once_with_their_count_and_names_what_it_leaves_out(tmp_path):
+    from nemo_factuality.evaluation.render import group_label, point_counts, render_plot
+    from nemo_factuality.evaluation.report import parse_record, precision_points
+
+    recs = [_rec(i, [S, S, NS]) for i in range(5)] + [_rec(5, [S]), _rec(6, None), _rec(7, [IR, IR])]
+    records = [parse_record(r, where=f"x:{i}") for i, r in enumerate(recs)]
+    assert point_counts(precision_points(records)) == {(3, round(2 / 3, 6)): 5, (1, 1.0): 1}
+    assert group_label("all", records) == "all: n=8, 1 abstained, 1 without S/NS"
+    render_plot(records, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

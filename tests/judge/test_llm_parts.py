@@ -109,3 +109,18 @@ def test_informativeness_coverage_and_grader():
         assert cov.covered_batch(["r"] * 3, ["f1", "f2", "f3"]) == [True, False, None] and cov.errors == 1
         grades = AnswerGrader(client).grade_batch(["q", "q"], ["Paris", "Rome"], ["Paris", "I don't know"])
         assert [g[0] for g in grades] == ["CORRECT", "NOT_ATTEMPTED"]
+
+
+@pytest.mark.parametrize("logprobs", [[{"token": "True", "logprob": "high"}], [{"top_logprobs": None}], "garbage",
+                                      [{"token": "True", "logprob": 1e400}], {"content": 7}])
+def test_truthfulness_verifier_turns_malformed_logprobs_into_unparseable(logprobs):
+    from nemo_factuality.interfaces import VerifyItem
+    from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
+    from nemo_factuality.types import Claim, Label
+    from nemo_factuality.verify.llm_judge import LLMJudgeVerifier
+
+    with ScriptedOpenAIServer(lambda req: Reply("True", logprobs=logprobs)) as server:
+        verifier = LLMJudgeVerifier(OpenAIJudgeClient(server.url, "judge", max_retries=0), style="truthfulness")
+        (verdict,) = verifier.verify_batch([VerifyItem(Claim(0, "Paris is in France."))])
+    assert verdict.label is Label.UNPARSEABLE and verdict.error, verdict
+    assert verifier.stats["unparseable"] == 1

@@ -1,10 +1,14 @@
 """Every record of verdict_parsing.json: our per-tool compatibility modes reproduce the public tools."""
 
+import math
+
 import pytest
 
 from nemo_factuality.judge.parsers import (
     compat_label,
+    p_true_from_logprobs,
     parse_covered,
+    parse_p_true,
     parse_rlfh_assess,
     parse_rlfh_verify,
     parse_safe_rating,
@@ -67,3 +71,30 @@ def test_strict_parsers_read_common_shapes():
     assert parse_true_false("Answer: False.").value is False
     assert parse_covered("Not covered").value is False and parse_covered("COVERED").value is True
     assert parse_simpleqa_grade("B").value == "INCORRECT" and parse_simpleqa_grade("NOT_ATTEMPTED").value == "NOT_ATTEMPTED"
+
+
+@pytest.mark.parametrize("text,raises", [("[" * 1000, "RecursionError"), ("1" * 4301, "ValueError"),
+                                         ('{"is_supported": ' + "9" * 5000 + "}", "ValueError")])
+def test_hallulens_replies_json_cannot_read_are_unparseable(text, raises):
+    assert parse_verdict_compat("hallulens", text)["raises"] == raises
+    assert compat_label("hallulens", text) is Label.UNPARSEABLE
+
+
+def test_p_true_reads_top_logprobs():
+    lp = [{"token": "True", "logprob": -0.1, "top_logprobs": [{"token": "True", "logprob": math.log(0.6)},
+                                                              {"token": " no", "logprob": math.log(0.2)},
+                                                              {"token": "Maybe", "logprob": math.log(0.2)}]}]
+    assert parse_p_true(lp).value == pytest.approx(0.75) and p_true_from_logprobs(lp) == pytest.approx(0.75)
+    assert parse_p_true(None) == parse_p_true([]) == parse_p_true([{"token": "Maybe", "logprob": -0.1}])  # nothing to read
+    assert parse_p_true(None).ok and parse_p_true(None).value is None
+
+
+@pytest.mark.parametrize("logprobs", [
+    [{}], [{"token": "True"}], [{"token": "True", "logprob": None}], [{"token": None, "logprob": -1.0}],
+    [{"token": "True", "logprob": "x"}], [{"token": "True", "logprob": 1e308}], [{"token": "True", "logprob": float("nan")}],
+    [{"token": "True", "logprob": 10**5000}], [{"top_logprobs": 5}], [{"top_logprobs": [None]}], [None], "True", 7, {"a": 1},
+])
+def test_malformed_logprobs_are_an_explicit_error_not_an_exception(logprobs):
+    parsed = parse_p_true(logprobs)
+    assert parsed.value is None and parsed.error.startswith("unparseable logprobs")
+    assert p_true_from_logprobs(logprobs) is None

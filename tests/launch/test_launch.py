@@ -15,18 +15,36 @@ import yaml
 from nemo_factuality.cli import main as cli
 from nemo_factuality.config import REPO_ROOT, load_config
 from nemo_factuality.launch.config import ClusterProfile, LaunchConfig
-from nemo_factuality.launch.render import LaunchConfigError, render
+from nemo_factuality.launch.render import LaunchConfigError, missing_modules, python_modules, render
 
 STAGES = sorted(p.stem for p in (REPO_ROOT / "conf" / "launch").glob("*.yaml"))
 CLUSTERS = sorted(p.stem for p in (REPO_ROOT / "conf" / "cluster").glob("*.yaml"))
+
+
+def _stage_modules(name: str) -> list[str]:
+    stage = load_config(LaunchConfig, name, group="launch")
+    return [m for c in [stage.trainer_command] + [s.command for s in stage.reward_servers + stage.judges]
+            for m in python_modules(c) if m.startswith("nemo_factuality.")]
+
+
+def _not_yet_on_main(name: str) -> list:
+    """xfail (not skip) a stage naming a module that has not landed yet; it starts passing by itself when it does."""
+    missing = missing_modules(load_config(LaunchConfig, name, group="launch"))
+    return [pytest.mark.xfail(reason=f"{missing} not in this tree yet (trainer modules are landing on main); "
+                                     "rendering refuses stages whose modules do not exist", strict=True)] if missing else []
+
+
+# on a GPU-less profile a GPU stage must fail anyway, so only GPU profiles wait for missing modules
+RENDER_PARAMS = [pytest.param(s, c, marks=_not_yet_on_main(s) if load_config(ClusterProfile, c, group="cluster").gpus_per_node
+                              else []) for s in STAGES for c in CLUSTERS]
+MODULE_PARAMS = sorted({(m, s) for s in STAGES for m in _stage_modules(s)})
 
 
 def _needs_gpus(stage: LaunchConfig) -> bool:
     return any(s.gpus for s in stage.reward_servers + stage.judges) or stage.tensor_parallel * stage.pipeline_parallel > 1
 
 
-@pytest.mark.parametrize("cluster_name", CLUSTERS)
-@pytest.mark.parametrize("stage_name", STAGES)
+@pytest.mark.parametrize("stage_name,cluster_name", RENDER_PARAMS)
 def test_every_config_renders_and_passes_shellcheck(tmp_path, stage_name, cluster_name):
     if shutil.which("shellcheck") is None:
         pytest.fail("shellcheck is not installed (tools/setup_env.sh installs it with apt)")
@@ -54,8 +72,45 @@ def test_dry_run_cli_and_validation(tmp_path, capsys):
     text = out.read_text()
     assert "#SBATCH --partition=interactive" in text and "#SBATCH --nodes=4" in text
     assert "SLURM_JOB_NODELIST_HET_GROUP_2" in text  # judges discovered from their het group
-    with pytest.raises(LaunchConfigError, match="TP×PP = 32 GPUs"):
-        cli(["launch", "ppo_rlfh", "--cluster", "h100_pyxis", "--dry-run", "--out", str(out), "tensor_parallel=16", "pipeline_parallel=2"])
+    capsys.readouterr()
+    assert cli(["launch", "grpo_klcf", "--cluster", "h100_pyxis", "--dry-run", "--out", str(out), "tensor_parallel=16",
+                "pipeline_parallel=2"]) == 2
+    assert "TP×PP = 32 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stage_name,cluster_name", [("grpo_klcf", "h100_pyxis"), ("cpu_standin", "local_cpu")])
+def test_dry_run_writes_only_to_the_current_directory(tmp_path, monkeypatch, capsys, stage_name, cluster_name):
+    """The default profile's log_root is /lustre/...; local_cpu's is logs/: a dry run creates neither."""
+    lustre_before = Path("/lustre").exists()
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert cli(["launch", stage_name, "--cluster", cluster_name, "--dry-run"]) == 0
+    assert sorted(p.name for p in work.iterdir()) == [f"{stage_name}.sbatch"]
+    assert capsys.readouterr().out == (work / f"{stage_name}.sbatch").read_text()
+    assert Path("/lustre").exists() == lustre_before and not (REPO_ROOT / "logs").exists()
+
+
+def test_stage_naming_a_module_that_does_not_exist_fails_rendering(tmp_path):
+    stage = load_config(LaunchConfig, "cpu_standin", ["trainer_command=python -m nemo_factuality.trainers.grpoo --steps 1"],
+                        group="launch")
+    cluster = load_config(ClusterProfile, "local_cpu", group="cluster")
+    with pytest.raises(LaunchConfigError, match=r"python -m nemo_factuality\.trainers\.grpoo: no such module"):
+        render("cpu_standin", stage, cluster)
+    stage.trainer_command = "python -m nemo_factuality.launch.standins trainer"
+    stage.reward_servers[0].command = "cd /x && exec python3 -u -m nemo_factuality.nope.server --port {port}"
+    with pytest.raises(LaunchConfigError, match=r"nemo_factuality\.nope\.server"):
+        render("cpu_standin", stage, cluster)
+    assert python_modules("vllm serve m && python -m vllm.entrypoints.openai.api_server") == ["vllm.entrypoints.openai.api_server"]
+
+
+@pytest.mark.parametrize("module,stage_name", [
+    pytest.param(m, s, marks=_not_yet_on_main(s) if m in missing_modules(load_config(LaunchConfig, s, group="launch")) else [])
+    for m, s in MODULE_PARAMS])
+def test_every_stage_module_imports(module, stage_name):
+    """Rendering only checks that the module exists (a login node may lack the GPU stack); here it must import."""
+    subprocess.run([sys.executable, "-c", f"import {module}"], check=True, timeout=120,
+                   env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
 
 
 def test_dockerfile_passes_hadolint():
@@ -145,6 +200,8 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     while "step 15:" not in _log(tmp_path, job, "trainer") and time.time() < deadline:
         time.sleep(0.3)
     assert "step 15:" in _log(tmp_path, job, "trainer"), _sbatch_log(tmp_path, job)
+    running = " | ".join(slurm.job_processes().values())  # the tracking sees this job's own processes
+    assert "nemo_factuality.trainers.grpo" in running and "nemo-factuality serve" in running, running
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
     # slurmctld holds a requeued batch job back (BeginTime about two minutes ahead); release it now so
     # the test is quick. On a cluster the delay is harmless.
@@ -165,7 +222,9 @@ def test_max_restarts_guard(slurm, tmp_path):
 
 
 def test_no_step_processes_left(slurm):
-    time.sleep(2)
-    for pattern in ("nemo_factuality.launch.standins", "nemo-factuality serve", "tritonserver"):
-        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
-        assert out.strip() == "", f"leftover {pattern} processes: {out}"
+    """Only the processes this test's jobs started count (tracked by the cluster's run id, not a machine-wide
+    pgrep): another ``nemo-factuality serve`` running on the machine is not a leak."""
+    deadline = time.time() + 20
+    while slurm.job_processes() and time.time() < deadline:
+        time.sleep(0.5)
+    assert slurm.job_processes() == {}, f"leftover job processes: {slurm.job_processes()}"

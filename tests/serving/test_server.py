@@ -110,6 +110,19 @@ def test_reward_model_matches_in_process_on_aligner_payload(stack, tiny_tokenize
     assert out["rewards"][0, 0] > 0 > out["rewards"][1, 0]  # Rome's statement is judged Wrong
 
 
+def test_one_request_larger_than_256_samples(stack, tiny_tokenizer):
+    """Aligner sends a whole rollout batch in one request; its own server accepts any size, so does ours."""
+    assert ServeConfig().max_batch_size >= 4096
+    n = 257  # one more than the old limit (256)
+    tokens, lengths, rows = aligner_payload(tiny_tokenizer, [PROMPTS[2]] * (n - 1) + [PROMPTS[0]],
+                                            [RESPONSES[2]] * (n - 1) + [RESPONSES[0]], pad_to_length=64)
+    out = _infer(stack["url"], "reward_model", timeout=120, tokens=tokens, sequence_lengths=lengths)
+    assert out["rewards"].shape == (n, 1)
+    expected = stack["reward"]([PROMPTS[2], PROMPTS[0]], [RESPONSES[2], RESPONSES[0]], completion_ids=[rows[0][2], rows[-1][2]], is_end=[True] * 2).scores
+    np.testing.assert_allclose(out["rewards"][[0, -1], 0], np.nan_to_num(expected, nan=0.0).astype(np.float32), atol=1e-6)
+    assert len(set(out["rewards"][:-1, 0].tolist())) == 1  # the same sample gets the same reward in every row
+
+
 def test_sentences_input(stack, tiny_tokenizer):
     texts = [tiny_tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True) + r
              for p, r in zip(PROMPTS[:2], RESPONSES[:2])]

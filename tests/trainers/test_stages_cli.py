@@ -181,7 +181,15 @@ def test_bad_configs_fail_at_start_naming_the_key(tiny_policy, tmp_path, capsys)
         train_main(["grpo", "--config-name", "tiny_cpu_klcf", *base, "reward=null", f"data.train={data}",
                     f"remote_rm.url=http://127.0.0.1:{port}", "remote_rm.init_timeout_s=2"])
     assert time.monotonic() - start < 60  # a refused connection fails fast, not after Aligner's 600000 s
-    assert train_main(["nosuchstage"]) == 2
+    from nemo_factuality.cli import main as cli
+
+    assert cli(["train", "nosuchstage"]) == 2
+    assert cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", "--bogus-flag"]) == 2
+    assert cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *base, "reward.name=nosuch"]) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 3 and all(line.startswith("nemo-factuality train") for line in errors), errors
+    assert "Traceback" not in err
 
 
 def test_sigusr1_checkpoints_and_the_rerun_resumes(tiny_policy, kb, tmp_path):

@@ -1,0 +1,115 @@
+"""The CLI error boundary: every user error is one line on stderr and exit 2 (no traceback); --debug shows it.
+
+Each case runs the real ``nemo-factuality`` entry point in a subprocess, in a scratch working directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_factuality import __version__
+from nemo_factuality.config import REPO_ROOT
+
+ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+ENV.pop("NEMO_FACTUALITY_DEBUG", None)
+FILES = ["existing.txt", "hf_corrupt", "kb.sqlite", "labelled.jsonl", "unlabelled.jsonl"]
+
+
+def _cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nemo_factuality.cli", *args], cwd=cwd, env=dict(ENV, **env),
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from nemo_factuality.knowledge.store import build_store
+
+    root = tmp_path_factory.mktemp("cli")
+    (root / "unlabelled.jsonl").write_text(json.dumps({"id": 1, "prompt": "p", "response": "Ada Varga was born in 1917."}) + "\n")
+    (root / "labelled.jsonl").write_text(json.dumps({"id": 1, "prompt": "p", "response": "r",
+                                                     "claims": [{"text": "c", "label": "supported"}]}) + "\n")
+    (root / "existing.txt").write_text("not a report\n")
+    data = REPO_ROOT / "nemo_factuality" / "data"
+    build_store(data / "demo_passages.jsonl", root / "kb.sqlite", facts_jsonl=data / "demo_facts.jsonl", progress=False)
+    (root / "hf_corrupt").mkdir()
+    (root / "hf_corrupt" / "config.json").write_text('{"model_type": "qwen2", "hidden_size": ')
+    assert sorted(p.name for p in root.iterdir()) == FILES
+    return root
+
+
+CASES = {  # name: (argv, a phrase the one line must contain)
+    "eval_missing_input": (["eval", "--input", "nope.jsonl", "--output", "out"], "--input nope.jsonl does not exist"),
+    "eval_unlabelled_without_config": (["eval", "--input", "unlabelled.jsonl", "--output", "out"],
+                                       "--config-name demo_kb pipeline.verifier.store_path="),
+    "eval_safe_vllm_without_store": (["eval", "--input", "unlabelled.jsonl", "--output", "out", "--config-name", "safe_vllm"],
+                                     "pipeline.evidence.store_path has no value"),
+    "eval_output_is_a_file": (["eval", "--input", "labelled.jsonl", "--output", "existing.txt"], "is an existing file"),
+    "eval_k_zero": (["eval", "--input", "labelled.jsonl", "--output", "out", "--k", "0"], "--k values must be positive"),
+    "eval_k_not_a_number": (["eval", "--input", "labelled.jsonl", "--output", "out", "--k", "abc"], "--k must be a comma-separated"),
+    "eval_unknown_flag": (["eval", "--input", "labelled.jsonl", "--output", "out", "--bogus"], "unrecognized arguments: --bogus"),
+    "kb_query_missing_store": (["kb", "query", "--kb", "nope.sqlite", "born"], "nope.sqlite does not exist"),
+    "kb_query_dense_without_index": (["kb", "query", "--kb", "kb.sqlite", "--dense", "born"], "no dense index at"),
+    "kb_build_missing_passages": (["kb", "build", "--passages", "nope.jsonl", "--out", "x.sqlite"], "--passages nope.jsonl does not exist"),
+    "launch_unknown_stage": (["launch", "nope", "--dry-run"], "Config 'nope' not found"),
+    "launch_unknown_cluster": (["launch", "grpo_klcf", "--cluster", "nope", "--dry-run"], "Config 'nope' not found"),
+    "launch_misspelled_override": (["launch", "grpo_klcf", "--dry-run", "actor_nodez=4"], "did you mean 'actor_nodes'"),
+    "launch_gpu_stage_on_local_cpu": (["launch", "grpo_klcf", "--cluster", "local_cpu", "--dry-run"], "nodes have none"),
+    "convert_corrupt_config": (["convert", "hf-to-nemo", "--hf", "hf_corrupt", "--out", "x.nemo"], "config.json:1:"),
+    "convert_missing_directory": (["convert", "hf-to-nemo", "--hf", "nope", "--out", "x.nemo"], "--hf nope does not exist"),
+    "convert_nemo_to_hf_missing": (["convert", "nemo-to-hf", "--nemo", "nope.nemo", "--out", "o"], "--nemo nope.nemo does not exist"),
+    "unknown_command": (["evaluate"], "unknown command 'evaluate'"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_user_error_is_one_line_and_exit_2(work, name):
+    args, phrase = CASES[name]
+    res = _cli(args, work)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, f"rc={res.returncode}\n{res.stderr}"
+    assert lines[0].startswith("nemo-factuality") and ": error: " in lines[0] and phrase in lines[0], lines[0]
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    assert sorted(p.name for p in work.iterdir()) == FILES  # an error writes nothing
+
+
+def test_debug_flag_and_env_var_show_the_traceback(work):
+    args, _ = CASES["eval_k_zero"]
+    for res in (_cli(["--debug", *args], work), _cli([*args, "--debug"], work), _cli(args, work, NEMO_FACTUALITY_DEBUG="1")):
+        assert res.returncode != 0 and "Traceback" in res.stderr and "UsageError: --k values must be positive" in res.stderr
+
+
+def test_version_and_help_texts(work):
+    res = _cli(["--version"], work)
+    assert res.returncode == 0 and res.stdout.strip() == f"nemo-factuality {__version__}"
+    helps = {c: _cli([*c.split(), "--help"], work) for c in ("eval", "kb build", "kb query", "serve", "convert hf-to-nemo",
+                                                           "convert nemo-to-hf", "convert verify", "launch")}
+    for command, res in helps.items():
+        assert res.returncode == 0 and "``" not in res.stdout, (command, res.stdout)  # no RST markup in a terminal
+    for command in ("eval", "serve", "launch"):  # commands taking config overrides say so in their usage line
+        assert "[key=value ...]" in helps[command].stdout.splitlines()[0], helps[command].stdout
+    assert "(default: 64,100,178)" in helps["eval"].stdout and "(default: h100_pyxis)" in helps["launch"].stdout
+    assert "(default: 5)" in helps["kb query"].stdout and "(default: float32)" in helps["convert hf-to-nemo"].stdout
+
+
+def test_the_recipes_the_errors_give_work(work, tmp_path):
+    """The unlabelled-input error names --config-name demo_kb pipeline.verifier.store_path=...: that runs."""
+    out = tmp_path / "out"
+    res = _cli(["eval", "--input", str(work / "unlabelled.jsonl"), "--output", str(out), "--config-name", "demo_kb",
+                f"pipeline.verifier.store_path={work / 'kb.sqlite'}"], tmp_path)
+    assert res.returncode == 0, res.stderr
+    report = json.loads((out / "report.json").read_text())["groups"]["all"]
+    assert report["n_records"] == 1 and report["label_counts"]["supported"] == 1  # Ada Varga was born in 1917
+
+
+def test_kb_query_shows_rank_and_explains_the_score(work):
+    res = _cli(["kb", "query", "--kb", "kb.sqlite", "born", "-k", "3"], work)
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert res.returncode == 0 and [r["rank"] for r in rows] == [1, 2, 3]
+    assert all(rows[i]["score"] >= rows[i + 1]["score"] for i in range(2))
+    assert "rank 1 = best match" in res.stderr and "BM25" in res.stderr
