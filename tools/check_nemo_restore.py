@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -28,32 +26,9 @@ import torch
 
 def _cpu_shims() -> None:
     """Let NeMo 2.2 build a GPT model without TE/Apex/CUDA (only used when those are missing)."""
-    from nemo_factuality.convert import cpu
+    from nemo_factuality.testing import aligner_cpu
 
-    cpu.apply()  # Megatron's CUDA-only RNG/device calls → CPU
-    os.environ.setdefault("NVIDIA_PYTORCH_VERSION", "24.07")  # NeMo parses it unconditionally
-    # Megatron decides HAVE_TE when these import; afterwards NeMo's BERT/T5 spec files may import the TE
-    # extension module's names (they are never instantiated for a GPT model)
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.transformer  # noqa: F401
-
-    class _NoTransformerEngine:
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("Transformer Engine is not installed")
-
-    stub = types.ModuleType("megatron.core.extensions.transformer_engine")
-    stub.__getattr__ = lambda name: _NoTransformerEngine
-    sys.modules.setdefault("megatron.core.extensions.transformer_engine", stub)
-    import nemo.collections.nlp.models.language_modeling.megatron_gpt_model as gpt_module
-    import nemo.collections.nlp.modules.common.megatron.build_model as build_module
-    import nemo.collections.nlp.parts.nlp_overrides as nlp_overrides
-    from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
-
-    nlp_overrides.HAVE_APEX = True  # the strategy refuses to start without Apex; nothing here calls it
-    build_module.set_defaults_if_not_set_tensor_model_parallel_attributes = set_defaults_if_not_set_tensor_model_parallel_attributes
-    # get_specs builds every spec eagerly (TE ones included); without TE only the local spec exists
-    gpt_module.get_specs = lambda *args, **kwargs: gpt_module.get_gpt_layer_local_spec(None, False)
+    aligner_cpu.apply()
 
 
 def _overrides(cpu_only: bool, tokenizer_dir: str | None):

@@ -7,6 +7,7 @@
                              Transformer Engine layer-norm names; per-layer tensors stacked on a leading layer axis,
                              chunked as a TP=``tp`` run would store them (see ``layout``)
     tokenizer/               the HF tokenizer files (``tokenizer.type`` points here, never at a Hub id)
+    tokenizer.json           (or tokenizer.model / vocab.json) NeMo's registered ``tokenizer.model`` artifact
     hf_config.json           the source config.json (makes NeMo → HF exact)
     manifest.json            sha256 of every converted tensor (checked by the reverse converter and ``verify``)
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
 TOKENIZER_MAIN_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of these makes a usable tokenizer
+ACTIVATIONS_CHECKPOINT_KEYS = ("granularity", "method", "num_layers", "layers_per_pipeline")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 JOB_FILE = "job.json"
 
@@ -135,10 +137,15 @@ def nemo_model_config(spec: ModelSpec, dtype: str, tp: int = 1, pp: int = 1, tok
         # NeMo hands ``type`` unresolved to HF AutoTokenizer.from_pretrained (NeMo 2.x no longer chdirs into the
         # checkpoint while building the model): see ``tokenizer_type``. ``model`` is a registered artifact
         # (``nemo:`` = inside the archive), which NeMo's save_to carries over.
-        "tokenizer": {"library": "huggingface", "type": tokenizer_type, "model": f"nemo:tokenizer/{tokenizer_file}",
+        # The artifact sits at the archive root: NeMo's save_to re-packs ``nemo:`` artifacts by base name from
+        # a flat folder, so a ``nemo:tokenizer/...`` path makes every later save_to (a trained policy) fail.
+        "tokenizer": {"library": "huggingface", "type": tokenizer_type, "model": f"nemo:{tokenizer_file}",
                       "use_fast": True},
         "target": "nemo.collections.nlp.models.language_modeling.megatron_gpt_model.MegatronGPTModel",
     }
+    # NeMo's generation path reads these unconditionally (megatron_gpt_model.py, at the first rollout of
+    # Aligner's PPO/REINFORCE actors); neither Aligner's configs nor ours set them otherwise. null = off.
+    cfg.update({f"activations_checkpoint_{k}": None for k in ACTIVATIONS_CHECKPOINT_KEYS})
     # NeMo applies Llama-3 scaling to the frequencies when scale_positional_embedding is set and divides the
     # positions by seq_len_interpolation_factor when that is set: one or the other, never both (that would scale twice)
     if spec.rope.kind == "llama3":
@@ -174,6 +181,27 @@ def _tokenizer_files(hf_dir: Path) -> list[str]:
         raise FactualityInputError(f"{hf_dir} has no tokenizer files (tokenizer.json / tokenizer.model / vocab.json): "
                                    "save the tokenizer next to the weights; a .nemo must carry its tokenizer")
     return found
+
+
+def _write_loadable_tokenizer_config(tok_dir: Path) -> None:
+    """Make the packed ``tokenizer_config.json`` loadable by the transformers 4.x of the NeMo 2.x stack.
+
+    transformers 5 saves ``tokenizer_class: TokenizersBackend`` (a class 4.x lacks: AutoTokenizer fails) and
+    may keep the chat template only in ``chat_template.jinja`` (read from 4.50 on). A ``tokenizer.json``
+    makes the tokenizer a ``PreTrainedTokenizerFast`` in every version, and the template is inlined.
+    """
+    path = tok_dir / "tokenizer_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        if not (tok_dir / "tokenizer.json").is_file():
+            raise FactualityInputError(f"{path} names TokenizersBackend (transformers 5) but there is no tokenizer.json "
+                                       "beside it: re-save the tokenizer with a tokenizer.json")
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config.pop("backend", None)
+    template = tok_dir / "chat_template.jinja"
+    if "chat_template" not in config and template.is_file():
+        config["chat_template"] = template.read_text(encoding="utf-8")
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
 def _open_work_dir(work: Path, job: dict, restart: bool) -> None:
@@ -267,6 +295,9 @@ def hf_to_nemo(hf_dir: str | Path, out: str | Path, *, dtype: str = "float32", e
     (work / "tokenizer").mkdir(exist_ok=True)
     for f in tok_files:
         shutil.copy2(hf_dir / f, work / "tokenizer" / f)
+    if "tokenizer_config.json" in tok_files:
+        _write_loadable_tokenizer_config(work / "tokenizer")
+    shutil.copy2(hf_dir / main_file, work / main_file)  # the registered artifact (see nemo_model_config)
     # AutoTokenizer falls back to config.json when tokenizer_config.json names no class it knows (older transformers)
     shutil.copy2(hf_dir / "config.json", work / "tokenizer" / "config.json")
     _maybe_simulate_crash("package")

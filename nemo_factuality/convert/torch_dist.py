@@ -199,6 +199,9 @@ _DCP_CLASSES = {
     "torch.serialization": {"_get_layout"},  # maps a layout's name to the torch.layout object
     "torch": {"Size"},
     "collections": {"OrderedDict"},
+    # StorageMeta.checkpoint_id is the save directory as a Path when Megatron's async writer saved it (what
+    # NeMo's save_to of a trained policy writes); building a path object runs no code from the file.
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
 }
 
 

@@ -1,0 +1,539 @@
+"""The ``aligner`` backend: a ``PolicyActor`` over NeMo-Aligner 0.7.0's Megatron REINFORCE actor (TP/PP/DP).
+
+The policy is ``MegatronGPTReinforceActorModel`` restored from a ``.nemo`` that ``nemo-factuality
+convert hf-to-nemo`` wrote, through Aligner's own ``load_and_override_model_config`` / ``load_from_nemo``
+/ ``init_distributed`` / ``init_using_ptl``. Everything the stages call goes through Aligner's
+``AlignableGenerativeInterface`` (``prepare_for_inference`` → ``infer`` / ``get_inference_log_probs`` /
+``get_init_policy_logprobs`` (``cpu_weight_swap``) → ``finish_inference``; ``prepare_for_training`` →
+``prepare_for_training_step`` → ``get_loss_and_metrics`` → ``finish_training_step``). One subclass
+(``_stage_actor_class``) replaces the REINFORCE loss with the stage's backend-agnostic ``LossFn``, so
+GRPO, dense-reward PPO and (f)KTO all train through Aligner's forward/backward path. The PPO actor
+(``MegatronGPTActorModel``) differs from the REINFORCE one only in its loss and config section, both of
+which the stage supplies, so one actor class serves every method.
+
+Loss scaling: Megatron's schedule divides each micro batch's loss by the number of micro batches and
+NeMo averages gradients over data-parallel ranks; the stage's losses are already normalised by the
+global count, so the loss handed to Megatron is multiplied back by both and the result is the plain
+sum of gradients over micro batches and DP ranks. ``all_reduce_sum`` gives the stage its global counts.
+
+Importing this module imports nothing from NeMo; the heavy stack loads in ``AlignerActor.__init__``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# What the stage's batch must hold for the actor itself (the loss function may need more).
+_REQUIRED = ("tokens", "prompt_lengths", "response_lengths")
+
+
+@dataclass
+class AlignerRuntime:
+    """How the actor is placed and optimised: NeMo's trainer + model knobs the stage config does not carry."""
+
+    devices: int = 1  # processes per node (one per GPU; torchrun/srun start them)
+    num_nodes: int = 1
+    accelerator: str = "auto"  # auto = gpu when CUDA is available, else cpu (gloo)
+    max_steps: int = 100  # the LR schedule's horizon (optimiser steps)
+    gradient_clip_val: float = 1.0
+    seed: int = 1234
+    rollout_micro_batch_size: int = 16  # prompts generated together (KV cache ∝ this × sequence length)
+    # Merged last onto the checkpoint's model config (Aligner's ``++model.*`` overrides), e.g. the
+    # presets' activation recompute / distributed optimizer / sequence parallel settings.
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _plain(cfg: Any) -> dict:
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)
+
+
+def nemo_optim(optim: Mapping[str, Any], max_steps: int) -> dict:
+    """The stage's ``model.optim`` (adamw|sgd|distributed_fused_adam; constant|cosine) as NeMo's ``model.optim``."""
+    sched = optim.get("sched") or {}
+    name = sched.get("name", "constant")
+    if name == "cosine":
+        nemo_sched = {"name": "CosineAnnealing", "warmup_steps": sched.get("warmup_steps", 0),
+                      "min_lr": sched.get("min_lr", 0.0), "max_steps": max_steps}
+    elif name == "constant":
+        nemo_sched = {"name": "WarmupPolicy", "warmup_steps": sched.get("warmup_steps", 0), "max_steps": max_steps}
+    else:
+        raise ValueError(f"model.optim.sched.name={name!r}: the aligner backend supports constant | cosine")
+    out = {"name": optim.get("name", "adamw"), "lr": optim["lr"], "weight_decay": optim.get("weight_decay", 0.0),
+           "sched": nemo_sched}
+    if out["name"] == "sgd":
+        out["momentum"] = optim.get("momentum", 0.0)
+    else:
+        out["betas"] = list(optim.get("betas", (0.9, 0.999)))
+        out["eps"] = optim.get("eps", 1e-8)
+    return out
+
+
+_PRECISION = {"float32": 32, "bfloat16": "bf16-mixed", "float16": "16-mixed"}
+
+
+def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> dict:
+    """Aligner's ``model`` section for the REINFORCE actor, from the stage's ``model.*`` (wins over the checkpoint)."""
+    sampling, length = model_cfg.get("sampling_params", {}), model_cfg.get("length_params", {})
+    precision = _PRECISION[model_cfg.get("dtype", "float32")]
+    out = {
+        "tensor_model_parallel_size": model_cfg.get("tensor_model_parallel_size", 1),
+        "pipeline_model_parallel_size": model_cfg.get("pipeline_model_parallel_size", 1),
+        "micro_batch_size": model_cfg.get("micro_batch_size", 1),
+        "global_batch_size": model_cfg.get("global_batch_size", 1),
+        "precision": precision, "seed": runtime.seed,
+        "gradient_as_bucket_view": True,  # NeMo's trainer builder reads it (SFT checkpoints carry it; converted ones not)
+        "optim": nemo_optim(model_cfg.get("optim", {"lr": 1e-6}), runtime.max_steps),
+        "peft": {"peft_scheme": "none", "restore_from_path": None},
+        "data": {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False},
+        "reinforce": {
+            "rollout_micro_batch_size": model_cfg.get("forward_micro_batch_size", 8),
+            "forward_micro_batch_size": model_cfg.get("forward_micro_batch_size", 8),
+            "offload_adam_states": True,  # only acts with the distributed optimizer
+            "sampling_params": {"use_greedy": sampling.get("use_greedy", False), "temperature": sampling.get("temperature", 1.0),
+                                "top_k": sampling.get("top_k", 0), "top_p": sampling.get("top_p", 1.0),
+                                "repetition_penalty": 1.0, "add_BOS": False, "all_probs": False,
+                                "compute_logprob": False, "end_strings": []},
+            "length_params": {"max_length": length.get("max_length", 256), "min_length": 1},
+            "trt_llm": {"enable": False},
+        },
+    }
+    return _merge(out, runtime.model_overrides)
+
+
+def _merge(base: dict, extra: Mapping[str, Any]) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _stage_actor_class():
+    """``MegatronGPTReinforceActorModel`` with the stage's loss in Aligner's forward/backward path."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor import MegatronGPTReinforceActorModel
+    from nemo_aligner.utils.distributed import from_parallel_logits_to_logprobs
+    from nemo_aligner.utils.train_utils import set_sync_funcs
+
+    class StageReinforceActor(MegatronGPTReinforceActorModel):
+        stage_loss_fn: LossFn | None = None
+        stage_need_entropy: bool = False
+
+        def get_actor_forward_output_and_loss_func(self):
+            loss_fn, need_entropy = self.stage_loss_fn, self.stage_need_entropy
+            scale = get_num_microbatches() * mpu.get_data_parallel_world_size()
+
+            def fwd_output_and_loss_func(data_iterator, model):
+                batch = next(data_iterator)
+                batch = {k: v.to(torch.cuda.current_device()) if torch.is_tensor(v) else v for k, v in batch.items()}
+                parallel_logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=None)
+
+                def loss_func(parallel_logits):
+                    out = {"logprobs": from_parallel_logits_to_logprobs(vocab_parallel_logits=parallel_logits,
+                                                                        target=batch["tokens"], higher_stability=True)}
+                    if need_entropy:
+                        out["entropy"] = _token_entropy(parallel_logits)
+                    loss, metrics = loss_fn(out, batch)
+                    reported = {k: torch.as_tensor(float(v)) for k, v in metrics.items()}
+                    reported["loss"] = loss.detach().float()  # this micro batch's share of the step's loss
+                    return loss * scale, reported
+
+                return parallel_logits, loss_func
+
+            return fwd_output_and_loss_func
+
+        def get_loss_and_metrics(self, batch, forward_only):
+            tokens = batch["tokens"]
+            attention_mask, _, position_ids = self.get_ltor_masks_and_position_ids(tokens=tokens)
+            batch = dict(batch, attention_mask=attention_mask, position_ids=position_ids)
+            data_iter = iter(split_micro_batches(batch, get_num_microbatches()))
+            set_sync_funcs(self, forward_only)
+            reduced = get_forward_backward_func()(
+                forward_step_func=self.get_actor_forward_output_and_loss_func(),
+                data_iterator=self._make_data_iterator_list(data_iter), model=self.model,
+                num_microbatches=get_num_microbatches(), forward_only=forward_only, seq_length=tokens.size(1),
+                micro_batch_size=self.cfg.micro_batch_size)
+            return _step_metrics(reduced)
+
+    return StageReinforceActor
+
+
+def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, float]]:
+    """Loss functions' metrics averaged over micro batches; ``loss`` summed over micro batches and DP ranks
+    (the step's global loss, since each share is normalised by the global count). They exist on the last
+    pipeline stage only: computed there, then broadcast to every rank."""
+    from megatron.core import parallel_state as mpu
+
+    metrics: dict[str, float] = {}
+    if reduced:
+        keys = sorted(k for k in reduced[0] if k != "loss")
+        values = torch.tensor([sum(float(r[k]) for r in reduced) / len(reduced) for k in keys]
+                              + [sum(float(r["loss"]) for r in reduced)], dtype=torch.float64)
+        torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
+        dp = mpu.get_data_parallel_world_size()
+        metrics = {k: float(v) / dp for k, v in zip(keys, values[:-1].tolist(), strict=True)}
+        metrics["loss"] = float(values[-1])
+    shared = [metrics]
+    torch.distributed.broadcast_object_list(shared, src=torch.distributed.get_world_size() - 1)
+    return shared[0].get("loss", 0.0), shared[0]
+
+
+def split_micro_batches(batch: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+    """``n`` equal micro batches; tensors whose first dim is the batch are split, anything else (global
+    counts, 0-dim tensors, Python values) goes to every micro batch as is."""
+    size = batch["tokens"].shape[0]
+    if size % n:
+        raise ValueError(f"a batch of {size} sequences does not split into {n} micro batches")
+    step = size // n
+    return [{k: v[i * step:(i + 1) * step] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == size else v
+             for k, v in batch.items()} for i in range(n)]
+
+
+def _token_entropy(vocab_parallel_logits: torch.Tensor) -> torch.Tensor:
+    """``[b, S-1]`` entropy of the next-token distribution (vocab gathered over TP)."""
+    from megatron.core import tensor_parallel
+
+    logits = tensor_parallel.gather_from_tensor_model_parallel_region(vocab_parallel_logits)[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _largest_divisor_at_most(n: int, cap: int) -> int:
+    return next(d for d in range(min(n, max(cap, 1)), 0, -1) if n % d == 0)
+
+
+class AlignerActor:
+    """``PolicyActor`` on NeMo-Aligner's Megatron REINFORCE actor; one instance per rank (torchrun/srun)."""
+
+    def __init__(self, model_cfg: Any, runtime: AlignerRuntime | None = None) -> None:
+        self.runtime = runtime or AlignerRuntime()
+        plain = _plain(model_cfg)
+        path = plain.get("restore_from_path")
+        if not path or not Path(path).exists():
+            raise FileNotFoundError(f"model.restore_from_path={path!r} is not a .nemo file or extracted directory: "
+                                    "write one with `nemo-factuality convert hf-to-nemo --extracted`")
+        self.forward_micro_batch_size = int(plain.get("forward_micro_batch_size", 8))
+        self.model, self.trainer, self.optimizer, self.scheduler = _restore(str(path), model_overrides(plain, self.runtime),
+                                                                            self.runtime)
+        hf_tokenizer = getattr(self.model.tokenizer, "tokenizer", self.model.tokenizer)
+        self.tokenizer = hf_tokenizer
+        self.eos_id = int(self.model.tokenizer.eos_id)
+        pad = getattr(hf_tokenizer, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else self.eos_id
+        self._eos_text = hf_tokenizer.convert_ids_to_tokens(self.eos_id)
+
+    # ---- parallel layout -------------------------------------------------------------------------
+    @property
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_world_size()
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks (the stage's global token/sequence counts); returns a new CPU tensor."""
+        from megatron.core import parallel_state as mpu
+
+        out = value.detach().clone().to(self._device())
+        torch.distributed.all_reduce(out, group=mpu.get_data_parallel_group())
+        return out.cpu()
+
+    def global_sum(self, value: float) -> float:
+        """The stages' hook for global token/sequence counts (sum over data-parallel ranks)."""
+        return float(self.all_reduce_sum(torch.tensor([float(value)], dtype=torch.float64))[0])
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- rollouts and log-probs -----------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
+        """Rollouts in chunks of ``rollout_micro_batch_size`` prompts, right-padded with ``pad_id`` to one width."""
+        step = max(1, self.runtime.rollout_micro_batch_size)
+        parts = [self._generate_chunk(prompt_ids[i:i + step], sampling) for i in range(0, len(prompt_ids), step)]
+        if len(parts) == 1:
+            return parts[0]
+        width = max(p.tokens.shape[1] for p in parts)
+        tokens = torch.cat([torch.nn.functional.pad(p.tokens, (0, width - p.tokens.shape[1]), value=self.pad_id) for p in parts])
+        return Rollout(tokens=tokens, prompt_lengths=torch.cat([p.prompt_lengths for p in parts]),
+                       response_lengths=torch.cat([p.response_lengths for p in parts]),
+                       is_end=torch.cat([p.is_end for p in parts]))
+
+    def _generate_chunk(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
+        from nemo_aligner.utils.utils import batch_pad_to_fixed_len
+
+        lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long)
+        if int(lengths.min()) < 1:
+            raise ValueError("every prompt needs at least one token")
+        # as Aligner's collate: EOS-padded to the longest prompt + the tokens to generate
+        text = batch_pad_to_fixed_len([torch.as_tensor(list(p), dtype=torch.long) for p in prompt_ids],
+                                      int(lengths.max()) + sampling.max_new_tokens, self.eos_id)
+        m = self.model
+        m._length_params = {"max_length": sampling.max_new_tokens, "min_length": 1}
+        m._sampling_params = dict(m._sampling_params, use_greedy=sampling.use_greedy, temperature=sampling.temperature,
+                                  top_k=sampling.top_k, top_p=sampling.top_p, end_strings=[self._eos_text])
+        m.prepare_for_inference()
+        try:
+            out = m.infer({"text": text.to(self._device()), "length": lengths.to(self._device())})
+        finally:
+            m.finish_inference()
+        tokens = out["response_tokens"].cpu().long()
+        response_lengths = out["response_lengths"].cpu().long()
+        positions = torch.arange(tokens.shape[1]).unsqueeze(0)
+        tokens = torch.where(positions < response_lengths.unsqueeze(1), tokens, torch.full_like(tokens, self.pad_id))
+        return Rollout(tokens=tokens, prompt_lengths=out["prompt_lengths"].cpu().long(),
+                       response_lengths=response_lengths, is_end=out["is_end"].cpu().bool())
+
+    def _inference(self, fn, rollout: Rollout) -> torch.Tensor:
+        self.model.prepare_for_inference()
+        try:
+            return fn(rollout.tokens.to(self._device())).float().cpu()
+        finally:
+            self.model.finish_inference()
+
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        size = _largest_divisor_at_most(len(rollout), self.forward_micro_batch_size)
+        return self._inference(lambda t: self.model.get_inference_log_probs(t, forward_micro_batch_size=size), rollout)
+
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        if self.model.init_policy_state_dict is None:
+            raise RuntimeError("no reference policy is held: call reset_reference() first")
+        size = _largest_divisor_at_most(len(rollout), self.forward_micro_batch_size)
+        saved, self.model.forward_micro_batch_size = self.model.forward_micro_batch_size, size
+        try:
+            return self._inference(self.model.get_init_policy_logprobs, rollout)  # Aligner's cpu_weight_swap
+        finally:
+            self.model.forward_micro_batch_size = saved
+
+    def reset_reference(self) -> None:
+        from nemo_aligner.utils.utils import retrieve_model_state_dict_in_cpu
+
+        self.model.init_policy_state_dict = retrieve_model_state_dict_in_cpu(self.model, megatron_amp_O2=self.model.megatron_amp_O2)
+
+    # ---- training ----------------------------------------------------------------------------------
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
+                   need_entropy: bool = False) -> dict[str, float]:
+        from nemo_aligner.utils.train_utils import clip_gradients
+        from nemo_aligner.utils.utils import configure_batch_sizes
+
+        missing = [k for k in _REQUIRED if k not in batch]
+        if missing:
+            raise KeyError(f"train_step batch lacks {missing} (has {sorted(batch)})")
+        size = int(batch["tokens"].shape[0])
+        if size % micro_batch_size:
+            raise ValueError(f"a batch of {size} sequences is not a multiple of micro_batch_size={micro_batch_size}")
+        m = self.model
+        m.prepare_for_training()  # Aligner: batch-size calculator from the config + Adam states back on device
+        configure_batch_sizes(mbs=micro_batch_size, gbs=size * self.data_parallel_size, dp=self.data_parallel_size)
+        self.optimizer.zero_grad()
+        m.prepare_for_training_step()
+        m.stage_loss_fn, m.stage_need_entropy = loss_fn, need_entropy
+        try:
+            _, metrics = m.get_loss_and_metrics(batch=dict(batch), forward_only=False)
+        finally:
+            m.stage_loss_fn = None
+        m.finish_training_step()
+        grad_norm = clip_gradients(m, self.runtime.gradient_clip_val)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        m.finish_training()
+        return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": float(lr)}
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        """NeMo's distributed checkpoint (weights, optimiser, LR schedule) + this rank's reference shard."""
+        path = Path(path)
+        self._check_optimizer_state_is_shardable()
+        path.mkdir(parents=True, exist_ok=True)
+        self.trainer.save_checkpoint(str(path / "state.ckpt"))
+        rank = torch.distributed.get_rank()
+        if self.model.init_policy_state_dict is not None:
+            torch.save(self.model.init_policy_state_dict, path / f"reference.rank{rank}.pt")
+        torch.distributed.barrier()
+
+    def _check_optimizer_state_is_shardable(self) -> None:
+        """NeMo 2.2 shards a plain torch optimizer's per-parameter state like the parameter itself; torch's
+        Adam/AdamW keep a 0-dim ``step`` tensor there, which Megatron's checkpointing then rejects with a bare
+        shape assertion. Say what to change instead."""
+        for state in self.optimizer.state.values():
+            if any(torch.is_tensor(v) and v.dim() == 0 for v in state.values()):
+                raise ValueError(f"{type(self.optimizer).__name__} keeps 0-dim per-parameter state (step) that NeMo "
+                                 "2.2's distributed checkpoint cannot shard: use distributed_fused_adam or fused_adam "
+                                 "(Apex, GPU; AlignerRuntime.model_overrides optim.name, as the conf/train/aligner "
+                                 "presets do) or model.optim.name=sgd")
+
+    def load(self, path: Path) -> None:
+        path = Path(path)
+        if not (path / "state" / "metadata.json").is_file():  # NeMo stores "<name>.ckpt" as the directory <name>/
+            raise FileNotFoundError(f"{path / 'state'} holds no distributed checkpoint: not written by AlignerActor.save")
+        connector = self.trainer._checkpoint_connector  # what Aligner's init_using_ptl resumes through
+        connector.resume_start(str(path / "state"))
+        connector.restore_model()
+        connector.restore_training_state()
+        connector.resume_end()
+        if self.scheduler.last_epoch > 0:  # as init_using_ptl: re-apply the restored LR to the optimiser
+            self.scheduler.step(self.scheduler.last_epoch)
+        reference = path / f"reference.rank{torch.distributed.get_rank()}.pt"
+        # tensors and plain containers only: a checkpoint file never runs code
+        self.model.init_policy_state_dict = torch.load(reference, weights_only=True) if reference.exists() else None
+
+    def load_weights(self, path: Path) -> None:
+        """Only the policy weights of a ``save`` directory (the stages' restore-best-on-early-stop)."""
+        path = Path(path)
+        if not (path / "state" / "metadata.json").is_file():
+            raise FileNotFoundError(f"{path / 'state'} holds no distributed checkpoint: not written by AlignerActor.save")
+        connector = self.trainer._checkpoint_connector
+        connector.resume_start(str(path / "state"))
+        connector.restore_model()
+        connector.resume_end()
+
+    def export(self, path: Path) -> None:
+        """A ``.nemo`` (NeMo's ``save_to``; every rank takes part) that ``convert nemo-to-hf`` turns into HF.
+
+        NeMo packs only registered artifacts; the HF tokenizer directory the policy was restored with
+        (``tokenizer.type``) is added as ``tokenizer/``, as our converter lays it out."""
+        self.model.save_to(str(path))
+        if torch.distributed.get_rank() == 0:
+            _pack_tokenizer_dir(Path(path), Path(str(self.model.cfg.tokenizer.type)))
+        torch.distributed.barrier()
+
+
+def _pack_tokenizer_dir(nemo: Path, tokenizer_dir: Path) -> None:
+    import tarfile
+
+    if not tokenizer_dir.is_dir():
+        log.warning("tokenizer.type=%s is not a directory: %s carries only NeMo's tokenizer artifact", tokenizer_dir, nemo)
+        return
+    with tarfile.open(nemo, "a") as tar:  # NeMo writes an uncompressed tar
+        for f in sorted(tokenizer_dir.iterdir()):
+            if f.is_file():
+                tar.add(f, arcname=f"./tokenizer/{f.name}")
+
+
+def _restore(path: str, overrides: dict, runtime: AlignerRuntime):
+    """Aligner's training-script sequence: config merge → trainer → load_from_nemo → distributed init → PTL setup."""
+    from nemo_aligner.utils.train_script_utils import (
+        extract_optimizer_scheduler_from_ptl_model,
+        init_distributed,
+        init_peft,
+        init_using_ptl,
+    )
+    from nemo_aligner.utils.utils import (
+        load_and_override_model_config,
+        load_from_nemo,
+        retrieve_model_state_dict_in_cpu,
+    )
+    from omegaconf import OmegaConf
+
+    model_cfg = load_and_override_model_config(path, OmegaConf.create(overrides))
+    trainer = _nemo_trainer(model_cfg, runtime)
+    model = load_from_nemo(_stage_actor_class(), model_cfg, trainer, strict=True, restore_path=path)
+    init_peft(model, model_cfg)
+    model.init_policy_state_dict = retrieve_model_state_dict_in_cpu(model, megatron_amp_O2=model.megatron_amp_O2)
+    init_distributed(trainer, model, model_cfg.get("transformer_engine", False))
+    if not torch.cuda.is_available():
+        # NeMo seeds Megatron's model-parallel RNG tracker only on GPU; generation and dropout fork it
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(runtime.seed)
+    # NeMo sizes the LR schedule from a train dataloader; the stages feed batches themselves
+    placeholder = list(range(model_cfg.global_batch_size))
+    loader = torch.utils.data.DataLoader(placeholder, batch_size=max(1, model_cfg.global_batch_size // trainer.world_size))
+    init_using_ptl(trainer, model, loader, placeholder)
+    del model._train_dl
+    optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(model)
+    return model, trainer, optimizer, scheduler
+
+
+def _nemo_trainer(model_cfg: Any, runtime: AlignerRuntime):
+    """NeMo's Megatron trainer (NLPDDPStrategy, precision plugins) as Aligner's ``resolve_and_create_trainer`` builds it."""
+    from nemo_aligner.utils.train_script_utils import resolve_and_create_trainer
+    from omegaconf import OmegaConf
+
+    accelerator = runtime.accelerator if runtime.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
+    cfg = OmegaConf.create({
+        "trainer": {"devices": runtime.devices, "num_nodes": runtime.num_nodes, "accelerator": accelerator,
+                    "precision": model_cfg.precision, "logger": False, "enable_checkpointing": False,
+                    "use_distributed_sampler": False, "max_steps": runtime.max_steps, "max_epochs": 1,
+                    "gradient_clip_val": runtime.gradient_clip_val, "reinforce": {}},
+        "model": model_cfg,
+    })
+    return resolve_and_create_trainer(cfg, "reinforce")
+
+
+def build_aligner(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[AlignerActor, None]:
+    """(actor, critic) for a stage config with ``trainer.backend=aligner`` (the ``BACKENDS`` builder shape)."""
+    if critic:
+        raise NotImplementedError("trainer.backend=aligner has no in-process critic: RLFH's PPO critic is meant to be "
+                                  "Aligner's critic server (serve_ppo_critic.py), not wired yet; use trainer.backend=hf")
+    return build_actor(cfg, **runtime), None
+
+
+def build_actor(cfg: Any, **runtime: Any) -> AlignerActor:
+    """The aligner backend's actor for a stage config (``cfg.model``, ``cfg.trainer``); ``runtime`` overrides
+    ``AlignerRuntime`` fields (devices/num_nodes default to the launcher's WORLD_SIZE on one node)."""
+    import os
+
+    trainer = cfg.trainer
+    defaults = {"devices": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))),
+                "num_nodes": int(os.environ.get("SLURM_NNODES", 1)),
+                "max_steps": runtime.pop("max_steps", getattr(trainer, "max_steps", 100)),
+                "gradient_clip_val": getattr(trainer, "gradient_clip_val", 1.0), "seed": getattr(trainer, "seed", 1234)}
+    return AlignerActor(cfg.model, AlignerRuntime(**{**defaults, **runtime}))
+
+
+PRESET_DIR = Path(__file__).resolve().parents[3] / "conf" / "train" / "aligner"
+
+
+def load_preset(name: str, method: str) -> tuple[list[str], dict[str, Any]]:
+    """A model preset (``conf/train/aligner/<name>.yaml``) for ``method`` (grpo | ppo | kto) as
+    (stage-config ``key=value`` overrides, ``AlignerRuntime`` fields incl. ``model_overrides``)."""
+    import yaml
+
+    path = PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"no aligner preset {name!r} in {PRESET_DIR}; known: {known}")
+    preset = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if method not in preset:
+        raise KeyError(f"{path} has no {method!r} section (grpo | ppo | kto)")
+    stage = _merge({k: v for k, v in preset["common"].items() if k != "aligner"},
+                   {k: v for k, v in preset[method]["overrides"].items() if k != "aligner_runtime"})
+    runtime = dict(preset[method]["overrides"].get("aligner_runtime", {}))
+    runtime.update(num_nodes=preset["nodes"], devices=preset["gpus_per_node"],
+                   model_overrides=preset["common"].get("aligner", {}))
+    return _dotlist(stage), runtime
+
+
+def _dotlist(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    import json
+
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out += _dotlist(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={json.dumps(value) if isinstance(value, list) else value}")
+    return out

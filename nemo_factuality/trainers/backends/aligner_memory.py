@@ -1,0 +1,104 @@
+"""Per-GPU memory arithmetic for the aligner presets (``conf/train/aligner/*.yaml``): training and rollout peaks.
+
+Bytes per parameter, per GPU (P parameters, model-parallel size M = TP·PP, data-parallel size DP):
+
+* weights, bf16 (``megatron_amp_O2``): ``2·P / M``;
+* gradients, fp32 accumulation buffer (conservative; NeMo may keep them in bf16): ``4·P / M``;
+* Adam (fp32 master copy + 2 moments): ``12·P / M``, divided by DP with the distributed optimizer; zero
+  during rollouts when ``offload_adam_states`` moves them to host memory;
+* the reference policy lives on the host (``cpu_weight_swap``): no GPU bytes.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+with flash attention so no ``a·s²`` score term): full recompute keeps each layer's input
+(``2·s·b·h`` bytes, ÷TP with sequence parallelism) for the stage's layers and the 1F1B in-flight
+micro batches (≤ PP), plus one layer's working set ``34·s·b·h / TP`` while it is recomputed. The loss
+needs ``s·b·V/TP`` fp32 logits about three times (logits, log-softmax, gradient). A rollout holds the
+KV cache ``2·L/PP · ⌈kv/TP⌉ · d · 2 bytes`` per token for ``rollout_micro_batch × seq`` tokens and the
+context's logits at the first step. Every total adds ``overhead_gib`` (CUDA context, NCCL buffers,
+allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def parameters(self) -> int:
+        h, d = self.hidden, self.head_dim
+        qkv = h * (self.heads + 2 * self.kv_heads) * d + (self.heads + 2 * self.kv_heads) * d * self.qkv_bias
+        layer = qkv + self.heads * d * h + 3 * h * self.ffn + 2 * h
+        return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int  # sequences per training micro batch
+    seq_len: int  # prompt + response tokens in training
+    rollout_micro_batch: int  # sequences generated together
+    prompt_len: int
+    recompute: str = "full"  # full | none
+    sequence_parallel: bool = True
+    distributed_optimizer: bool = True
+    offload_adam: bool = True
+    overhead_gib: float = 4.0
+
+
+def _states(arch: Arch, lay: Layout) -> dict[str, float]:
+    p, m = arch.parameters(), lay.tp * lay.pp
+    optimizer = 12 * p / m / (lay.dp if lay.distributed_optimizer else 1)
+    return {"weights": 2 * p / m, "grads": 4 * p / m, "optimizer": optimizer}
+
+
+def training_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
+    """Peak bytes per GPU during a training step, by component, plus ``total``."""
+    out = _states(arch, lay)
+    sbh = lay.seq_len * lay.micro_batch * arch.hidden
+    layers = math.ceil(arch.layers / lay.pp)
+    in_flight = min(lay.pp, 8)
+    if lay.recompute == "full":
+        kept = 2 * sbh / (lay.tp if lay.sequence_parallel else 1) * layers * in_flight
+        out["activations"] = kept + 34 * sbh / lay.tp
+    else:
+        out["activations"] = 34 * sbh / lay.tp * layers * in_flight
+    out["logits"] = 3 * 4 * lay.seq_len * lay.micro_batch * arch.vocab / lay.tp
+    out["overhead"] = lay.overhead_gib * GIB
+    out["total"] = sum(out.values())
+    return out
+
+
+def rollout_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
+    """Peak bytes per GPU while generating (Adam states offloaded to the host when ``offload_adam``)."""
+    out = _states(arch, lay)
+    if lay.offload_adam:  # only the Adam states move; the contiguous grad buffer stays allocated
+        out["optimizer"] = 0.0
+    kv_per_token = 2 * math.ceil(arch.layers / lay.pp) * math.ceil(arch.kv_heads / lay.tp) * arch.head_dim * 2
+    out["kv_cache"] = kv_per_token * lay.rollout_micro_batch * lay.seq_len
+    out["logits"] = 4 * lay.rollout_micro_batch * lay.prompt_len * arch.vocab / lay.tp
+    out["overhead"] = lay.overhead_gib * GIB
+    out["total"] = sum(out.values())
+    return out
+
+
+def gib(table: dict[str, float]) -> dict[str, float]:
+    return {k: round(v / GIB, 1) for k, v in table.items()}

@@ -1,0 +1,143 @@
+"""NeMo-Aligner's reward client (``RemoteGPTRMClient``) with bounded waits and guaranteed cleanup.
+
+Aligner's ``HTTPCommunicator`` builds ``FuturesModelClient(init_timeout_s=6000, inference_timeout_s=600000)``
+and nothing closes it when a run raises: a refused connection surfaces as "Timeout: 600000 s" hours
+later, and an exception leaves the client's worker threads alive so the process never exits.
+``remote_reward_client`` instead
+
+* checks, on every rank before the first rollout, that the server answers and serves the model, within
+  ``init_timeout_s``, and fails naming the URL, the model and what to check;
+* builds the same client with our timeouts, and turns a failed or timed-out request into a
+  ``RemoteRewardError`` naming the URL;
+* closes the client in ``finally``, whatever happens in the block.
+
+    with remote_reward_client(cfg.remote_rm, pad_to_length=4096) as rm:
+        rewards = rm.infer_rm(rollout_batch).result()
+
+Importing this module imports nothing from NeMo or PyTriton.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from nemo_factuality.serving.client import RemoteRewardError
+
+log = logging.getLogger(__name__)
+
+
+def _what_to_check(url: str, model: str) -> str:
+    return (f"check that `nemo-factuality serve` (or Aligner's serve_reward_model.py) is running and reachable at {url}, "
+            f"that it serves the model {model!r} (remote_rm.reward_model.name), and remote_rm.url / "
+            f"remote_rm.reward_model.ip/port")
+
+
+def check_reward_server(url: str, model: str, *, timeout_s: float) -> None:
+    """Wait at most ``timeout_s`` for Triton's ``/v2/models/<model>/ready``; raise ``RemoteRewardError`` otherwise."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    last = "no answer"
+    while True:
+        try:
+            response = httpx.get(f"{url}/v2/models/{model}/ready", timeout=min(5.0, max(timeout_s, 0.1)))
+            if response.status_code == 200:
+                return
+            last = f"HTTP {response.status_code} for /v2/models/{model}/ready"
+            if response.status_code == 400 or response.status_code == 404:
+                break  # the server is up but does not have this model: waiting will not help
+        except httpx.HTTPError as err:
+            last = f"{type(err).__name__}: {err}"
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    raise RemoteRewardError(f"reward server {url} is not ready after {time.monotonic() - start:.1f} s ({last}): "
+                            f"{_what_to_check(url, model)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _bounded_client_classes():
+    from nemo_aligner.models.nlp.gpt.reward_critic_clients import RemoteGPTRMClient, RMFutureResult
+    from nemo_aligner.servers.http_communicator import HTTPCommunicator
+    from pytriton.client import FuturesModelClient
+
+    class BoundedHTTPCommunicator(HTTPCommunicator):
+        def __init__(self, init_timeout_s: float, inference_timeout_s: float) -> None:
+            super().__init__(init_timeout_s=init_timeout_s)
+            self.inference_timeout_s = inference_timeout_s
+
+        def add_server_by_name(self, server_name, ip="localhost", port=5555):
+            client = FuturesModelClient(f"http://{ip}:{port}", server_name, init_timeout_s=self.init_timeout_s,
+                                        inference_timeout_s=self.inference_timeout_s)
+            self.connections[server_name] = (ip, port, client)
+
+    class NamedRMFutureResult(RMFutureResult):
+        """Aligner's result (broadcast over the model-parallel group) with errors that name the server."""
+
+        def __init__(self, rm_future, url: str, model: str) -> None:
+            super().__init__(rm_future)
+            self.url, self.model = url, model
+
+        def result(self):
+            try:
+                return super().result()
+            except Exception as err:
+                raise RemoteRewardError(f"reward request to {self.url} (model {self.model!r}) failed: "
+                                        f"{type(err).__name__}: {err}. {_what_to_check(self.url, self.model)}, "
+                                        "or raise remote_rm.timeout_s") from err
+
+    class BoundedRemoteRMClient(RemoteGPTRMClient):
+        """``RemoteGPTRMClient`` whose communicator takes ``cfg.init_timeout_s`` / ``cfg.timeout_s``."""
+
+        def __post_init__(self):
+            cfg = self.cfg
+            self.communicator = BoundedHTTPCommunicator(cfg.init_timeout_s, cfg.timeout_s)
+            self.communicator.add_server_by_name(cfg.reward_model.name, cfg.reward_model.ip, cfg.reward_model.port)
+            self.pad_to_length = cfg.pad_to_length
+            self.url = f"http://{cfg.reward_model.ip}:{cfg.reward_model.port}"
+
+        def infer_rm(self, rollout_batch):
+            future = super().infer_rm(rollout_batch)
+            return NamedRMFutureResult(future.rm_future, self.url, self.cfg.reward_model.name)
+
+    return BoundedRemoteRMClient
+
+
+def _endpoint(remote_rm: Any) -> tuple[str, int, str]:
+    """(ip, port, model name) from ``remote_rm.url`` or ``remote_rm.reward_model.{ip,port}``."""
+    model = remote_rm.reward_model.name
+    url = getattr(remote_rm, "url", None)
+    if url:
+        parts = urlsplit(url)
+        if not parts.hostname or not parts.port:
+            raise RemoteRewardError(f"remote_rm.url={url!r} must look like http://host:port")
+        return parts.hostname, parts.port, model
+    if not remote_rm.reward_model.ip:
+        raise RemoteRewardError("remote_rm has neither url nor reward_model.ip: say where the reward server runs")
+    return remote_rm.reward_model.ip, int(remote_rm.reward_model.port), model
+
+
+@contextmanager
+def remote_reward_client(remote_rm: Any, *, pad_to_length: int | None, check: bool = True) -> Iterator[Any]:
+    """Aligner's ``RemoteGPTRMClient`` for ``remote_rm`` (url | reward_model.{name,ip,port}, init_timeout_s,
+    timeout_s), checked before use and always closed."""
+    from omegaconf import OmegaConf
+
+    ip, port, model = _endpoint(remote_rm)
+    init_timeout = float(getattr(remote_rm, "init_timeout_s", 60.0))
+    if check:
+        check_reward_server(f"http://{ip}:{port}", model, timeout_s=init_timeout)
+    cfg = OmegaConf.create({"reward_model": {"name": model, "ip": ip, "port": port}, "pad_to_length": pad_to_length,
+                            "init_timeout_s": init_timeout, "timeout_s": float(getattr(remote_rm, "timeout_s", 600.0))})
+    client = _bounded_client_classes()(cfg)
+    try:
+        yield client
+    finally:
+        client.communicator.close()

@@ -1,0 +1,227 @@
+"""Runs in the NeMo-Aligner venv (python or torchrun, gloo): drives ``AlignerActor`` and writes what it saw.
+
+    torchrun --nproc_per_node 2 tests/trainers/aligner_driver.py --nemo DIR --out DIR --tp 2 [--scenario core]
+
+Each rank writes ``<out>/rank<r>.json``. Scenarios:
+
+* ``core``: greedy rollouts for its data-parallel slice of PROMPTS, log-probs, reference log-probs,
+  ``train_step`` × steps with the project's PPO/GRPO policy loss (global token count via
+  ``all_reduce_sum``), log-probs and reference log-probs after, then ``reset_reference``.
+* ``resume``: step, save, step → A; load the saved state, step again → B (B must equal A); export a ``.nemo``.
+* ``sample``: sampled (not greedy) rollouts, twice with the same seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nemo_factuality.testing import aligner_cpu  # noqa: E402
+
+aligner_cpu.apply()
+
+import torch  # noqa: E402
+
+from nemo_factuality.algorithms.advantages import response_mask  # noqa: E402
+from nemo_factuality.algorithms.losses import ppo_policy_loss  # noqa: E402
+from nemo_factuality.trainers.backends.aligner import AlignerActor, build_actor  # noqa: E402
+from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
+from nemo_factuality.trainers.interfaces import SamplingParams  # noqa: E402
+
+PROMPTS = ["The Eiffel Tower is", "Marie Curie won", "Water boils at 100 degrees", "Albert Einstein was born in Ulm"]
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
+MAX_NEW = 6
+
+
+def _actor(args) -> AlignerActor:
+    """Built the way a stage builds it: the typed GRPO config (trainer.backend=aligner) → ``build_actor``."""
+    overrides = [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "trainer.gradient_clip_val=10.0",
+                 f"model.tensor_model_parallel_size={args.tp}", f"model.pipeline_model_parallel_size={args.pp}",
+                 "model.micro_batch_size=1", f"model.global_batch_size={len(PROMPTS)}", "model.forward_micro_batch_size=2",
+                 "model.dtype=float32", f"model.optim.name={args.optim}", f"model.optim.lr={args.lr}", "model.optim.weight_decay=0.0",
+                 "model.optim.sched.name=constant", "remote_rm.url=http://127.0.0.1:5555"]  # (no reward is called here)
+    cfg = load_train_config(GRPOConfig, None, overrides)
+    model_overrides = dict(aligner_cpu.CPU_MODEL_OVERRIDES)
+    if args.optim == "sgd":
+        model_overrides["optim"] = {"momentum": args.momentum}
+    return build_actor(cfg, max_steps=10, rollout_micro_batch_size=3, model_overrides=model_overrides)
+
+
+def _my_prompts(actor: AlignerActor) -> tuple[list[list[int]], list[float], int]:
+    per_rank = len(PROMPTS) // actor.data_parallel_size
+    start = actor.data_parallel_rank * per_rank
+    ids = [actor.tokenizer.encode(p) for p in PROMPTS[start:start + per_rank]]
+    return ids, ADVANTAGES[start:start + per_rank], start
+
+
+def _batch(actor: AlignerActor, rollout, advantages: list[float], old_logprobs: torch.Tensor) -> dict:
+    mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, rollout.tokens.shape[1] - 1)
+    global_tokens = actor.all_reduce_sum(mask.sum())
+    adv = torch.tensor(advantages).unsqueeze(1).expand_as(mask).contiguous()
+    return {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
+            "mask": mask, "advantages": adv, "old_logprobs": old_logprobs, "global_tokens": global_tokens}
+
+
+def policy_loss(out, mb):
+    return ppo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["mask"],
+                           global_tokens=float(mb["global_tokens"]))
+
+
+def entropy_bonus_loss(out, mb):
+    """Maximise the mean response-token entropy (exercises ``need_entropy``: vocab gathered over TP)."""
+    mean_entropy = (out["entropy"] * mb["mask"]).sum() / float(mb["global_tokens"])
+    return -mean_entropy, {"entropy": float(mean_entropy.detach())}
+
+
+def _rows(t: torch.Tensor) -> list:
+    return t.tolist()
+
+
+def core(actor: AlignerActor, args) -> dict:
+    prompts, advantages, start = _my_prompts(actor)
+    t0 = time.monotonic()
+    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    gen_s = time.monotonic() - t0
+    lp0, ref0 = actor.logprobs(rollout), actor.reference_logprobs(rollout)
+    batch = _batch(actor, rollout, advantages, lp0)
+    metrics = [actor.train_step(batch, policy_loss, micro_batch_size=1) for _ in range(args.steps)]
+    lp1, ref1 = actor.logprobs(rollout), actor.reference_logprobs(rollout)
+    actor.reset_reference()
+    ref2 = actor.reference_logprobs(rollout)
+    entropy = actor.train_step(batch, entropy_bonus_loss, micro_batch_size=1, need_entropy=True)
+    return {"entropy_step": entropy, "start": start, "prompts": prompts, "tokens": _rows(rollout.tokens), "prompt_lengths": _rows(rollout.prompt_lengths),
+            "response_lengths": _rows(rollout.response_lengths), "is_end": _rows(rollout.is_end),
+            "lp0": _rows(lp0), "ref0": _rows(ref0), "lp1": _rows(lp1), "ref1": _rows(ref1), "ref2": _rows(ref2),
+            "metrics": metrics, "generate_s": gen_s, "pad_id": actor.pad_id, "eos_id": actor.eos_id}
+
+
+def resume(actor: AlignerActor, args) -> dict:
+    prompts, advantages, start = _my_prompts(actor)
+    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    batch = _batch(actor, rollout, advantages, actor.logprobs(rollout))
+    actor.train_step(batch, policy_loss, micro_batch_size=1)
+    ckpt = Path(args.out) / "ckpt"
+    actor.save(ckpt)
+    m_a = actor.train_step(batch, policy_loss, micro_batch_size=1)
+    lp_a = actor.logprobs(rollout)
+    actor.load(ckpt)
+    m_b = actor.train_step(batch, policy_loss, micro_batch_size=1)
+    lp_b = actor.logprobs(rollout)
+    actor.export(Path(args.out) / "trained.nemo")
+    return {"start": start, "tokens": _rows(rollout.tokens), "prompt_lengths": _rows(rollout.prompt_lengths),
+            "response_lengths": _rows(rollout.response_lengths), "lp_a": _rows(lp_a), "lp_b": _rows(lp_b),
+            "metrics_a": m_a, "metrics_b": m_b}
+
+
+def adamw_save(actor: AlignerActor, args) -> dict:
+    """torch AdamW's state cannot go into NeMo 2.2's sharded checkpoint: save must say what to change."""
+    prompts, advantages, start = _my_prompts(actor)
+    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    actor.train_step(_batch(actor, rollout, advantages, actor.logprobs(rollout)), policy_loss, micro_batch_size=1)
+    try:
+        actor.save(Path(args.out) / "ckpt")
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+def sample(actor: AlignerActor, args) -> dict:
+    prompts, _, start = _my_prompts(actor)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_k=0, top_p=1.0)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(args.seed)
+        r = actor.generate(prompts * 2, params)
+        runs.append({"tokens": _rows(r.tokens), "response_lengths": _rows(r.response_lengths),
+                     "prompt_lengths": _rows(r.prompt_lengths), "is_end": _rows(r.is_end)})
+    return {"start": start, "runs": runs}
+
+
+def stage(actor: AlignerActor, args) -> dict:
+    """The project's GRPO stage (``GRPOTrainer``) on this actor with the toy scalar reward passed in
+    (remote_rm.url only satisfies the schema; nothing is served), then a resume."""
+    from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+
+    run_dir = Path(args.out) / "run"
+    cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=2))
+    GRPOTrainer(cfg, actor, good_fraction, prompts(4), run_dir=run_dir).fit()
+    first = read_metrics(run_dir)
+    cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=3))
+    GRPOTrainer(cfg, actor, good_fraction, prompts(4), run_dir=run_dir).fit()  # resumes from step 2
+    return {"metrics": read_metrics(run_dir), "first_run_steps": len(first),
+            "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if (run_dir / "checkpoints").is_dir() else [],
+            "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.iterdir())}
+
+
+def learn(actor: AlignerActor, args) -> dict:
+    """The training-stages issue's learning check on this backend: GRPO, the toy reward, 20 steps."""
+    from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+
+    run_dir = Path(args.out) / "learn"
+    torch.manual_seed(args.seed)
+    cfg = load_train_config(GRPOConfig, None, _learn_overrides(args, run_dir))
+    GRPOTrainer(cfg, actor, good_fraction, prompts(8), run_dir=run_dir).fit()
+    return {"metrics": read_metrics(run_dir)}
+
+
+def _learn_overrides(args, run_dir: Path) -> list[str]:
+    """The hf backend's learning-check settings (tests/trainers/test_grpo.py: grpo_cfg)."""
+    return [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "trainer.max_steps=20",
+            "trainer.save_interval=0", "trainer.progress_bar=false", "grpo.num_prompts_per_step=4",
+            "grpo.num_rollouts_per_prompt=8", "grpo.truncated=keep", "model.micro_batch_size=8",
+            "model.global_batch_size=16", "model.forward_micro_batch_size=16", "model.length_params.max_length=6",
+            "model.dtype=float32", f"model.optim.name={args.optim}", f"model.optim.lr={args.lr}", "remote_rm.url=http://127.0.0.1:5555",
+            f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false"]
+
+
+def _stage_overrides(args, run_dir: Path, *, max_steps: int) -> list[str]:
+    return [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", f"trainer.max_steps={max_steps}",
+            "trainer.save_interval=1", "trainer.progress_bar=false", "grpo.num_prompts_per_step=2",
+            "grpo.num_rollouts_per_prompt=4", "grpo.truncated=keep", "model.micro_batch_size=4", "model.global_batch_size=8",
+            "model.forward_micro_batch_size=4", "model.length_params.max_length=6", "model.dtype=float32",
+            "model.optim.name=sgd", "model.optim.lr=0.05", "remote_rm.url=http://127.0.0.1:5555", f"exp_manager.explicit_log_dir={run_dir}",
+            "exp_manager.create_tensorboard_logger=false"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nemo", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--momentum", type=float, default=0.0)
+    ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")  # the learn scenario's optimiser
+    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "learn", "adamw_save"), default="core")
+    args = ap.parse_args()
+    t0 = time.monotonic()
+    if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
+        cfg = load_train_config(GRPOConfig, None, _learn_overrides(args, Path(args.out) / "learn"))
+        actor = build_actor(cfg, max_steps=100, rollout_micro_batch_size=32,
+                            model_overrides=dict(aligner_cpu.CPU_MODEL_OVERRIDES))
+    else:
+        actor = _actor(args)
+    setup_s = time.monotonic() - t0
+    scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "learn": learn,
+                 "adamw_save": adamw_save}
+    result = scenarios[args.scenario](actor, args)
+    result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
+                  dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+    torch.distributed.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

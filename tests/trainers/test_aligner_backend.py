@@ -1,0 +1,216 @@
+"""The aligner backend on NeMo-Aligner's real Megatron actor, on CPU/gloo, in the Aligner venv.
+
+A tiny Qwen2 is converted with our converter, restored by Aligner, and driven through the
+``PolicyActor`` calls (``aligner_driver.py``) at world 1, TP=2, PP=2 and DP=2 (torchrun, 2 processes):
+rollouts and log-probs agree with Hugging Face on the same weights, training moves the policy in the
+direction of the advantages while the reference (``cpu_weight_swap``) stays put, TP=2, PP=2 and DP=2 give
+what world 1 gives, and save → load → step equals the uninterrupted step. Skips with the reason when
+the venv is absent (``tools/setup_aligner_env.sh`` builds it; ``.ci/run`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_factuality.testing.aligner_env import aligner_venv, run_in_aligner_venv, skip_reason
+from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = "tests/trainers/aligner_driver.py"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def venv():
+    found = aligner_venv()
+    if found is None:
+        pytest.skip(skip_reason())
+    return found
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    """(HF dir, extracted .nemo written by our converter)."""
+    root = tmp_path_factory.mktemp("aligner_policy")
+    hf = root / "hf"
+    build_tiny_causal_lm("qwen2", vocab_size=400, out_dir=hf)
+    build_tiny_tokenizer(hf)
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf),
+                          "--out", str(root / "policy"), "--extracted"],
+                         env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return hf, root / "policy"
+
+
+def drive(venv: Path, nemo: Path, out: Path, *, nproc: int = 1, timeout: float = 240, **args) -> list[dict]:
+    """Run the driver; returns every rank's JSON, ordered by rank."""
+    flags = [f"--{k}={v}" for k, v in args.items()]
+    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def action_values(result: dict, key: str) -> list[list[float]]:
+    """Per row, ``result[key]`` at the response's action positions ``[prompt_len-1, response_len-1)``."""
+    return [row[p - 1 : r - 1] for row, p, r in zip(result[key], result["prompt_lengths"], result["response_lengths"], strict=True)]
+
+
+def assert_close(a: list[list[float]], b: list[list[float]], atol: float) -> None:
+    assert [len(x) for x in a] == [len(y) for y in b]
+    worst = max(max(abs(x - y) for x, y in zip(ra, rb, strict=True)) for ra, rb in zip(a, b, strict=True))
+    assert worst <= atol, f"max |Δ| {worst:.3g} > {atol}"
+
+
+@pytest.fixture(scope="module")
+def world1(venv, policy, tmp_path_factory):
+    return drive(venv, policy[1], tmp_path_factory.mktemp("world1"))[0]
+
+
+def _hf_logprobs(hf: Path, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(tokens).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def test_rollouts_and_logprobs_agree_with_hugging_face(world1, policy):
+    from transformers import AutoModelForCausalLM
+
+    hf = policy[0]
+    tokens = torch.tensor(world1["tokens"])
+    for i, prompt in enumerate(world1["prompts"]):
+        p, r = world1["prompt_lengths"][i], world1["response_lengths"][i]
+        assert p == len(prompt) and world1["tokens"][i][:p] == prompt and p < r
+        assert all(t == world1["pad_id"] for t in world1["tokens"][i][r:])
+    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    for i, prompt in enumerate(world1["prompts"]):  # greedy: HF continues the prompt with the same tokens
+        r = world1["response_lengths"][i]
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=r - len(prompt), do_sample=False,
+                                 eos_token_id=world1["eos_id"], pad_token_id=world1["pad_id"])[0].tolist()
+        assert world1["tokens"][i][:r] == ref[:r]
+    ours = action_values(world1, "lp0")
+    theirs = action_values({**world1, "hf": _hf_logprobs(hf, tokens).tolist()}, "hf")
+    assert_close(ours, theirs, atol=2e-5)
+    assert_close(action_values(world1, "ref0"), ours, atol=0.0)  # before training the reference is the policy
+
+
+def test_training_follows_the_advantages_and_the_reference_stays(world1):
+    before, after = action_values(world1, "lp0"), action_values(world1, "lp1")
+    advantages = [1.0, -1.0, 0.5, -0.5]
+    # the surrogate objective Σ_i A_i Σ_t Δlog π rises, and the second step starts from a lower loss
+    gain = sum(adv * (sum(a) - sum(b)) for adv, a, b in zip(advantages, after, before, strict=True))
+    assert gain > 0.1, gain
+    first, second = world1["metrics"]
+    assert second["loss"] < first["loss"] and first["approx_kl"] == 0.0 < second["approx_kl"]
+    assert_close(action_values(world1, "ref1"), before, atol=1e-6)  # cpu_weight_swap restores the initial weights
+    assert_close(action_values(world1, "ref2"), after, atol=1e-6)  # reset_reference adopts the current weights
+    entropy = world1["entropy_step"]  # need_entropy: a loss on the entropy trains like any other
+    assert entropy["loss"] < 0 and entropy["grad_norm"] > 0
+    for m in world1["metrics"]:
+        assert m["grad_norm"] > 0 and m["lr"] == pytest.approx(0.05) and {"clipfrac", "approx_kl"} <= set(m)
+
+
+@pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+def test_tensor_or_pipeline_parallel_2_equals_world_1(venv, policy, world1, tmp_path, layout):
+    ranks = drive(venv, policy[1], tmp_path, nproc=2, **layout)
+    for result in ranks:  # every rank holds the broadcast rollouts, log-probs and metrics
+        assert result["dp_size"] == 1 and result["tokens"] == world1["tokens"]
+        for key in ("lp0", "lp1", "ref1"):
+            assert_close(action_values(result, key), action_values(world1, key), atol=2e-5)
+        # entropies from TP-sharded logits (gathered) equal world 1's; summed over micro batches and ranks
+        assert result["entropy_step"]["loss"] == pytest.approx(world1["entropy_step"]["loss"], abs=1e-5)
+
+
+def test_data_parallel_2_equals_world_1(venv, policy, world1, tmp_path):
+    ranks = drive(venv, policy[1], tmp_path, nproc=2)
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and all(r["dp_size"] == 2 for r in ranks)
+    for result in ranks:
+        rows = slice(result["start"], result["start"] + len(result["prompts"]))
+        sliced = {k: world1[k][rows] for k in ("lp0", "lp1", "prompt_lengths", "response_lengths")}
+        for key in ("lp0", "lp1"):  # one optimiser step over both ranks' halves = the step over the whole batch
+            assert_close(action_values(result, key), action_values(sliced, key), atol=2e-5)
+
+
+def test_save_load_resumes_exactly_and_the_trained_policy_converts_back_to_hugging_face(venv, policy, tmp_path):
+    """SGD with momentum (optimiser state to restore): step, save, step → A; load, step → B == A. (torch's
+    AdamW keeps a 0-dim ``step`` per parameter that NeMo 2.2's sharded optimiser state rejects; the GPU
+    presets use distributed_fused_adam.) Then HF → .nemo → train →
+    .nemo (``export``) → HF (``convert nemo-to-hf``): HF's log-probs equal the trained actor's."""
+    result = drive(venv, policy[1], tmp_path, scenario="resume", momentum=0.9)[0]
+    assert result["metrics_a"] == result["metrics_b"]
+    assert_close(action_values(result, "lp_b"), action_values(result, "lp_a"), atol=0.0)
+    back = tmp_path / "hf_back"
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "nemo-to-hf", "--nemo",
+                          str(tmp_path / "trained.nemo"), "--out", str(back)],
+                         env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    hf = _hf_logprobs(back, torch.tensor(result["tokens"])).tolist()
+    assert_close(action_values({**result, "hf": hf}, "hf"), action_values(result, "lp_a"), atol=2e-5)
+    before = _hf_logprobs(policy[0], torch.tensor(result["tokens"])).tolist()
+    assert action_values({**result, "hf": before}, "hf") != action_values(result, "lp_a")  # it did train
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(back)).encode("Paris") == AutoTokenizer.from_pretrained(str(policy[0])).encode("Paris")
+
+
+def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(venv, policy, tmp_path):
+    """``GRPOTrainer`` (the stage itself, toy reward) for 2 steps, then a rerun to 3 resumes from step 2's
+    NeMo checkpoint; the run ends with an exported ``.nemo``."""
+    import tarfile
+
+    result = drive(venv, policy[1], tmp_path, scenario="stage", timeout=300)[0]
+    assert result["first_run_steps"] == 2 and [m["step"] for m in result["metrics"]] == [1, 2, 3]
+    assert {"step_000002", "step_000003", "latest"} <= set(result["checkpoints"])
+    for m in result["metrics"]:
+        assert m["grad_norm"] > 0 and m["optimizer_steps"] >= 1 and 0.0 <= m["reward/score"] <= 1.0
+    assert result["metrics"][1]["kl"] > 0  # the policy moved away from the reference after step 1
+    names = tarfile.open(tmp_path / "run" / "final").getnames()
+    assert "./model_config.yaml" in names and "./tokenizer/tokenizer_config.json" in names
+
+
+@pytest.fixture(scope="module")
+def stage_policy(tmp_path_factory):
+    """The training-stage tests' tiny policy (non-default rope_theta, head_dim 12, GQA) as a .nemo."""
+    from nemo_factuality.testing.training import build_policy
+
+    root = tmp_path_factory.mktemp("stage_policy")
+    build_policy(root / "hf")
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(root / "hf"),
+                          "--out", str(root / "policy"), "--extracted"],
+                         env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return root / "policy"
+
+
+def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(venv, stage_policy, tmp_path):
+    """The hf backend's learning check (tests/trainers/test_grpo.py) on this backend: same policy, reward,
+    batch shapes and criterion; SGD (lr 1.0) instead of AdamW, whose per-parameter 0-dim ``step`` NeMo 2.2's
+    sharded optimiser checkpoint rejects (the stage checkpoints at the end)."""
+    import math
+
+    import numpy as np
+
+    history = drive(venv, stage_policy, tmp_path, scenario="learn", lr=1.0, timeout=300)[0]["metrics"]
+    rewards = [h["reward/score"] for h in history]
+    start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    noise = np.std(rewards[:3]) + 1e-3
+    assert len(rewards) == 20 and end - start > 0.25 and end - start > 5 * noise, rewards
+    assert all(math.isfinite(h["loss/policy"]) and math.isfinite(h["loss/kl"]) for h in history)
+
+
+def test_saving_torch_adamw_state_fails_naming_what_to_change(venv, policy, tmp_path):
+    result = drive(venv, policy[1], tmp_path, scenario="adamw_save", optim="adamw", lr=1e-3)[0]
+    assert "distributed_fused_adam" in result["error"] and "model.optim.name=sgd" in result["error"]
