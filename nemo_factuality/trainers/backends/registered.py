@@ -21,6 +21,14 @@ def build_hf(cfg: Any, *, critic: bool = False) -> tuple[Any, Any]:
     return actor, value_model
 
 
+@BACKENDS.register("aligner")
+def build_aligner_backend(cfg: Any, *, critic: bool = False) -> tuple[Any, Any]:
+    """(actor, None) on NeMo-Aligner's Megatron REINFORCE actor (TP/PP/DP from ``model.*`` and the launcher)."""
+    from nemo_factuality.trainers.backends.aligner import build_aligner
+
+    return build_aligner(cfg, critic=critic, max_steps=_optimizer_steps(cfg))
+
+
 def _optimizer_steps(cfg: Any) -> int:
     """How many optimiser steps the run takes (the LR schedule's horizon)."""
     algo = getattr(cfg, "grpo", None) or getattr(cfg, "ppo", None)
