@@ -157,32 +157,46 @@ def rloo_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.T
 
 
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: Literal["std", "none"] = "std",
-                    eps: float = 1e-6) -> torch.Tensor:
+                    eps: float = 1e-6, singleton: Literal["zero", "raw"] = "zero",
+                    valid: torch.Tensor | None = None) -> torch.Tensor:
     """Group-normalised outcome advantages: ``(r - mean_g) / (std_g + eps)``; Dr.GRPO uses ``scale="none"``.
 
-    ``std`` is the unbiased sample std of the group (as in DeepSeekMath's reference and verl);
-    single-sample groups get advantage 0. NaN rewards (abstain / not applicable) are rejected:
-    filter those samples before calling.
+    ``std`` is the unbiased sample std of the group (DeepSeekMath's reference, verl). Only ``valid``
+    rows enter a group's statistics; invalid rows (abstentions, truncated samples the trainer masks)
+    get advantage 0.
+
+    A group with one valid sample has no baseline. ``singleton="zero"`` (default) gives it advantage
+    0: no learning signal from a prompt sampled once. ``singleton="raw"`` is verl's convention
+    (mean 0, std 1), i.e. the raw reward is the advantage.
 
     Args:
-        rewards: ``[B]`` sequence rewards.
+        rewards: ``[B]`` sequence rewards (NaN only where ``valid`` is 0).
         group_ids: ``[B]`` int group index (one group per prompt).
+        valid: optional ``[B]`` bool/float {0, 1}; default all rows.
 
     Returns:
         ``[B]`` advantages (broadcast over tokens with ``expand_to_tokens``).
     """
     check_same_shape(("rewards", rewards), ("group_ids", group_ids))
-    if torch.isnan(rewards).any():
-        bad = torch.isnan(rewards).nonzero(as_tuple=True)[0].tolist()
-        raise ValueError(f"grpo_advantages: NaN rewards at samples {bad}; drop or fill abstentions before GRPO")
+    valid_mask = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    check_same_shape(("rewards", rewards), ("valid", valid_mask))
+    nan_rows = torch.isnan(rewards) & valid_mask
+    if nan_rows.any():
+        bad = nan_rows.nonzero(as_tuple=True)[0].tolist()
+        raise ValueError(f"grpo_advantages: NaN rewards at samples {bad}; mark abstentions invalid (valid=0) before GRPO")
     if scale not in ("std", "none"):
         raise ValueError(f"scale must be 'std' or 'none', got {scale!r}")
+    if singleton not in ("zero", "raw"):
+        raise ValueError(f"singleton must be 'zero' or 'raw', got {singleton!r}")
     adv = torch.zeros_like(rewards)
     for g in torch.unique(group_ids):
-        idx = (group_ids == g).nonzero(as_tuple=True)[0]
-        if idx.numel() < 2:
+        idx = ((group_ids == g) & valid_mask).nonzero(as_tuple=True)[0]
+        if idx.numel() == 0:
             continue
         r = rewards[idx]
+        if idx.numel() == 1:
+            adv[idx] = r if singleton == "raw" else 0.0
+            continue
         centred = r - r.mean()
         adv[idx] = centred / (r.std(unbiased=True) + eps) if scale == "std" else centred
     return adv
@@ -228,8 +242,19 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return total / count.clamp(min=1)
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``(x - mean) / std`` over masked entries (PPO's ``normalize_advantages``), masked entries only."""
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, *, unbiased: bool = False,
+                  shift_mean: bool = True) -> torch.Tensor:
+    """``(x - mean) * rsqrt(var + eps)`` over masked entries (PPO's ``normalize_advantages``), masked entries only.
+
+    ``unbiased=True`` uses the sample variance ``var · n / (n - 1)`` over the ``n`` masked entries, as
+    verl's ``masked_whiten`` does; the default (biased) matches NeMo-Aligner's ``normalize_tensor``.
+    ``shift_mean=False`` rescales without centring.
+    """
     mean = masked_mean(values, mask)
     var = masked_mean((values - mean) ** 2, mask)
-    return (values - mean) * torch.rsqrt(var + eps) * mask
+    if unbiased:
+        n = mask.sum()
+        if n > 1:
+            var = var * n / (n - 1)
+    centred = values - mean if shift_mean else values
+    return centred * torch.rsqrt(var + eps) * mask

@@ -21,78 +21,110 @@ from nemo_factuality.algorithms.checks import check_same_shape, check_shape
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, agg: Aggregation, *, global_tokens: float | None = None,
+              global_seqs: float | None = None) -> torch.Tensor:
     """Reduce a ``[B, T]`` per-token loss to a scalar.
 
     ``token-mean``: every unmasked token weighs the same (long answers weigh more);
     ``seq-mean-token-mean``: mean per sequence, then mean over sequences (GRPO paper);
     ``seq-mean-token-sum``: sum per sequence, then mean over sequences (Dr.GRPO-style, no length bias).
+
+    With gradient accumulation, pass the *optimiser step's* totals: ``global_tokens`` (unmasked tokens
+    in all micro batches) and ``global_seqs`` (sequences with at least one unmasked token). Each micro
+    batch then returns its share — ``sum(micro terms) / global count`` — and the micro-batch losses
+    add up to exactly the loss of the whole step (verl's ``agg_loss`` with a global normaliser). Without
+    them, the micro batch is normalised by its own counts, which weighs a short micro batch like a long one.
     """
     check_same_shape(("loss", loss_mat), ("mask", mask))
+    if agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        raise ValueError(f"aggregation must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got {agg!r}")
     if agg == "token-mean":
-        return masked_mean(loss_mat, mask)
+        if global_tokens is None:
+            return masked_mean(loss_mat, mask)
+        return (loss_mat * mask).sum() / max(float(global_tokens), 1.0)
     per_seq_sum = (loss_mat * mask).sum(-1)
-    valid = mask.sum(-1) > 0
+    tokens = mask.sum(-1)
+    valid = tokens > 0
     if not valid.any():
         return loss_mat.sum() * 0.0
-    if agg == "seq-mean-token-mean":
-        return (per_seq_sum[valid] / mask.sum(-1)[valid]).mean()
-    if agg == "seq-mean-token-sum":
-        return per_seq_sum[valid].mean()
-    raise ValueError(f"aggregation must be token-mean, seq-mean-token-mean or seq-mean-token-sum, got {agg!r}")
+    per_seq = per_seq_sum[valid] / tokens[valid] if agg == "seq-mean-token-mean" else per_seq_sum[valid]
+    if global_seqs is None:
+        return per_seq.mean()
+    return per_seq.sum() / max(float(global_seqs), 1.0)
 
 
 def ppo_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                    *, eps: float = 0.2, eps_high: float | None = None, agg: Aggregation = "token-mean",
-                    entropy: torch.Tensor | None = None, entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                    *, eps: float = 0.2, eps_high: float | None = None, clip_ratio_c: float | None = None,
+                    agg: Aggregation = "token-mean", global_tokens: float | None = None,
+                    global_seqs: float | None = None, entropy: torch.Tensor | None = None,
+                    entropy_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate ``-min(ρA, clip(ρ, 1-ε, 1+ε_high)A)``, ``ρ = exp(logp - logp_old)``.
+
+    Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. 5; verl's
+    ``clip_ratio_c``): for negative advantages the loss is also capped at ``-c·A``, so a token whose
+    ratio has exploded cannot produce an unbounded update. ``c`` must be > 1 (verl's default 3.0).
 
     Args:
         logprobs: ``[B, T]`` current policy log-probs of the taken tokens (requires grad).
         old_logprobs: ``[B, T]`` log-probs at rollout time.
         advantages: ``[B, T]`` (sequence advantages broadcast over tokens for GRPO/RLOO).
         mask: ``[B, T]`` float {0, 1}; Aligner also multiplies by ``is_end`` so truncated rollouts give no gradient.
-        eps, eps_high: clip range; ``eps_high=None`` means symmetric.
+        eps, eps_high: clip range; ``eps_high=None`` means symmetric (DAPO clip-higher otherwise).
+        clip_ratio_c: dual-clip constant, ``None`` = off.
+        global_tokens, global_seqs: the optimiser step's totals (see ``aggregate``).
         entropy: optional ``[B, T]`` token entropies for an entropy bonus.
 
     Returns:
-        ``(loss, metrics)`` with ``clipfrac`` and ``approx_kl`` (k3 between old and new).
+        ``(loss, metrics)`` with ``clipfrac``, ``dual_clipfrac``, ``approx_kl`` (k3 between old and new).
     """
     check_same_shape(("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages), ("mask", mask))
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
     eps_high = eps if eps_high is None else eps_high
     ratio = torch.exp(logprobs - old_logprobs)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1 - eps, 1 + eps_high) * advantages
-    loss_mat = -torch.minimum(unclipped, clipped)
-    loss = aggregate(loss_mat, mask, agg)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - eps, 1 + eps_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(loss_mat, dtype=torch.bool)
+    if clip_ratio_c is not None:
+        cap = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (loss_mat > cap)
+        loss_mat = torch.where(advantages < 0, torch.minimum(loss_mat, cap), loss_mat)
+    norm = {"global_tokens": global_tokens, "global_seqs": global_seqs}
+    loss = aggregate(loss_mat, mask, agg, **norm)
     if entropy is not None and entropy_coef:
         check_same_shape(("entropy", entropy), ("mask", mask))
-        loss = loss - entropy_coef * aggregate(entropy, mask, agg)
+        loss = loss - entropy_coef * aggregate(entropy, mask, agg, **norm)
     with torch.no_grad():
-        clipfrac = masked_mean((clipped < unclipped).to(mask.dtype), mask).item()
+        clipfrac = masked_mean((clipped > unclipped).to(mask.dtype), mask).item()
         approx_kl = masked_mean(kl_penalty(old_logprobs, logprobs.detach(), "k3"), mask).item()
-    return loss, {"clipfrac": clipfrac, "approx_kl": approx_kl, "ratio_mean": masked_mean(ratio.detach(), mask).item()}
+        metrics = {"clipfrac": clipfrac, "dual_clipfrac": masked_mean(dual.to(mask.dtype), mask).item(),
+                   "approx_kl": approx_kl, "ratio_mean": masked_mean(ratio.detach(), mask).item()}
+    return loss, metrics
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float = 0.2) -> torch.Tensor:
+               clip: float = 0.2, *, global_tokens: float | None = None) -> torch.Tensor:
     """Clipped critic loss ``0.5 * masked_mean(max((clip(v, v_old ± c) - R)^2, (v - R)^2))``.
 
     Args:
         values, old_values, returns, mask: ``[B, T]``.
+        global_tokens: the optimiser step's unmasked token count (gradient accumulation; see ``aggregate``).
     """
     check_same_shape(("values", values), ("old_values", old_values), ("returns", returns), ("mask", mask))
     v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
-    return 0.5 * masked_mean(torch.maximum((v_clipped - returns) ** 2, (values - returns) ** 2), mask)
+    per_token = torch.maximum((v_clipped - returns) ** 2, (values - returns) ** 2)
+    return 0.5 * aggregate(per_token, mask, "token-mean", global_tokens=global_tokens)
 
 
 def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kind: Literal["k1", "k3"] = "k3",
-            agg: Aggregation = "token-mean") -> torch.Tensor:
+            agg: Aggregation = "token-mean", *, global_tokens: float | None = None,
+            global_seqs: float | None = None) -> torch.Tensor:
     """GRPO's KL-in-loss term (``k3`` = verl's ``low_var_kl``, clamped to [-10, 10] for stability)."""
     kl = kl_penalty(logprobs, ref_logprobs, kind)
     if kind == "k3":
         kl = torch.clamp(kl, -10, 10)
-    return aggregate(kl, mask, agg)
+    return aggregate(kl, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs)
 
 
 def sequence_logratios(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -133,6 +165,16 @@ def reference_point(kl_pair_logratios: torch.Tensor) -> torch.Tensor:
     if kl_pair_logratios.numel() == 0:
         return kl_pair_logratios.new_zeros(())
     return kl_pair_logratios.detach().mean().clamp(min=0)
+
+
+def kto_losses(logratios: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor, *, beta: float = 0.1,
+               w_desirable: float = 1.0, w_undesirable: float = 1.0) -> torch.Tensor:
+    """Per-example KTO terms ``[N]`` (``kto_loss`` is their mean); sum and divide by a global count under accumulation."""
+    check_shape("desirable", desirable, (logratios.shape[0],))
+    desirable = desirable.to(torch.bool)
+    chosen = w_desirable * (1 - torch.sigmoid(beta * (logratios - z0)))
+    rejected = w_undesirable * (1 - torch.sigmoid(beta * (z0 - logratios)))
+    return torch.where(desirable, chosen, rejected)
 
 
 def kto_loss(logratios: torch.Tensor, desirable: torch.Tensor, z0: torch.Tensor, *, beta: float = 0.1,

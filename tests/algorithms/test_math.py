@@ -122,3 +122,53 @@ def test_kto_and_fkto_by_hand():
     assert total2.item() == pytest.approx(kto)
     with pytest.raises(ValueError, match="outside"):
         sentence_logratios(lp, ref, [[(2, 9)], []])
+
+
+def test_grpo_singletons_and_invalid_rows():
+    r, g = T([2.0, 7.0, 1.0, 3.0]), T([0, 1, 2, 2])
+    assert grpo_advantages(r, g).tolist()[:2] == [0.0, 0.0]
+    # verl's convention (mean 0, std 1): the raw reward is the advantage
+    assert grpo_advantages(r, g, singleton="raw").tolist()[:2] == [2.0, 7.0]
+    # an invalid (abstained) row leaves its group's statistics and gets 0; here group 2 becomes a singleton
+    adv = grpo_advantages(T([2.0, 7.0, 1.0, float("nan")]), g, valid=T([1, 1, 1, 0]))
+    assert adv.tolist() == [0.0, 0.0, 0.0, 0.0]
+    adv = grpo_advantages(T([1.0, 3.0, 5.0, float("nan")]), T([0, 0, 0, 0]), valid=T([1, 1, 1, 0]), eps=0.0)
+    torch.testing.assert_close(adv, T([-1.0, 0.0, 1.0, 0.0]))  # mean 3, sample std 2: (±2)/2
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    # ratio e^2 ≈ 7.39 on a negative advantage: PPO's loss is -A·ρ = 7.39; dual clip caps it at -A·c = 3
+    lp, old, mask = T([[2.0, 0.0]]), T([[0.0, 0.0]]), T([[1.0, 0.0]])
+    loss, m = ppo_policy_loss(lp, old, T([[-1.0, 0.0]]), mask, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(3.0) and m["dual_clipfrac"] == 1.0
+    loss, _ = ppo_policy_loss(lp, old, T([[-1.0, 0.0]]), mask)
+    assert loss.item() == pytest.approx(math.exp(2.0))
+    # positive advantages are untouched by the dual clip: min(ρA, 1.2A) = 1.2 → loss -1.2
+    loss, _ = ppo_policy_loss(lp, old, T([[1.0, 0.0]]), mask, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(-1.2)
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        ppo_policy_loss(lp, old, T([[1.0, 0.0]]), mask, clip_ratio_c=1.0)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_global_normalisation_sums_micro_batches_to_the_full_batch(agg):
+    torch.manual_seed(0)
+    loss_mat = torch.randn(5, 7)
+    mask = (torch.rand(5, 7) > 0.4).float()
+    mask[0] = 0.0  # a row without tokens counts in no denominator
+    full = aggregate(loss_mat, mask, agg)
+    g_tokens, g_seqs = mask.sum().item(), (mask.sum(-1) > 0).sum().item()
+    parts = [aggregate(loss_mat[s], mask[s], agg, global_tokens=g_tokens, global_seqs=g_seqs)
+             for s in (slice(0, 2), slice(2, 3), slice(3, 5))]
+    torch.testing.assert_close(sum(parts), full)
+    # normalising each micro batch by its own counts (the old behaviour) drifts from the full batch
+    local = sum(aggregate(loss_mat[s], mask[s], agg) for s in (slice(0, 2), slice(2, 3), slice(3, 5))) / 3
+    assert not torch.allclose(local, full)
+
+
+def test_whiten_unbiased_matches_sample_variance():
+    x, m = T([[1.0, 2.0, 3.0, 100.0]]), T([[1.0, 1.0, 1.0, 0.0]])
+    w = masked_whiten(x, m, eps=0.0, unbiased=True)
+    torch.testing.assert_close(w, T([[-1.0, 0.0, 1.0, 0.0]]))  # mean 2, sample var 1
+    w = masked_whiten(x, m, eps=0.0)
+    torch.testing.assert_close(w, T([[-1.0, 0.0, 1.0, 0.0]]) * math.sqrt(1.5))  # population var 2/3
