@@ -2,7 +2,7 @@
 
 ``load_config(Schema, "klcf", ["reward.weights.recall=2.0"], group="serve")`` reads
 ``conf/serve/klcf.yaml`` on top of ``Schema()`` and applies Hydra-style ``key=value``
-overrides. Unknown keys anywhere raise ``ConfigError`` naming the key and the file, so a typo
+overrides. A YAML may start with ``defaults: [other]`` to build on ``conf/<group>/other.yaml``. Unknown keys anywhere raise ``ConfigError`` naming the key and the file, so a typo
 never runs silently with a default.
 """
 
@@ -59,7 +59,7 @@ def load_config(
         if config_name:
             path = resolve_config_path(config_name, group)
             source = str(path)
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+            merged = OmegaConf.merge(merged, _load_with_defaults(path, group, ()))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"Overrides must look like key=value, got {bad}")
@@ -68,6 +68,22 @@ def load_config(
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except OmegaConfBaseException as err:
         raise ConfigError(f"Invalid config from {source}: {err}") from err
+
+
+def _load_with_defaults(path: Path, group: str | None, chain: tuple[Path, ...]) -> DictConfig:
+    """A YAML file with Hydra-style ``defaults: [base, ...]`` (names in the same group) merged underneath it."""
+    if path in chain:
+        raise ConfigError(f"config {path} includes itself through defaults: {' -> '.join(map(str, chain + (path,)))}")
+    node = OmegaConf.load(path)
+    bases = node.pop("defaults", None) if isinstance(node, DictConfig) else None
+    if bases is None:
+        return node
+    if isinstance(bases, str):
+        bases = [bases]
+    merged = OmegaConf.create({})
+    for base in bases:
+        merged = OmegaConf.merge(merged, _load_with_defaults(resolve_config_path(str(base), group), group, chain + (path,)))
+    return OmegaConf.merge(merged, node)
 
 
 def to_yaml(cfg: Any) -> str:

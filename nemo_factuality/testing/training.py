@@ -1,0 +1,53 @@
+"""Tiny policies, toy rewards and run helpers for training-stage tests and benchmarks (CPU, seconds each)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from nemo_factuality.trainers.data import PromptRecord
+from nemo_factuality.types import RewardBatch
+
+GOOD = frozenset(range(100, 150))  # token ids a toy reward pays for (~12% of the tiny vocabulary)
+
+
+def build_policy(out: Path, *, tie: bool = False) -> Path:
+    """A 2-layer Qwen2 with non-default rope_theta, head_dim and GQA, plus the local BPE tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from nemo_factuality.testing.tiny_models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(out)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                      intermediate_size=96, vocab_size=len(tok), max_position_embeddings=256, rope_theta=50000.0,
+                      tie_word_embeddings=tie, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(out))
+    return out
+
+
+def prompts(n: int) -> list[PromptRecord]:
+    return [PromptRecord(f"question {i}", [{"role": "user", "content": f"question {i}"}]) for i in range(n)]
+
+
+def good_fraction(prompts, completions, completion_ids, **_):
+    """Scalar toy reward: the fraction of response tokens in GOOD."""
+    return RewardBatch(np.array([sum(t in GOOD for t in ids) / max(len(ids), 1) for ids in completion_ids]))
+
+
+def good_tokens_dense(prompts, completions, completion_ids, **_):
+    """Dense toy reward: +1 on every response token in GOOD."""
+    tr = [np.array([float(t in GOOD) for t in ids], dtype=np.float32) for ids in completion_ids]
+    return RewardBatch(np.array([x.sum() for x in tr]), token_rewards=tr)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path

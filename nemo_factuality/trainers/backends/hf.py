@@ -1,0 +1,327 @@
+"""The ``hf`` backend: a transformers causal LM as ``PolicyActor`` and a token-value model as ``Critic`` (CPU or one GPU).
+
+Reference policy: ``reference="copy"`` keeps a frozen copy of the initial weights;
+``"cpu_weight_swap"`` keeps them as a CPU state dict and swaps them into the model for reference
+log-probs, as NeMo-Aligner does, so only one set of weights sits on the accelerator.
+
+Checkpoints are safetensors (weights, reference) plus ``torch.save`` files of plain tensors/dicts for
+the optimiser and schedule, always read back with ``weights_only=True``: no code runs on load.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from nemo_factuality.trainers.config import CriticModelConfig, OptimConfig, PolicyModelConfig
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_optimizer(params: Sequence[torch.nn.Parameter], cfg: OptimConfig, max_steps: int):
+    """AdamW/SGD plus a constant or warmup+cosine schedule (to ``min_lr``) over ``max_steps`` optimiser steps."""
+    params = [p for p in params if p.requires_grad]
+    if cfg.name == "adamw":
+        opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    else:
+        opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    warmup, floor = cfg.sched.warmup_steps, cfg.sched.min_lr / cfg.lr if cfg.lr else 0.0
+
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        if cfg.sched.name == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[b, S, V]`` logits, ``[b, S]`` tokens → ``[b, S-1]`` log p(tokens[:, t+1]) (float32)."""
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def attention_mask(tokens: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
+    pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+    return (pos < response_lengths.to(tokens.device).unsqueeze(1)).long()
+
+
+def _cpu_copy(model: Any) -> dict[str, torch.Tensor]:
+    """A CPU copy of every tensor (tied weights become separate copies, which safetensors requires)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+
+
+def _micro_batches(batch: Mapping[str, torch.Tensor], size: int):
+    n = batch["tokens"].shape[0]
+    for start in range(0, n, size):
+        yield {k: v[start : start + size] for k, v in batch.items()}
+
+
+def _trim(mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Cut a micro batch to its longest sequence (no compute on trailing padding)."""
+    width = int(mb["response_lengths"].max())
+    out = {}
+    for k, v in mb.items():
+        if v.dim() == 2 and k == "tokens":
+            out[k] = v[:, :width]
+        elif v.dim() == 2 and v.shape[1] == mb["tokens"].shape[1] - 1:
+            out[k] = v[:, : width - 1]
+        else:
+            out[k] = v
+    return out
+
+
+class HFActor:
+    """``PolicyActor`` over ``AutoModelForCausalLM`` (see ``trainers/interfaces.py`` for the contract)."""
+
+    def __init__(self, cfg: PolicyModelConfig, *, max_steps: int, gradient_clip_val: float = 1.0, device: str = "cpu",
+                 model: Any = None, tokenizer: Any = None) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.cfg, self.device, self.gradient_clip_val = cfg, torch.device(device), gradient_clip_val
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.path)
+        self.model = model or AutoModelForCausalLM.from_pretrained(cfg.path, dtype=_DTYPES[cfg.dtype])
+        self.model.to(self.device)
+        self.eos_id = self.tokenizer.eos_token_id
+        if self.eos_id is None:
+            raise ValueError(f"the tokenizer at {cfg.path} has no eos_token; set one so responses can end")
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        self.optimizer, self.scheduler = build_optimizer(list(self.model.parameters()), cfg.optim, max_steps)
+        self._ref_model: Any = None
+        self._ref_state: dict[str, torch.Tensor] | None = None
+        self.reset_reference()
+
+    # ------------------------------------------------------------------ reference policy
+    def reset_reference(self) -> None:
+        if self.cfg.reference == "copy":
+            self._ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
+        else:
+            self._ref_state = _cpu_copy(self.model)
+
+    def _reference_state(self) -> dict[str, torch.Tensor]:
+        if self._ref_model is not None:
+            return _cpu_copy(self._ref_model)
+        assert self._ref_state is not None
+        return self._ref_state
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate: every prompt needs at least one token")
+        self.model.eval()
+        width = max(len(p) for p in prompt_ids)
+        left = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(left)
+        for i, p in enumerate(prompt_ids):
+            left[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "eos_token_id": self.eos_id,
+                                  "pad_token_id": self.pad_id, "do_sample": not sampling.use_greedy}
+        if not sampling.use_greedy:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        out = self.model.generate(input_ids=left.to(self.device), attention_mask=mask.to(self.device), **kwargs).cpu()
+        return self._to_rollout(prompt_ids, out[:, width:])
+
+    def _to_rollout(self, prompt_ids: Sequence[Sequence[int]], generated: torch.Tensor) -> Rollout:
+        """Left-padded generate output → Aligner's right-padded layout, cut after the first EOS."""
+        rows, ends = [], []
+        for p, gen in zip(prompt_ids, generated.tolist()):
+            if self.eos_id in gen:
+                gen, ended = gen[: gen.index(self.eos_id) + 1], True
+            else:
+                ended = False
+            rows.append(list(p) + gen)
+            ends.append(ended)
+        seq = max(len(r) for r in rows)
+        tokens = torch.full((len(rows), seq), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return Rollout(tokens, torch.tensor([len(p) for p in prompt_ids]), torch.tensor([len(r) for r in rows]),
+                       torch.tensor(ends, dtype=torch.bool))
+
+    # ------------------------------------------------------------------ log-probs
+    def _forward_logprobs(self, model: Any, tokens: torch.Tensor, lengths: torch.Tensor,
+                          need_entropy: bool = False) -> dict[str, torch.Tensor]:
+        tokens = tokens.to(self.device)
+        logits = model(input_ids=tokens, attention_mask=attention_mask(tokens, lengths)).logits
+        out = {"logprobs": token_logprobs(logits, tokens)}
+        if need_entropy:
+            logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+            out["entropy"] = -(logp.exp() * logp).sum(-1)
+        return out
+
+    @torch.no_grad()
+    def _logprobs_with(self, model: Any, rollout: Rollout) -> torch.Tensor:
+        model.eval()
+        out = torch.zeros(rollout.tokens.shape[0], rollout.tokens.shape[1] - 1)
+        size = self.cfg.forward_micro_batch_size
+        for start in range(0, len(rollout), size):
+            sl = slice(start, start + size)
+            width = int(rollout.response_lengths[sl].max())
+            lp = self._forward_logprobs(model, rollout.tokens[sl, :width], rollout.response_lengths[sl])["logprobs"]
+            out[sl, : width - 1] = lp.float().cpu()
+        return out
+
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        return self._logprobs_with(self.model, rollout)
+
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        if self._ref_model is not None:
+            return self._logprobs_with(self._ref_model, rollout)
+        current = _cpu_copy(self.model)
+        self.model.load_state_dict(self._reference_state())
+        try:
+            return self._logprobs_with(self.model, rollout)
+        finally:
+            self.model.load_state_dict(current)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
+                   need_entropy: bool = False) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        n_micro = 0
+        for mb in _micro_batches(batch, micro_batch_size):
+            mb = _trim(mb)
+            out = self._forward_logprobs(self.model, mb["tokens"], mb["response_lengths"], need_entropy)
+            loss, metrics = loss_fn(out, {k: v.to(self.device) for k, v in mb.items()})
+            loss.backward()
+            n_micro += 1
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        clip = self.gradient_clip_val if self.gradient_clip_val > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm.item()} in the policy update; lower "
+                                     "model.optim.lr or check the reward for inf values")
+        self.optimizer.step()
+        self.scheduler.step()
+        metrics = {k: v / max(n_micro, 1) for k, v in sums.items()}
+        metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
+        return metrics
+
+    # ------------------------------------------------------------------ state
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(_cpu_copy(self.model), path / "policy.safetensors")
+        save_file(self._reference_state(), path / "reference.safetensors")
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   path / "policy_optim.pt")
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(path / "policy.safetensors"))
+        ref = load_file(path / "reference.safetensors")
+        if self._ref_model is not None:
+            self._ref_model.load_state_dict(ref)
+        else:
+            self._ref_state = ref
+        state = torch.load(path / "policy_optim.pt", weights_only=True, map_location="cpu")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def load_weights(self, path: Path) -> None:
+        """Only the policy weights of a checkpoint (early stopping's restore of the best step)."""
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(path / "policy.safetensors"))
+
+    def export(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(str(path))
+        self.tokenizer.save_pretrained(str(path))
+
+
+class HFCritic:
+    """``Critic``: the policy's backbone with a one-output token head (``AutoModelForTokenClassification``).
+
+    Initialised from ``critic.path`` or, by default, from the policy checkpoint with a zero value head
+    (RLFH/OpenRLHF initialise the critic from the policy; a zero head starts every value at 0).
+    """
+
+    def __init__(self, cfg: CriticModelConfig, policy_path: str, *, max_steps: int, gradient_clip_val: float = 1.0,
+                 device: str = "cpu", dtype: str = "float32") -> None:
+        from transformers import AutoConfig, AutoModelForTokenClassification
+
+        path = cfg.path or policy_path
+        self.cfg, self.device, self.gradient_clip_val = cfg, torch.device(device), gradient_clip_val
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0  # transformers' default 0.1 would make values noisy in train mode
+        self.model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=_DTYPES[dtype])
+        if cfg.path is None:
+            with torch.no_grad():
+                for p in self.model.score.parameters():
+                    p.zero_()
+        self.model.to(self.device)
+        self.optimizer, self.scheduler = build_optimizer(list(self.model.parameters()), cfg.optim, max_steps)
+
+    def _values(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        tokens = tokens.to(self.device)
+        out = self.model(input_ids=tokens, attention_mask=attention_mask(tokens, lengths)).logits[..., 0]
+        return out[:, :-1].float()  # value of the state after tokens[:, :t+1], aligned with log-prob positions
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        self.model.eval()
+        out = torch.zeros(rollout.tokens.shape[0], rollout.tokens.shape[1] - 1)
+        for start in range(0, len(rollout), self.cfg.micro_batch_size):
+            sl = slice(start, start + self.cfg.micro_batch_size)
+            width = int(rollout.response_lengths[sl].max())
+            out[sl, : width - 1] = self._values(rollout.tokens[sl, :width], rollout.response_lengths[sl]).cpu()
+        return out
+
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, float]:
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        n_micro = 0
+        for mb in _micro_batches(batch, micro_batch_size):
+            mb = _trim(mb)
+            loss, metrics = loss_fn({"values": self._values(mb["tokens"], mb["response_lengths"])},
+                                    {k: v.to(self.device) for k, v in mb.items()})
+            loss.backward()
+            n_micro += 1
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        clip = self.gradient_clip_val if self.gradient_clip_val > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        metrics = {k: v / max(n_micro, 1) for k, v in sums.items()}
+        metrics["grad_norm"] = float(grad_norm)
+        return metrics
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(_cpu_copy(self.model), path / "critic.safetensors")
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   path / "critic_optim.pt")
+
+    def load(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(path / "critic.safetensors"))
+        state = torch.load(path / "critic_optim.pt", weights_only=True, map_location="cpu")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,30 @@
+"""Registers the backends' builders (the builders import their heavy stacks only when called)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nemo_factuality.trainers.backends import BACKENDS
+
+
+@BACKENDS.register("hf")
+def build_hf(cfg: Any, *, critic: bool = False) -> tuple[Any, Any]:
+    """(actor, critic or None) for a stage config with ``trainer.backend=hf``."""
+    from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
+
+    t = cfg.trainer
+    actor = HFActor(cfg.model, max_steps=_optimizer_steps(cfg), gradient_clip_val=t.gradient_clip_val, device=t.device)
+    value_model = None
+    if critic:
+        value_model = HFCritic(cfg.critic, cfg.model.path, max_steps=_optimizer_steps(cfg),
+                               gradient_clip_val=t.gradient_clip_val, device=t.device, dtype=cfg.model.dtype)
+    return actor, value_model
+
+
+def _optimizer_steps(cfg: Any) -> int:
+    """How many optimiser steps the run takes (the LR schedule's horizon)."""
+    algo = getattr(cfg, "grpo", None) or getattr(cfg, "ppo", None)
+    if algo is not None:
+        rollout = (algo.num_prompts_per_step * getattr(algo, "num_rollouts_per_prompt", 1))
+        return cfg.trainer.max_steps * algo.num_epochs * max(1, rollout // cfg.model.global_batch_size)
+    return cfg.trainer.max_steps

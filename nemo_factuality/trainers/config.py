@@ -1,0 +1,327 @@
+"""Typed schemas for the training stages: every default lives here; ``conf/train/<name>.yaml`` overrides it.
+
+The layout follows NeMo-Aligner's PPO/REINFORCE configs so its users find things where they expect:
+``trainer.*`` (loop and algorithm knobs, ``trainer.grpo`` / ``trainer.ppo`` / ``trainer.kto``),
+``model.*`` (policy, batch sizes, optimiser, sampling), ``remote_rm.*`` (a served reward),
+``exp_manager.*`` (run directory, checkpoints, loggers). A method's reward is either in-process —
+the ``reward:`` block, the same dict as ``conf/serve/<method>.yaml`` — or remote
+(``remote_rm.url`` → the project's PyTriton ``factuality_reward``, which also carries token rewards
+and signs).
+
+    cfg = load_train_config(GRPOConfig, "klcf", ["model.path=/models/qwen", "trainer.max_steps=10"])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence, TypeVar
+
+from nemo_factuality.config import ConfigError, load_config
+
+T = TypeVar("T")
+
+
+@dataclass
+class SchedConfig:
+    name: str = "constant"  # constant | cosine (to min_lr after warmup)
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # adamw | sgd
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    sched: SchedConfig = field(default_factory=SchedConfig)
+
+
+@dataclass
+class SamplingParams:
+    """Aligner's ``model.<algo>.sampling_params`` (``end_strings`` = the tokenizer's EOS)."""
+
+    use_greedy: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass
+class LengthParams:
+    max_length: int = 256  # new tokens per response
+
+
+@dataclass
+class PolicyModelConfig:
+    """``model.*``: the policy and how it is optimised."""
+
+    path: str | None = None  # HF directory (hf backend)
+    restore_from_path: str | None = None  # .nemo checkpoint (aligner backend)
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    micro_batch_size: int = 4  # sequences per forward/backward
+    global_batch_size: int = 32  # sequences per optimiser step
+    forward_micro_batch_size: int = 8  # sequences per no-grad forward (log-probs, values)
+    # "copy": a frozen copy of the initial weights; "cpu_weight_swap": keep them on CPU and swap them in
+    # for reference log-probs (NeMo-Aligner's approach; halves accelerator memory).
+    reference: str = "copy"
+    ratio_eps: float = 0.2  # PPO clip ε
+    ratio_eps_high: float | None = None  # DAPO clip-higher (None = symmetric)
+    clip_ratio_c: float | None = None  # dual clip (None = off; verl uses 3.0)
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    entropy_bonus: float = 0.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    length_params: LengthParams = field(default_factory=LengthParams)
+
+
+@dataclass
+class EarlyStoppingConfig:
+    monitor: str | None = None  # a key of the validation metrics, e.g. "val/reward"; None = off
+    mode: str = "max"  # max | min
+    patience: int = 3  # validations without improvement before stopping
+    restore_best: bool = True  # load the best checkpoint's weights when stopping
+
+
+@dataclass
+class GRPOAlgoConfig:
+    num_prompts_per_step: int = 8
+    num_rollouts_per_prompt: int = 4  # group size n
+    num_epochs: int = 1  # passes over each rollout batch (minibatches of model.global_batch_size)
+    advantage_scale: str = "std"  # std (GRPO) | none (Dr.GRPO)
+    singleton_groups: str = "zero"  # a group with one valid sample: zero advantage, or "raw" (verl: the reward itself)
+    truncated: str = "mask"  # responses that hit max_length: "mask" (no gradient, as Aligner) | "keep"
+    initial_policy_kl_penalty: float = 0.001  # KL coefficient β (0 = no reference policy needed)
+    kl_estimator: str = "k3"  # k1 | k3 (low_var_kl) | abs
+    kl_in: str = "loss"  # loss (GRPO/verl) | reward (Aligner REINFORCE: r - β·mean_t KL_t)
+    fspo_flip: bool = True  # apply FSPO's flip when the reward returns token signs
+
+
+@dataclass
+class PPOAlgoConfig:
+    num_prompts_per_step: int = 8  # rollouts per step (one response per prompt)
+    num_epochs: int = 1
+    critic_warmup_steps: int = 0  # first steps train only the critic
+    discount_factor: float = 1.0
+    gae_lambda: float = 0.95
+    normalize_advantages: bool = True  # masked whitening, unbiased variance (verl)
+    initial_policy_kl_penalty: float = 0.01  # in the token reward (RLFH / OpenRLHF / Aligner)
+    kl_estimator: str = "k3"  # RLFH uses k3; Aligner's default is abs
+    truncated: str = "keep"  # RLFH penalises a missing EOS in the reward instead of masking
+
+
+@dataclass
+class KTOAlgoConfig:
+    num_iterations: int = 3  # sample → label → train, reference = each iteration's starting policy
+    prompts_per_iteration: int = 64
+    samples_per_prompt: int = 4
+    epochs_per_iteration: int = 1
+    beta: float = 0.1
+    beta_f: float = 0.5  # paper; released code 0.1
+    lam: float = 2.0  # paper; released code 1.0
+    w_desirable: float = 1.0
+    w_undesirable: float = 1.0
+    w_f_desirable: float = 1.0
+    w_f_undesirable: float = 1.0
+    general_data_ratio: float = 1.0  # general preference pairs per labelled sample (0 = none)
+
+
+@dataclass
+class TrainerConfig:
+    backend: str = "hf"  # hf | aligner
+    max_steps: int = 100  # optimiser-visible steps (rollout steps for GRPO/PPO, iterations × batches for KTO)
+    val_check_interval: int = 0  # validate every N steps (0 = never)
+    save_interval: int = 50  # checkpoint every N steps (0 = only at the end / on SIGUSR1)
+    gradient_clip_val: float = 1.0
+    seed: int = 1234
+    device: str = "cpu"  # hf backend: cpu | cuda
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    progress_bar: bool = True
+
+
+@dataclass
+class RemoteRMEndpoint:
+    name: str = "factuality_reward"
+    ip: str | None = None
+    port: int = 5555
+
+
+@dataclass
+class RemoteRMConfig:
+    """A reward served by ``nemo-factuality serve`` (Aligner's ``remote_rm`` shape, plus ``url``)."""
+
+    url: str | None = None  # e.g. http://reward-node:5555 (wins over reward_model.ip/port)
+    reward_model: RemoteRMEndpoint = field(default_factory=RemoteRMEndpoint)
+    timeout_s: float = 600.0
+    init_timeout_s: float = 60.0
+
+    def resolved_url(self) -> str | None:
+        if self.url:
+            return self.url
+        if self.reward_model.ip:
+            return f"http://{self.reward_model.ip}:{self.reward_model.port}"
+        return None
+
+
+@dataclass
+class DataConfig:
+    train: str | None = None  # a file in `format`
+    validation: str | None = None
+    # klcf | rlfh | fspo | knowrl | factalign | jsonl ({"prompt", ...columns}); see trainers/data.py
+    format: str = "jsonl"
+    apply_chat_template: bool = True  # render {"role": "user", "content": prompt} with the tokenizer's template
+    max_prompt_tokens: int = 1024  # longer prompts are an input error naming the record
+    general_pairs: str | None = None  # KTO: general preference pairs {"prompt", "chosen", "rejected"}
+
+
+@dataclass
+class ExpManagerConfig:
+    explicit_log_dir: str = "results/run"
+    resume_if_exists: bool = True
+    save_top_k: int = 2  # checkpoints kept (the newest, plus the best when early stopping)
+    create_tensorboard_logger: bool = True
+    create_wandb_logger: bool = False
+    wandb_project: str = "nemo_factuality"
+    wandb_name: str | None = None
+
+
+@dataclass
+class GRPOConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    grpo: GRPOAlgoConfig = field(default_factory=GRPOAlgoConfig)
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
+    reward: dict[str, Any] | None = None  # in-process reward: {name: klcf, ...} (conf/serve's reward block)
+    remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+
+
+@dataclass
+class CriticModelConfig:
+    path: str | None = None  # None = initialise from the policy (RLFH/OpenRLHF), value head zero-initialised
+    micro_batch_size: int = 4
+    loss_clip_val: float = 0.2  # Aligner's critic loss_clip_val / RLFH value_clip
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=9e-6))
+
+
+@dataclass
+class PPOConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
+    critic: CriticModelConfig = field(default_factory=CriticModelConfig)
+    reward: dict[str, Any] | None = None
+    remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+
+
+@dataclass
+class KTOConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    kto: KTOAlgoConfig = field(default_factory=KTOAlgoConfig)
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
+    reward: dict[str, Any] | None = None  # the labeller (factalign)
+    remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+
+
+_CHOICES = {
+    "trainer.backend": ("hf", "aligner"),
+    "model.reference": ("copy", "cpu_weight_swap"),
+    "model.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.optim.name": ("adamw", "sgd"),
+    "model.optim.sched.name": ("constant", "cosine"),
+    "trainer.early_stopping.mode": ("max", "min"),
+    "grpo.advantage_scale": ("std", "none"),
+    "grpo.singleton_groups": ("zero", "raw"),
+    "grpo.truncated": ("mask", "keep"),
+    "grpo.kl_estimator": ("k1", "k3", "abs"),
+    "grpo.kl_in": ("loss", "reward"),
+    "ppo.kl_estimator": ("k1", "k3", "abs"),
+    "ppo.truncated": ("mask", "keep"),
+    "data.format": ("jsonl", "klcf", "rlfh", "fspo", "knowrl", "factalign"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not hasattr(cfg, part):
+            return _MISSING
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+_MISSING = object()
+
+
+def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
+    """Check choices and batch arithmetic; every problem is reported at once, each naming its key."""
+    problems = []
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value is not _MISSING and value not in allowed:
+            problems.append(f"{key}={value!r} (choose one of {', '.join(allowed)})")
+    m = cfg.model
+    for key in ("micro_batch_size", "global_batch_size", "forward_micro_batch_size"):
+        if getattr(m, key) < 1:
+            problems.append(f"model.{key} must be >= 1, got {getattr(m, key)}")
+    if m.micro_batch_size >= 1 and m.global_batch_size % m.micro_batch_size:
+        problems.append(f"model.global_batch_size ({m.global_batch_size}) must be a multiple of "
+                        f"model.micro_batch_size ({m.micro_batch_size})")
+    if m.clip_ratio_c is not None and m.clip_ratio_c <= 1:
+        problems.append(f"model.clip_ratio_c must be > 1 (dual clip) or null, got {m.clip_ratio_c}")
+    rollout = _rollout_size(cfg)
+    if rollout is not None and m.global_batch_size >= 1 and rollout % m.global_batch_size:
+        problems.append(f"model.global_batch_size ({m.global_batch_size}) must divide the rollout batch ({rollout} "
+                        f"sequences = {_rollout_formula(cfg)})")
+    if isinstance(cfg, PPOConfig) and cfg.critic.micro_batch_size >= 1 and m.global_batch_size % cfg.critic.micro_batch_size:
+        problems.append(f"model.global_batch_size ({m.global_batch_size}) must be a multiple of critic.micro_batch_size "
+                        f"({cfg.critic.micro_batch_size})")
+    if cfg.reward is None and cfg.remote_rm.resolved_url() is None:
+        problems.append("no reward: set the in-process `reward:` block (e.g. reward.name=klcf) or a served one "
+                        "(remote_rm.url=http://host:5555)")
+    if cfg.reward is not None and cfg.remote_rm.resolved_url() is not None:
+        problems.append("both `reward:` and `remote_rm.url` are set; keep one (reward=null to use the server)")
+    if cfg.reward is not None and "name" not in cfg.reward:
+        problems.append(f"reward needs a 'name' (klcf, rlfh, fspo, knowrl, factalign), got keys {sorted(cfg.reward)}")
+    elif cfg.reward is not None:
+        from nemo_factuality.registry import REWARDS
+
+        if cfg.reward["name"] not in REWARDS:
+            problems.append(f"reward.name={cfg.reward['name']!r} is not a known reward ({', '.join(REWARDS.names())})")
+    algo = getattr(cfg, "grpo", None)
+    if algo is not None and algo.kl_in == "loss" and algo.kl_estimator == "abs":
+        problems.append("grpo.kl_estimator=abs only works with grpo.kl_in=reward (the loss needs k1 or k3)")
+    if cfg.trainer.backend == "hf" and not m.path:
+        problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
+    if cfg.trainer.backend == "aligner" and not m.restore_from_path:
+        problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
+    if problems:
+        raise ConfigError("invalid training config: " + "; ".join(problems))
+
+
+def _rollout_size(cfg: Any) -> int | None:
+    if isinstance(cfg, GRPOConfig):
+        return cfg.grpo.num_prompts_per_step * cfg.grpo.num_rollouts_per_prompt
+    if isinstance(cfg, PPOConfig):
+        return cfg.ppo.num_prompts_per_step
+    return None
+
+
+def _rollout_formula(cfg: Any) -> str:
+    if isinstance(cfg, GRPOConfig):
+        return "grpo.num_prompts_per_step × grpo.num_rollouts_per_prompt"
+    return "ppo.num_prompts_per_step"
+
+
+def load_train_config(schema: type[T], config_name: str | None, overrides: Sequence[str] = ()) -> T:
+    """Schema defaults ← ``conf/train/<config_name>.yaml`` (its ``defaults:`` first) ← ``key=value`` overrides, validated."""
+    cfg = load_config(schema, config_name, overrides, group="train")
+    validate_train_config(cfg)  # type: ignore[arg-type]
+    return cfg

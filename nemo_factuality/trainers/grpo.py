@@ -1,0 +1,271 @@
+"""GRPO for KLCF, FSPO and KnowRL: the whole reward → advantage → loss recipe in one file.
+
+    nemo-factuality train grpo --config-name klcf model.path=/models/qwen7b data.train=klcf.jsonl
+    python -m nemo_factuality.trainers.grpo --config-name fspo remote_rm.url=http://reward:5555   # what Slurm runs
+
+One step:
+
+1. **rollout** — ``grpo.num_prompts_per_step`` prompts, ``grpo.num_rollouts_per_prompt`` samples each.
+2. **reward** — ``reward(prompts, completions, completion_ids=..., is_end=..., **columns)``; a NaN score
+   (abstention, failed judge) takes the sample out of its group and out of the loss.
+3. **advantage** — ``(r - mean_g) / (std_g + ε)`` per group (``grpo.advantage_scale=none``: Dr.GRPO),
+   ``r - β·mean_t KL_t`` first when ``grpo.kl_in=reward`` (Aligner's REINFORCE), broadcast to the
+   response tokens; FSPO's flip ``A' = where(sign·A ≥ 0, A, -A)`` when the reward returns token signs.
+   Truncated responses (no EOS) are masked (``grpo.truncated=mask``, NeMo-Aligner's rule).
+4. **loss** — PPO clip (ε, ``ratio_eps_high`` for clip-higher, ``clip_ratio_c`` for the dual clip)
+   + ``β·KL(π‖π_ref)`` (k3 = verl's low_var_kl) when ``grpo.kl_in=loss``, − entropy bonus; aggregated
+   over the optimiser step's global token/sequence counts; ``grpo.num_epochs`` passes over the rollout
+   in minibatches of ``model.global_batch_size`` sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from nemo_factuality.algorithms import (
+    expand_to_tokens, fspo_flip, grpo_advantages, kl_loss, kl_penalty, masked_mean, ppo_policy_loss, response_mask,
+)
+from nemo_factuality.trainers.config import GRPOConfig
+from nemo_factuality.trainers.data import PromptRecord, PromptSampler
+from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams
+from nemo_factuality.trainers.runtime import (
+    Checkpointer, EarlyStopping, PhaseTimer, PreemptionFlag, RunLogger, encode_prompts, place_on_tokens,
+    records_for_rows, response_stats, score_rollout,
+)
+
+log = logging.getLogger(__name__)
+Validate = Callable[[int], Mapping[str, float]]
+
+
+class GRPOTrainer:
+    """Runs GRPO steps on any ``PolicyActor`` (``hf`` or ``aligner`` backend) with any method reward."""
+
+    stage = "grpo"
+    critic: Any = None  # PPO sets one; checkpoints save and restore it with the actor
+
+    def __init__(self, cfg: GRPOConfig, actor: PolicyActor, reward: Any, train_data: Sequence[PromptRecord], *,
+                 run_dir: Path, validate: Validate | None = None, val_data: Sequence[PromptRecord] | None = None) -> None:
+        self.cfg, self.actor, self.reward, self.data = cfg, actor, reward, list(train_data)
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.prompt_ids = encode_prompts(self.data, actor.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_tokens)
+        self.val_data = list(val_data or [])
+        self.validate = validate or (self._validate_reward if self.val_data else None)
+        self.sampler = PromptSampler(len(self.data), cfg.trainer.seed)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k)
+        self.early = EarlyStopping(cfg.trainer.early_stopping)
+        self.logger = RunLogger(self.run_dir, cfg.exp_manager, cfg)
+        self.step = 0
+        m = cfg.model
+        self.sampling = SamplingParams(m.length_params.max_length, m.sampling_params.temperature, m.sampling_params.top_p,
+                                       m.sampling_params.top_k, m.sampling_params.use_greedy)
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> list[dict[str, float]]:
+        """Train until ``trainer.max_steps``, early stopping, or SIGUSR1 (checkpoint + return)."""
+        self._maybe_resume()
+        history: list[dict[str, float]] = []
+        bar = tqdm(total=self.cfg.trainer.max_steps, initial=self.step, desc=self.stage, unit="step",
+                   disable=not self.cfg.trainer.progress_bar)
+        stop_reason = "max_steps"
+        with PreemptionFlag() as preempted:
+            while self.step < self.cfg.trainer.max_steps:
+                metrics = self.train_one_step()
+                self.step += 1
+                stop = self._after_step(metrics)
+                self.logger.log(self.step, metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('reward/score', math.nan):.3f}", kl=f"{metrics.get('kl', math.nan):.4f}")
+                if preempted:
+                    self._save()
+                    log.warning("stopped by %s at step %d; checkpoint written, rerun to resume", preempted.signal, self.step)
+                    stop_reason = preempted.signal
+                    break
+                if stop:
+                    stop_reason = "early_stopping"
+                    break
+        bar.close()
+        if stop_reason in ("max_steps", "early_stopping"):
+            self._finish(stop_reason)
+        self.logger.close()
+        return history
+
+    def train_one_step(self) -> dict[str, float]:
+        timer = PhaseTimer()
+        with timer("step"):
+            n = self.cfg.grpo.num_rollouts_per_prompt
+            picked = self.sampler.take(self.cfg.grpo.num_prompts_per_step)
+            records = records_for_rows([self.data[i] for i in picked], n)
+            with timer("generate"):
+                rollout = self.actor.generate([self.prompt_ids[i] for i in picked for _ in range(n)], self.sampling)
+            with timer("reward"):
+                rewards, _ = score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id)
+            with timer("logprobs"):
+                experience, metrics = self.make_experience(rollout, rewards.scores, rewards.token_signs)
+            with timer("train"):
+                metrics.update(self.update(experience))
+        metrics.update(rewards.log_dict("reward"))
+        metrics.update(response_stats(rollout))
+        metrics.update(timer.times)
+        return metrics
+
+    # ------------------------------------------------------------------ reward → advantage
+    def make_experience(self, rollout: Rollout, scores: np.ndarray,
+                        token_signs: Sequence[np.ndarray] | None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Old/reference log-probs, mask and token advantages for one rollout (``[B, S-1]`` tensors)."""
+        g = self.cfg.grpo
+        b, s1 = rollout.tokens.shape[0], rollout.tokens.shape[1] - 1
+        mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, s1)
+        old_logprobs = self.actor.logprobs(rollout)
+        rewards = torch.as_tensor(scores, dtype=torch.float32)
+        valid = ~torch.isnan(rewards)
+        if g.truncated == "mask":
+            valid &= rollout.is_end
+        exp = {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths,
+               "response_lengths": rollout.response_lengths, "old_logprobs": old_logprobs}
+        kl_value = 0.0
+        if g.initial_policy_kl_penalty > 0:
+            ref = self.actor.reference_logprobs(rollout)
+            kl_tok = kl_penalty(old_logprobs, ref, g.kl_estimator)
+            kl_value = masked_mean(kl_tok, mask).item()
+            exp["ref_logprobs"] = ref
+            if g.kl_in == "reward":
+                rewards = rewards - g.initial_policy_kl_penalty * masked_mean(kl_tok, mask, dim=-1)
+        group_ids = torch.arange(b) // g.num_rollouts_per_prompt
+        seq_adv = grpo_advantages(torch.where(valid, rewards, torch.zeros_like(rewards)), group_ids,
+                                  scale=g.advantage_scale, singleton=g.singleton_groups, valid=valid)
+        advantages = expand_to_tokens(seq_adv, mask)
+        signs = place_on_tokens(token_signs, rollout, torch.int8)
+        if signs is not None and g.fspo_flip:
+            advantages = fspo_flip(advantages, signs)
+        exp["mask"] = mask * valid.unsqueeze(1).to(mask.dtype)
+        exp["advantages"] = advantages * exp["mask"]
+        metrics = {"kl": kl_value, "valid_frac": valid.float().mean().item(),
+                   "advantage/abs_mean": masked_mean(advantages.abs(), exp["mask"]).item() if exp["mask"].any() else 0.0}
+        if signs is not None:
+            flipped = (signs.to(advantages.dtype) * expand_to_tokens(seq_adv, mask) < 0) & (exp["mask"] > 0)
+            metrics["fspo/flip_frac"] = flipped.float().sum().item() / max(exp["mask"].sum().item(), 1.0)
+        return exp, metrics
+
+    # ------------------------------------------------------------------ loss
+    def loss_fn(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], *, global_tokens: float,
+                global_seqs: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """PPO-clip + KL-in-loss − entropy for one micro batch, normalised by the step's global counts."""
+        m, g = self.cfg.model, self.cfg.grpo
+        norm = {"global_tokens": global_tokens, "global_seqs": global_seqs}
+        logprobs = out["logprobs"]
+        loss, metrics = ppo_policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["mask"], eps=m.ratio_eps,
+                                        eps_high=m.ratio_eps_high, clip_ratio_c=m.clip_ratio_c, agg=m.loss_agg,
+                                        entropy=out.get("entropy"), entropy_coef=m.entropy_bonus, **norm)
+        metrics = {"loss/policy": loss.item(), **metrics}
+        if g.initial_policy_kl_penalty > 0 and g.kl_in == "loss":
+            kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], "k1" if g.kl_estimator == "k1" else "k3", m.loss_agg, **norm)
+            loss = loss + g.initial_policy_kl_penalty * kl
+            metrics["loss/kl"] = kl.item()
+        # Micro-batch shares add up to the step's loss; scale metrics the same way so their sum is the step's value.
+        return loss, metrics
+
+    def update(self, exp: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """``grpo.num_epochs`` passes over the rollout in minibatches of ``model.global_batch_size``."""
+        m = self.cfg.model
+        b = exp["tokens"].shape[0]
+        totals: dict[str, float] = {}
+        steps = skipped = 0
+        for _ in range(self.cfg.grpo.num_epochs):
+            order = torch.randperm(b)
+            for start in range(0, b, m.global_batch_size):
+                idx = order[start : start + m.global_batch_size]
+                mb = {k: v[idx] for k, v in exp.items()}
+                global_tokens = float(mb["mask"].sum())
+                global_seqs = float((mb["mask"].sum(-1) > 0).sum())
+                reducer = getattr(self.actor, "global_sum", None)  # data-parallel backends sum over ranks
+                if reducer is not None:
+                    global_tokens, global_seqs = reducer(global_tokens), reducer(global_seqs)
+                if global_tokens == 0:
+                    skipped += 1  # every sample abstained/truncated: nothing to learn, no optimiser step
+                    continue
+                fn = partial(self.loss_fn, global_tokens=global_tokens, global_seqs=global_seqs)
+                result = self.actor.train_step(mb, fn, micro_batch_size=m.micro_batch_size,
+                                               need_entropy=m.entropy_bonus > 0)
+                steps += 1
+                n_micro = math.ceil(len(idx) / m.micro_batch_size)
+                for k, v in result.items():
+                    # loss shares were averaged over micro batches by the backend; undo that to get the step's loss
+                    scale = n_micro if k.startswith("loss/") else 1
+                    totals[k] = totals.get(k, 0.0) + v * scale
+        out = {k: v / max(steps, 1) for k, v in totals.items()}
+        out["optimizer_steps"] = float(steps)
+        out["skipped_minibatches"] = float(skipped)
+        return out
+
+    # ------------------------------------------------------------------ validation, checkpoints
+    def _validate_reward(self, step: int) -> dict[str, float]:
+        """Greedy responses to the validation prompts, scored by the training reward."""
+        ids = encode_prompts(self.val_data, self.actor.tokenizer, self.cfg.data.apply_chat_template,
+                             self.cfg.data.max_prompt_tokens)
+        greedy = SamplingParams(self.sampling.max_new_tokens, use_greedy=True)
+        rollout = self.actor.generate(ids, greedy)
+        batch, _ = score_rollout(self.reward, rollout, self.val_data, self.actor.tokenizer, self.actor.eos_id)
+        return {k.replace("reward/", "val/reward/"): v for k, v in batch.log_dict("reward").items()} | {
+            "val/reward": batch.log_dict("reward")["reward/score"]}
+
+    def _after_step(self, metrics: dict[str, float]) -> bool:
+        t = self.cfg.trainer
+        stop = False
+        if self.validate is not None and t.val_check_interval and self.step % t.val_check_interval == 0:
+            val = dict(self.validate(self.step))
+            metrics.update(val)
+            improved, stop = self.early.update(self.step, val)
+            if improved:
+                self.checkpointer.best = self._save().name
+        if t.save_interval and self.step % t.save_interval == 0:
+            self._save()
+        return stop
+
+    def _state(self) -> dict[str, Any]:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "early_stopping": self.early.state_dict(),
+                "best": self.checkpointer.best}
+
+    def _save(self) -> Path:
+        return self.checkpointer.save(self.step, self.actor, self.critic, self._state())
+
+    def _maybe_resume(self) -> None:
+        latest = self.checkpointer.latest() if self.cfg.exp_manager.resume_if_exists else None
+        if latest is None:
+            return
+        state = Checkpointer.load(latest, self.actor, self.critic)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.early.load_state_dict(state["early_stopping"])
+        self.checkpointer.best = state.get("best")
+        self.logger.truncate_after(self.step)
+        log.info("resumed from %s (step %d)", latest, self.step)
+
+    def _finish(self, reason: str) -> None:
+        es = self.cfg.trainer.early_stopping
+        if reason == "early_stopping" and es.restore_best and self.checkpointer.best:
+            log.info("early stopping at step %d; restoring the best weights (%s)", self.step, self.checkpointer.best)
+            self.actor.load_weights(self.checkpointer.root / self.checkpointer.best)
+        self._save()
+        self.actor.export(self.run_dir / "final")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from nemo_factuality.trainers.cli import run_stage
+
+    return run_stage("grpo", argv)
+
+
+if __name__ == "__main__":
+    from nemo_factuality.trainers.cli import exit_on_user_error
+
+    raise SystemExit(exit_on_user_error(main))

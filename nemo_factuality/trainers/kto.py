@@ -1,0 +1,315 @@
+"""FactAlign: iterated sample → label → KTO + sentence-level fKTO (arXiv 2410.01691 §3).
+
+    nemo-factuality train kto --config-name factalign model.path=/models/gemma2b data.train=prompts.jsonl \
+        data.general_pairs=ultrafeedback_pairs.jsonl
+    python -m nemo_factuality.trainers.kto --config-name factalign remote_rm.url=$FACTUALITY_REWARD_URL
+
+Each of ``kto.num_iterations`` iterations:
+
+1. the current policy becomes the reference (the iteration's starting policy);
+2. ``kto.prompts_per_iteration`` prompts × ``kto.samples_per_prompt`` samples are generated and labelled
+   by the FactAlign labeller: response label ``f1@K > t`` and one label per fact-bearing sentence
+   (with its character span). A sample the labeller could not judge (NaN) is dropped, never guessed;
+3. the labelled samples are mixed with general preference pairs (chosen = desirable, rejected =
+   undesirable; ``kto.general_data_ratio`` pairs per labelled sample);
+4. ``kto.epochs_per_iteration`` epochs of ``L = L_KTO + λ·L_fKTO`` in minibatches of
+   ``model.global_batch_size``: ``L_KTO`` over response log-ratios ``Σ_t log π/π_ref`` with reference
+   point ``z0`` from mismatched prompt/completion pairs of the minibatch, ``L_fKTO`` over sentence
+   log-ratios (the sentence's token range) with its own ``z0_f``; both averaged over the minibatch's
+   global example / sentence counts.
+
+Checkpoints hold the iteration's labelled data, so a resumed run continues mid-iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from nemo_factuality.algorithms import kto_losses, reference_point, response_mask
+from nemo_factuality.text.alignment import align_tokens
+from nemo_factuality.trainers.config import KTOConfig
+from nemo_factuality.trainers.data import PreferencePair, PromptRecord, PromptSampler
+from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams
+from nemo_factuality.trainers.runtime import (
+    Checkpointer, PhaseTimer, PreemptionFlag, RunLogger, completions_of, encode_prompts,
+)
+from nemo_factuality.types import FactualityInputError
+
+log = logging.getLogger(__name__)
+_GEN_CHUNK = 64  # rows per generate() call while collecting an iteration's samples
+
+
+def sentence_token_ranges(tokenizer: Any, completion: str, ids: Sequence[int], spans: Sequence[Any],
+                          prompt_len: int) -> list[tuple[int, int]]:
+    """Character spans of a completion → ``[start, end)`` action positions in the ``[S-1]`` log-prob layout."""
+    if not spans:
+        return []
+    alignment = align_tokens(tokenizer, completion, list(ids))
+    out = []
+    for span in spans:
+        first, end = alignment.token_range(span)
+        out.append((prompt_len - 1 + first, prompt_len - 1 + end))
+    return out
+
+
+def pack_examples(rows: list[list[int]], prompt_lens: list[int], desirable: list[bool],
+                  sentences: list[list[tuple[int, int, bool]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Examples → padded tensors: tokens ``[N, S]``, lengths ``[N]``, labels ``[N]``, sentences ``[N, K]``."""
+    n, width = len(rows), max(len(r) for r in rows)
+    k = max([len(s) for s in sentences] + [1])
+    tokens = torch.full((n, width), pad_id, dtype=torch.long)
+    out = {"sent_start": torch.zeros(n, k, dtype=torch.long), "sent_end": torch.zeros(n, k, dtype=torch.long),
+           "sent_label": torch.zeros(n, k, dtype=torch.bool), "sent_valid": torch.zeros(n, k, dtype=torch.bool)}
+    for i, (r, sents) in enumerate(zip(rows, sentences)):
+        tokens[i, : len(r)] = torch.tensor(r)
+        for j, (start, end, label) in enumerate(sents):
+            out["sent_start"][i, j], out["sent_end"][i, j] = start, end
+            out["sent_label"][i, j], out["sent_valid"][i, j] = label, True
+    out.update(tokens=tokens, prompt_lengths=torch.tensor(prompt_lens), response_lengths=torch.tensor([len(r) for r in rows]),
+               desirable=torch.tensor(desirable, dtype=torch.bool))
+    return out
+
+
+def sentence_sums(diff: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+    """``Σ_{t ∈ [start, end)} diff[i, t]`` for every ``(i, k)``: ``[b, T]``, ``[b, K]`` → ``[b, K]`` (prefix sums)."""
+    prefix = torch.nn.functional.pad(diff.cumsum(-1), (1, 0))
+    return prefix.gather(1, end.clamp(max=diff.shape[1])) - prefix.gather(1, start.clamp(max=diff.shape[1]))
+
+
+def mismatched(batch: Mapping[str, torch.Tensor], pad_id: int) -> tuple[Rollout, torch.Tensor, torch.Tensor]:
+    """Prompt ``i`` with completion ``i+1`` (mod b): KTO's KL pairs. Returns (rollout, sentence starts, ends)."""
+    b = batch["tokens"].shape[0]
+    rows, plens, starts, ends = [], [], [], []
+    for i in range(b):
+        j = (i + 1) % b
+        pi, pj, rj = int(batch["prompt_lengths"][i]), int(batch["prompt_lengths"][j]), int(batch["response_lengths"][j])
+        rows.append(batch["tokens"][i, :pi].tolist() + batch["tokens"][j, pj:rj].tolist())
+        plens.append(pi)
+        shift = pi - pj
+        starts.append(batch["sent_start"][j] + shift)
+        ends.append(batch["sent_end"][j] + shift)
+    width = max(len(r) for r in rows)
+    tokens = torch.full((b, width), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    rollout = Rollout(tokens, torch.tensor(plens), torch.tensor([len(r) for r in rows]), torch.ones(b, dtype=torch.bool))
+    return rollout, torch.stack(starts).clamp(min=0), torch.stack(ends).clamp(min=0)
+
+
+class KTOTrainer:
+    stage = "kto"
+
+    def __init__(self, cfg: KTOConfig, actor: PolicyActor, labeller: Any, prompts: Sequence[PromptRecord], *,
+                 general_pairs: Sequence[PreferencePair] = (), run_dir: Path) -> None:
+        self.cfg, self.actor, self.labeller, self.prompts = cfg, actor, labeller, list(prompts)
+        self.pairs = list(general_pairs)
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.prompt_ids = encode_prompts(self.prompts, actor.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_tokens)
+        self.sampler = PromptSampler(len(self.prompts), cfg.trainer.seed)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k)
+        self.logger = RunLogger(self.run_dir, cfg.exp_manager, cfg)
+        self.step = self.iteration = self.position = 0  # optimiser steps; iteration; minibatch index in the iteration
+        self.data: dict[str, torch.Tensor] | None = None
+        self._pending: dict[str, float] = {}
+        m = cfg.model
+        self.sampling = SamplingParams(m.length_params.max_length, m.sampling_params.temperature, m.sampling_params.top_p,
+                                       m.sampling_params.top_k, m.sampling_params.use_greedy)
+
+    # ------------------------------------------------------------------ sample → label
+    def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Generate, label and pack this iteration's examples (labelled samples + general pairs)."""
+        k = self.cfg.kto
+        picked = self.sampler.take(k.prompts_per_iteration)
+        prompt_rows = [i for i in picked for _ in range(k.samples_per_prompt)]
+        rows, plens, desirable, sentences = [], [], [], []
+        n_labelled = n_dropped = n_good = 0
+        for start in tqdm(range(0, len(prompt_rows), _GEN_CHUNK), desc=f"kto iter {self.iteration}: sample+label",
+                          disable=not self.cfg.trainer.progress_bar):
+            chunk = prompt_rows[start : start + _GEN_CHUNK]
+            rollout = self.actor.generate([self.prompt_ids[i] for i in chunk], self.sampling)
+            completions, ids = completions_of(rollout, self.actor.tokenizer, self.actor.eos_id)
+            records = [self.prompts[i] for i in chunk]
+            names = sorted({c for r in records for c in r.columns})
+            labels = self.labeller([r.prompt for r in records], completions, completion_ids=ids,
+                                   **{c: [r.columns.get(c) for r in records] for c in names})
+            label = labels.components.get("label")
+            if label is None or labels.sentence_labels is None or labels.sentence_spans is None:
+                raise FactualityInputError("the KTO stage needs a labeller that returns `label`, sentence_labels and "
+                                           "sentence_spans (reward.name=factalign)")
+            for i in range(len(chunk)):
+                if math.isnan(float(label[i])) or math.isnan(float(labels.scores[i])):
+                    n_dropped += 1  # the labeller could not judge it: no label rather than a guessed one
+                    continue
+                plen, rlen = int(rollout.prompt_lengths[i]), int(rollout.response_lengths[i])
+                ranges = sentence_token_ranges(self.actor.tokenizer, completions[i], ids[i], labels.sentence_spans[i], plen)
+                rows.append(rollout.tokens[i, :rlen].tolist())
+                plens.append(plen)
+                desirable.append(bool(label[i]))
+                sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i]) if e > s])
+                n_labelled += 1
+                n_good += bool(label[i])
+        n_pairs = min(len(self.pairs), int(round(k.general_data_ratio * n_labelled / 2))) if self.pairs else 0
+        if n_pairs:
+            order = np.random.default_rng([self.cfg.trainer.seed, self.iteration]).permutation(len(self.pairs))[:n_pairs]
+            for pair in (self.pairs[int(i)] for i in order):
+                rec = PromptRecord(pair.prompt, [{"role": "user", "content": pair.prompt}], where=pair.where)
+                p_ids = encode_prompts([rec], self.actor.tokenizer, self.cfg.data.apply_chat_template,
+                                       self.cfg.data.max_prompt_tokens)[0]
+                for text, good in ((pair.chosen, True), (pair.rejected, False)):
+                    resp = self.actor.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.actor.eos_id]
+                    rows.append(p_ids + resp)
+                    plens.append(len(p_ids))
+                    desirable.append(good)
+                    sentences.append([])
+        if not rows:
+            raise FactualityInputError(f"iteration {self.iteration}: the labeller could not label any of the "
+                                       f"{len(prompt_rows)} samples; check the reward server / judge health")
+        stats = {"kto/labelled": float(n_labelled), "kto/dropped_unlabelled": float(n_dropped),
+                 "kto/desirable_frac": n_good / max(n_labelled, 1), "kto/general_pairs": float(n_pairs),
+                 "kto/sentences": float(sum(len(s) for s in sentences))}
+        data = pack_examples(rows, plens, desirable, sentences, self.actor.pad_id)
+        data["ref_logprobs"] = self.actor.reference_logprobs(_as_rollout(data))
+        return data, stats
+
+    # ------------------------------------------------------------------ loss
+    def loss_fn(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], *, z0: float, z0_f: float,
+                n_examples: float, n_sentences: float) -> tuple[torch.Tensor, dict[str, float]]:
+        k = self.cfg.kto
+        diff = out["logprobs"] - mb["ref_logprobs"]
+        mask = response_mask(mb["prompt_lengths"], mb["response_lengths"], diff.shape[1])
+        resp = (diff * mask).sum(-1)
+        z0_t = diff.new_tensor(z0)
+        l_kto = kto_losses(resp, mb["desirable"], z0_t, beta=k.beta, w_desirable=k.w_desirable,
+                           w_undesirable=k.w_undesirable).sum() / n_examples
+        sent = sentence_sums(diff, mb["sent_start"], mb["sent_end"])[mb["sent_valid"]]
+        loss = l_kto
+        metrics = {"loss/kto": l_kto.item()}
+        if n_sentences > 0 and sent.numel():
+            l_f = kto_losses(sent, mb["sent_label"][mb["sent_valid"]], diff.new_tensor(z0_f), beta=k.beta_f,
+                             w_desirable=k.w_f_desirable, w_undesirable=k.w_f_undesirable).sum() / n_sentences
+            loss = loss + k.lam * l_f
+            metrics["loss/fkto"] = l_f.item()
+        return loss, metrics
+
+    def _reference_points(self, mb: Mapping[str, torch.Tensor]) -> tuple[float, float]:
+        """``z0`` and ``z0_f``: detached mean log-ratios of mismatched prompt/completion pairs, clamped at 0."""
+        rollout, starts, ends = mismatched(mb, self.actor.pad_id)
+        diff = self.actor.logprobs(rollout) - self.actor.reference_logprobs(rollout)
+        mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, diff.shape[1])
+        z0 = reference_point((diff * mask).sum(-1)).item()
+        sent = sentence_sums(diff, starts, ends)[mb["sent_valid"][(torch.arange(len(rollout)) + 1) % len(rollout)]]
+        return z0, reference_point(sent).item()
+
+    # ------------------------------------------------------------------ the loop
+    def train_iteration_batches(self, preempted: PreemptionFlag) -> bool:
+        """Train on ``self.data`` from ``self.position``; returns False when stopped by a signal or max_steps."""
+        m, k = self.cfg.model, self.cfg.kto
+        n = self.data["tokens"].shape[0]
+        per_epoch = math.ceil(n / m.global_batch_size)
+        total = per_epoch * k.epochs_per_iteration
+        while self.position < total:
+            if self.step >= self.cfg.trainer.max_steps:
+                return False
+            epoch, index = divmod(self.position, per_epoch)
+            order = torch.from_numpy(np.random.default_rng([self.cfg.trainer.seed, self.iteration, epoch]).permutation(n))
+            idx = order[index * m.global_batch_size : (index + 1) * m.global_batch_size]
+            mb = {key: v[idx] for key, v in self.data.items()}
+            timer = PhaseTimer()
+            with timer("reference_points"):
+                z0, z0_f = self._reference_points(mb) if len(idx) > 1 else (0.0, 0.0)
+            n_sent = float(mb["sent_valid"].sum())
+            fn = partial(self.loss_fn, z0=z0, z0_f=z0_f, n_examples=float(len(idx)), n_sentences=n_sent)
+            with timer("train"):
+                result = self.actor.train_step(mb, fn, micro_batch_size=m.micro_batch_size)
+            n_micro = math.ceil(len(idx) / m.micro_batch_size)
+            metrics = {key: v * (n_micro if key.startswith("loss/") else 1) for key, v in result.items()}
+            metrics.update({"kto/z0": z0, "kto/z0_f": z0_f, "iteration": float(self.iteration), **timer.times})
+            metrics.update(self._pending)
+            self._pending = {}
+            self.step += 1
+            self.position += 1
+            self.logger.log(self.step, metrics)
+            if preempted or (self.cfg.trainer.save_interval and self.step % self.cfg.trainer.save_interval == 0):
+                self._save()
+            if preempted:
+                return False
+        return True
+
+    def fit(self) -> None:
+        self._maybe_resume()
+        k = self.cfg.kto
+        with PreemptionFlag() as preempted:
+            while self.iteration < k.num_iterations:
+                if self.data is None:
+                    self.actor.reset_reference()  # reference = this iteration's starting policy
+                    timer = PhaseTimer()
+                    with timer("collect"):
+                        self.data, stats = self.collect()
+                    self._pending = {**stats, **timer.times}  # logged with the iteration's first optimiser step
+                    self.position = 0
+                if not self.train_iteration_batches(preempted):
+                    if preempted:
+                        log.warning("stopped by %s at step %d; checkpoint written, rerun to resume", preempted.signal, self.step)
+                        self.logger.close()
+                        return
+                    break  # max_steps
+                self.iteration, self.data = self.iteration + 1, None
+                self._save()
+        self._save()
+        self.actor.export(self.run_dir / "final")
+        self.logger.close()
+
+    def _state(self) -> dict[str, Any]:
+        return {"step": self.step, "iteration": self.iteration, "position": self.position,
+                "sampler": self.sampler.state_dict(), "has_data": self.data is not None}
+
+    def _save(self) -> Path:
+        path = self.checkpointer.save(self.step, self.actor, None, self._state())
+        if self.data is not None:
+            from safetensors.torch import save_file
+
+            save_file({k: (v.to(torch.uint8) if v.dtype == torch.bool else v).contiguous() for k, v in self.data.items()},
+                      path / "iteration_data.safetensors")
+        return path
+
+    def _maybe_resume(self) -> None:
+        latest = self.checkpointer.latest() if self.cfg.exp_manager.resume_if_exists else None
+        if latest is None:
+            return
+        state = Checkpointer.load(latest, self.actor, None)
+        self.step, self.iteration, self.position = state["step"], state["iteration"], state["position"]
+        self.sampler.load_state_dict(state["sampler"])
+        if state["has_data"]:
+            from safetensors.torch import load_file
+
+            raw = load_file(latest / "iteration_data.safetensors")
+            bools = ("desirable", "sent_label", "sent_valid")
+            self.data = {k: (v.to(torch.bool) if k in bools else v) for k, v in raw.items()}
+        self.logger.truncate_after(self.step)
+        log.info("resumed from %s (iteration %d, step %d)", latest, self.iteration, self.step)
+
+
+def _as_rollout(data: Mapping[str, torch.Tensor]) -> Rollout:
+    return Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
+                   torch.ones(data["tokens"].shape[0], dtype=torch.bool))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from nemo_factuality.trainers.cli import run_stage
+
+    return run_stage("kto", argv)
+
+
+if __name__ == "__main__":
+    from nemo_factuality.trainers.cli import exit_on_user_error
+
+    raise SystemExit(exit_on_user_error(main))

@@ -1,0 +1,171 @@
+"""Dense-reward PPO for RLFH: actor + critic, token rewards from verified atomic statements, GAE.
+
+    nemo-factuality train ppo --config-name rlfh model.path=/models/qwen7b data.train=hotpot_train.jsonl
+    python -m nemo_factuality.trainers.ppo --config-name rlfh remote_rm.url=$FACTUALITY_REWARD_URL
+
+One step:
+
+1. **rollout** — one response per prompt (``ppo.num_prompts_per_step`` prompts).
+2. **reward** — the RLFH reward's ``token_rewards`` (``r_truth`` at each statement's last token,
+   ``r_info`` at each sentence end, the missing-EOS penalty on the last token); a reward without token
+   rewards puts its scalar on the last action, as NeMo-Aligner does (index ``response_length − 2``).
+3. **advantage** — ``r_t − β·KL_t`` (k3, in the reward: RLFH/OpenRLHF), GAE(γ, λ) against the critic's
+   values, returns = advantages + values; advantages whitened over the batch with the unbiased
+   variance (verl). A NaN score (abstention, failed judge) removes the sample from both losses.
+4. **loss** — actor: PPO clip (+ dual clip) − entropy bonus; critic: clipped value loss
+   ``0.5·max((clip(v, v_old ± c) − R)², (v − R)²)``. The first ``ppo.critic_warmup_steps`` steps train
+   only the critic, so the actor does not follow the advantages of an untrained value model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from nemo_factuality.algorithms import (
+    dense_rewards_with_kl, gae, kl_penalty, masked_mean, masked_whiten, ppo_policy_loss, response_mask, value_loss,
+)
+from nemo_factuality.trainers.config import PPOConfig
+from nemo_factuality.trainers.data import PromptRecord
+from nemo_factuality.trainers.grpo import GRPOTrainer
+from nemo_factuality.trainers.interfaces import Critic, PolicyActor, Rollout
+from nemo_factuality.trainers.runtime import PhaseTimer, place_on_tokens, response_stats, score_rollout
+from nemo_factuality.types import RewardBatch
+
+log = logging.getLogger(__name__)
+
+
+def token_reward_tensor(rewards: RewardBatch, rollout: Rollout) -> torch.Tensor:
+    """``[B, S-1]`` rewards: the reward's token rewards, or its scalar on the last action (``response_length − 2``)."""
+    dense = place_on_tokens(rewards.token_rewards, rollout)
+    if dense is not None:
+        return torch.nan_to_num(dense)
+    out = torch.zeros(rollout.tokens.shape[0], rollout.tokens.shape[1] - 1)
+    scores = torch.as_tensor(rewards.scores, dtype=torch.float32)
+    rows = torch.arange(len(rollout))
+    out[rows, rollout.response_lengths - 2] = torch.nan_to_num(scores)
+    return out
+
+
+class PPOTrainer(GRPOTrainer):
+    """PPO with a critic; reuses the GRPO stage's loop, checkpoints, validation and logging."""
+
+    stage = "ppo"
+
+    def __init__(self, cfg: PPOConfig, actor: PolicyActor, critic: Critic, reward: Any, train_data: Sequence[PromptRecord],
+                 *, run_dir: Path, validate: Any = None, val_data: Sequence[PromptRecord] | None = None) -> None:
+        super().__init__(cfg, actor, reward, train_data, run_dir=run_dir, validate=validate, val_data=val_data)  # type: ignore[arg-type]
+        self.critic = critic  # saved and restored with the actor by the shared checkpoint code
+
+    def train_one_step(self) -> dict[str, float]:
+        timer = PhaseTimer()
+        with timer("step"):
+            picked = self.sampler.take(self.cfg.ppo.num_prompts_per_step)
+            records = [self.data[i] for i in picked]
+            with timer("generate"):
+                rollout = self.actor.generate([self.prompt_ids[i] for i in picked], self.sampling)
+            with timer("reward"):
+                rewards, _ = score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id)
+            with timer("logprobs"):
+                experience, metrics = self.make_ppo_experience(rollout, rewards)
+            with timer("train"):
+                metrics.update(self.update_ppo(experience))
+        metrics.update(rewards.log_dict("reward"))
+        metrics.update(response_stats(rollout))
+        metrics.update(timer.times)
+        return metrics
+
+    def make_ppo_experience(self, rollout: Rollout, rewards: RewardBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        p = self.cfg.ppo
+        s1 = rollout.tokens.shape[1] - 1
+        mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, s1)
+        valid = ~torch.isnan(torch.as_tensor(rewards.scores, dtype=torch.float32))
+        if p.truncated == "mask":
+            valid &= rollout.is_end
+        mask = mask * valid.unsqueeze(1).to(mask.dtype)
+        old_logprobs = self.actor.logprobs(rollout)
+        values = self.critic.values(rollout)
+        token_rewards = token_reward_tensor(rewards, rollout)
+        kl = torch.zeros_like(old_logprobs)
+        if p.initial_policy_kl_penalty > 0:
+            kl = kl_penalty(old_logprobs, self.actor.reference_logprobs(rollout), p.kl_estimator)
+        shaped = dense_rewards_with_kl(token_rewards, kl, mask, p.initial_policy_kl_penalty)
+        advantages, returns = gae(shaped, values, mask, p.discount_factor, p.gae_lambda)
+        if p.normalize_advantages and mask.sum() > 1:
+            advantages = masked_whiten(advantages, mask, unbiased=True)
+        exp = {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
+               "old_logprobs": old_logprobs, "old_values": values * mask, "returns": returns * mask,
+               "advantages": advantages * mask, "mask": mask}
+        any_tok = mask.sum() > 0
+        metrics = {"kl": masked_mean(kl, mask).item() if any_tok else 0.0, "valid_frac": valid.float().mean().item(),
+                   "reward/token_sum": (token_rewards * mask).sum(-1)[valid].mean().item() if valid.any() else math.nan,
+                   "values/mean": masked_mean(values, mask).item() if any_tok else 0.0,
+                   "returns/mean": masked_mean(returns, mask).item() if any_tok else 0.0}
+        return exp, metrics
+
+    def actor_loss(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], *, global_tokens: float,
+                   global_seqs: float) -> tuple[torch.Tensor, dict[str, float]]:
+        m = self.cfg.model
+        loss, metrics = ppo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["mask"], eps=m.ratio_eps,
+                                        eps_high=m.ratio_eps_high, clip_ratio_c=m.clip_ratio_c, agg=m.loss_agg,
+                                        global_tokens=global_tokens, global_seqs=global_seqs,
+                                        entropy=out.get("entropy"), entropy_coef=m.entropy_bonus)
+        return loss, {"loss/policy": loss.item(), **metrics}
+
+    def critic_loss(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], *,
+                    global_tokens: float) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = value_loss(out["values"], mb["old_values"], mb["returns"], mb["mask"], self.cfg.critic.loss_clip_val,
+                          global_tokens=global_tokens)
+        return loss, {"loss/value": loss.item()}
+
+    def update_ppo(self, exp: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        m = self.cfg.model
+        b = exp["tokens"].shape[0]
+        train_actor = self.step >= self.cfg.ppo.critic_warmup_steps
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(self.cfg.ppo.num_epochs):
+            order = torch.randperm(b)
+            for start in range(0, b, m.global_batch_size):
+                idx = order[start : start + m.global_batch_size]
+                mb = {k: v[idx] for k, v in exp.items()}
+                global_tokens = float(mb["mask"].sum())
+                if global_tokens == 0:
+                    continue
+                global_seqs = float((mb["mask"].sum(-1) > 0).sum())
+                n_micro = math.ceil(len(idx) / self.cfg.critic.micro_batch_size)
+                result = self.critic.train_step(mb, partial(self.critic_loss, global_tokens=global_tokens),
+                                                micro_batch_size=self.cfg.critic.micro_batch_size)
+                _accumulate(totals, {f"critic/{k}" if k == "grad_norm" else k: v for k, v in result.items()}, n_micro)
+                if train_actor:
+                    fn = partial(self.actor_loss, global_tokens=global_tokens, global_seqs=global_seqs)
+                    result = self.actor.train_step(mb, fn, micro_batch_size=m.micro_batch_size,
+                                                   need_entropy=m.entropy_bonus > 0)
+                    _accumulate(totals, result, math.ceil(len(idx) / m.micro_batch_size))
+                steps += 1
+        out = {k: v / max(steps, 1) for k, v in totals.items()}
+        out["actor_trained"] = float(train_actor)
+        return out
+
+
+def _accumulate(totals: dict[str, float], result: Mapping[str, float], n_micro: int) -> None:
+    for k, v in result.items():
+        totals[k] = totals.get(k, 0.0) + v * (n_micro if k.startswith("loss/") else 1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from nemo_factuality.trainers.cli import run_stage
+
+    return run_stage("ppo", argv)
+
+
+if __name__ == "__main__":
+    from nemo_factuality.trainers.cli import exit_on_user_error
+
+    raise SystemExit(exit_on_user_error(main))
+

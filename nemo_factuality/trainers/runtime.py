@@ -1,0 +1,340 @@
+"""What every stage needs besides its algorithm: run directory, metrics, checkpoints, signals, reward calls.
+
+* ``RunLogger``: ``metrics.jsonl`` (one object per step), TensorBoard, optional wandb.
+* ``Checkpointer``: ``<run>/checkpoints/step_XXXXXX/`` written to a temporary directory and renamed
+  when complete, ``latest`` pointer, the newest ``save_top_k`` kept (plus the best one under early
+  stopping). A checkpoint holds the actor's (and critic's) full state plus ``trainer_state.json``:
+  step, data position, counters, early-stopping state and every RNG (torch, numpy, python).
+* ``PreemptionFlag``: SIGUSR1 (Slurm's ``--signal=B:USR1@...``) and SIGTERM set a flag; the stage
+  checkpoints at the end of the step and exits 0 so the launcher's requeue resumes it.
+* ``score_rollout``: decode a rollout, call the reward, place token rewards/signs on ``[B, S-1]``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from nemo_factuality.trainers.data import PromptRecord
+from nemo_factuality.trainers.interfaces import Rollout
+from nemo_factuality.types import FactualityInputError, RewardBatch
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- RNG
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _rng_to_json(state: Mapping[str, Any]) -> dict[str, Any]:
+    version, internal, gauss = state["python"]
+    np_state = state["numpy"]
+    out = {"python": [version, list(internal), gauss],
+           "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])]}
+    return out
+
+
+def set_rng_state(tensors: Mapping[str, torch.Tensor], js: Mapping[str, Any]) -> None:
+    version, internal, gauss = js["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = js["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(tensors["cuda"]))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------------- logging
+class RunLogger:
+    """One JSON object per step in ``metrics.jsonl``; the same scalars to TensorBoard (and wandb when enabled)."""
+
+    def __init__(self, run_dir: Path, exp: Any, config: Any) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self._tb = self._wandb = None
+        if exp.create_tensorboard_logger:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:
+                log.warning("tensorboard is not installed; install nemo-factuality[train] for TensorBoard logs")
+        if exp.create_wandb_logger:
+            import wandb  # an explicit opt-in: fail loudly if missing
+
+            self._wandb = wandb.init(project=exp.wandb_project, name=exp.wandb_name, dir=str(run_dir),
+                                     config=asdict(config) if is_dataclass(config) else None)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(record) + "\n")
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and np.isfinite(v):
+                if self._tb is not None:
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(dict(metrics), step=step)
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop lines of steps after the checkpoint (they will be redone)."""
+        if not self.path.exists():
+            return
+        kept = [ln for ln in self.path.read_text(encoding="utf-8").splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (np.floating, np.integer)):
+        v = v.item()
+    if isinstance(v, float) and not np.isfinite(v):
+        return None
+    return v
+
+
+class PhaseTimer:
+    """``with timer("generate"): ...`` accumulates seconds per phase into ``time/<phase>``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+class Checkpointer:
+    def __init__(self, run_dir: Path, keep: int) -> None:
+        self.root, self.keep = run_dir / "checkpoints", max(1, keep)
+        self.best: str | None = None  # a checkpoint early stopping wants kept
+
+    def latest(self) -> Path | None:
+        pointer = self.root / "latest"
+        if not pointer.exists():
+            return None
+        path = self.root / pointer.read_text().strip()
+        if not (path / "trainer_state.json").exists():
+            raise FactualityInputError(f"{pointer} names {path.name}, which is incomplete; delete {pointer} to start over "
+                                       "or point exp_manager.explicit_log_dir at a new directory")
+        return path
+
+    def save(self, step: int, actor: Any, critic: Any, state: Mapping[str, Any]) -> Path:
+        name = f"step_{step:06d}"
+        final, tmp = self.root / name, self.root / f".{name}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        actor.save(tmp)
+        if critic is not None:
+            critic.save(tmp)
+        rng = rng_state()
+        torch.save({k: v for k, v in rng.items() if k in ("torch", "cuda")}, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "rng": _rng_to_json(rng)}), encoding="utf-8")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer_tmp = self.root / ".latest.tmp"
+        pointer_tmp.write_text(name)
+        os.replace(pointer_tmp, self.root / "latest")
+        self._prune()
+        log.info("checkpoint saved: %s", final)
+        return final
+
+    def _prune(self) -> None:
+        steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        for old in steps[: -self.keep]:
+            if old.name != self.best:
+                shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def load(path: Path, actor: Any, critic: Any) -> dict[str, Any]:
+        actor.load(path)
+        if critic is not None:
+            critic.load(path)
+        state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        set_rng_state(torch.load(path / "rng.pt", weights_only=True), state.pop("rng"))
+        return state
+
+
+class PreemptionFlag:
+    """Set by SIGUSR1/SIGTERM; the stage checkpoints at the end of the current step and exits."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "PreemptionFlag":
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+        log.warning("%s received: checkpointing at the end of this step, then exiting", self.signal)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+class EarlyStopping:
+    def __init__(self, cfg: Any) -> None:
+        self.cfg, self.best, self.best_step, self.bad = cfg, None, None, 0
+
+    def update(self, step: int, metrics: Mapping[str, float]) -> tuple[bool, bool]:
+        """(improved, should_stop) after a validation."""
+        if self.cfg.monitor is None:
+            return False, False
+        if self.cfg.monitor not in metrics:
+            raise FactualityInputError(f"trainer.early_stopping.monitor={self.cfg.monitor!r} is not among the validation "
+                                       f"metrics {sorted(metrics)}")
+        value = float(metrics[self.cfg.monitor])
+        better = self.best is None or (value > self.best if self.cfg.mode == "max" else value < self.best)
+        if better:
+            self.best, self.best_step, self.bad = value, step, 0
+        else:
+            self.bad += 1
+        return better, self.bad >= self.cfg.patience
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best, "best_step": self.best_step, "bad": self.bad}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best, self.best_step, self.bad = state["best"], state["best_step"], state["bad"]
+
+
+# ---------------------------------------------------------------------------------------------- prompts and rewards
+def encode_prompts(records: Sequence[PromptRecord], tokenizer: Any, apply_chat_template: bool,
+                   max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids of each record's prompt as the policy sees it (chat template or raw text)."""
+    out = []
+    for rec in records:
+        if rec.messages is not None and apply_chat_template and not rec.verbatim:
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise FactualityInputError("data.apply_chat_template=true but the tokenizer has no chat template; "
+                                           "set data.apply_chat_template=false to use raw prompts")
+            ids = tokenizer.apply_chat_template(rec.messages, add_generation_prompt=True, tokenize=True)
+            ids = list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
+        else:
+            text = "".join(m["content"] for m in rec.messages) if rec.verbatim and rec.messages else rec.prompt
+            ids = tokenizer(text, add_special_tokens=not rec.verbatim)["input_ids"]
+        if len(ids) > max_prompt_tokens:
+            raise FactualityInputError(f"{rec.where or 'prompt'}: {len(ids)} prompt tokens > data.max_prompt_tokens="
+                                       f"{max_prompt_tokens}; shorten it or raise the limit")
+        out.append(list(ids))
+    return out
+
+
+def completions_of(rollout: Rollout, tokenizer: Any, eos_id: int) -> tuple[list[str], list[list[int]]]:
+    """(text, ids) of each response without its EOS.
+
+    Special tokens the policy emitted mid-response stay in ``ids`` but not in the text (they cover no
+    characters; ``text.alignment`` gives them empty ranges), so the reward judges readable text while
+    token rewards still land one per id.
+    """
+    ids = [rollout.response_ids(i, eos_id=eos_id) for i in range(len(rollout))]
+    return [tokenizer.decode(x, skip_special_tokens=True, clean_up_tokenization_spaces=False) for x in ids], ids
+
+
+def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord], tokenizer: Any,
+                  eos_id: int) -> tuple[RewardBatch, list[str]]:
+    """Call ``reward(prompts, completions, completion_ids=..., is_end=..., **columns)`` for a rollout.
+
+    ``records[i]`` is the prompt record of rollout row ``i``. Token-level outputs must have one entry
+    per response token (``completion_ids``); anything else is a reward bug and raises.
+    """
+    completions, ids = completions_of(rollout, tokenizer, eos_id)
+    names = sorted({k for r in records for k in r.columns})
+    columns = {k: [r.columns.get(k) for r in records] for k in names}
+    batch = reward([r.prompt for r in records], completions, completion_ids=ids,
+                   is_end=[bool(x) for x in rollout.is_end.tolist()], **columns)
+    if len(batch) != len(rollout):
+        raise RuntimeError(f"reward returned {len(batch)} scores for {len(rollout)} completions")
+    for attr in ("token_rewards", "token_signs"):
+        values = getattr(batch, attr)
+        if values is None:
+            continue
+        for i, (v, x) in enumerate(zip(values, ids)):
+            if len(v) != len(x):
+                raise RuntimeError(f"reward {attr}[{i}] has {len(v)} entries for {len(x)} response tokens")
+    return batch, completions
+
+
+def place_on_tokens(values: Sequence[np.ndarray] | None, rollout: Rollout, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """Per-response-token arrays → ``[B, S-1]`` at action positions ``prompt_len - 1 + j`` (0 elsewhere)."""
+    if values is None:
+        return None
+    out = torch.zeros(rollout.tokens.shape[0], rollout.tokens.shape[1] - 1, dtype=dtype)
+    for i, v in enumerate(values):
+        if len(v):
+            start = int(rollout.prompt_lengths[i]) - 1
+            out[i, start : start + len(v)] = torch.as_tensor(np.asarray(v), dtype=dtype)
+    return out
+
+
+def build_reward(cfg: Any, tokenizer: Any) -> Any:
+    """The in-process reward (``reward:`` block, built by name) or the served one (``remote_rm``), health-checked."""
+    url = cfg.remote_rm.resolved_url()
+    if url is not None:
+        from nemo_factuality.serving.client import RemoteFactualityReward
+
+        reward = RemoteFactualityReward(url, model_name=cfg.remote_rm.reward_model.name, timeout_s=cfg.remote_rm.timeout_s,
+                                        init_timeout_s=cfg.remote_rm.init_timeout_s)
+        down = {k: v for k, v in reward.health().items() if v}
+        if down:
+            raise FactualityInputError(f"remote_rm: the reward server is not ready: {'; '.join(down.values())} "
+                                       "(check remote_rm.url / remote_rm.reward_model.ip and that `nemo-factuality serve` runs)")
+        return reward
+    import inspect
+
+    from nemo_factuality.registry import REWARDS
+
+    spec = dict(cfg.reward)
+    factory = REWARDS.get(spec["name"])
+    # Token-level rewards need the policy's tokenizer: hand it over unless the config names one.
+    if "tokenizer" in inspect.signature(factory).parameters and spec.get("tokenizer") is None:
+        spec["tokenizer"] = tokenizer
+    return REWARDS.build(spec)
+
+
+def records_for_rows(records: Sequence[PromptRecord], repeats: int) -> list[PromptRecord]:
+    return [r for r in records for _ in range(repeats)]
+
+
+def response_stats(rollout: Rollout) -> dict[str, float]:
+    lengths = (rollout.response_lengths - rollout.prompt_lengths).float()
+    return {"response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+            "is_end_frac": rollout.is_end.float().mean().item()}

@@ -1,0 +1,33 @@
+"""Fixtures for the training-stage tests: a tiny policy with non-default settings and a tiny NLI model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_factuality.testing.training import build_policy
+
+
+@pytest.fixture(scope="session")
+def tiny_policy(tmp_path_factory) -> Path:
+    return build_policy(tmp_path_factory.mktemp("tiny_policy"))
+
+
+@pytest.fixture(scope="session")
+def tiny_nli(tmp_path_factory, tiny_policy) -> Path:
+    """A 2-label sequence classifier (contradiction / entailment) with the same tokenizer, for nli verifiers."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
+
+    out = tmp_path_factory.mktemp("tiny_nli")
+    tok = AutoTokenizer.from_pretrained(str(tiny_policy))
+    tok.save_pretrained(str(out))
+    torch.manual_seed(1)
+    cfg = Qwen2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      intermediate_size=64, vocab_size=len(tok), num_labels=2, pad_token_id=tok.pad_token_id,
+                      id2label={0: "contradiction", 1: "entailment"}, label2id={"contradiction": 0, "entailment": 1})
+    Qwen2ForSequenceClassification(cfg).save_pretrained(str(out))
+    return out
+
+

@@ -1,0 +1,133 @@
+"""The GRPO stage on the hf backend: learning on a toy reward, the advantage rules, checkpoint/resume."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from nemo_factuality.trainers.backends.hf import HFActor
+from nemo_factuality.trainers.config import GRPOConfig
+from nemo_factuality.trainers.grpo import GRPOTrainer
+from nemo_factuality.trainers.interfaces import Rollout
+from nemo_factuality.types import RewardBatch
+
+from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
+
+
+def grpo_cfg(policy, run_dir, **over) -> GRPOConfig:
+    cfg = GRPOConfig()
+    cfg.model.path = str(policy)
+    cfg.model.optim.lr = 3e-3
+    cfg.model.length_params.max_length = 6
+    cfg.model.global_batch_size, cfg.model.micro_batch_size = 16, 8
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_rollouts_per_prompt = 4, 8
+    cfg.grpo.truncated = "keep"  # the random tiny model rarely stops: learn from every sample
+    cfg.trainer.max_steps, cfg.trainer.progress_bar, cfg.trainer.save_interval = 20, False, 0
+    cfg.exp_manager.explicit_log_dir = str(run_dir)
+    cfg.exp_manager.create_tensorboard_logger = False
+    cfg.reward = {"name": "toy"}
+    for key, value in over.items():
+        obj = cfg
+        *path, last = key.split(".")
+        for p in path:
+            obj = getattr(obj, p)
+        setattr(obj, last, value)
+    return cfg
+
+
+def run(cfg, reward, n_prompts=8, seed=0):
+    torch.manual_seed(seed)
+    actor = HFActor(cfg.model, max_steps=100)
+    trainer = GRPOTrainer(cfg, actor, reward, prompts(n_prompts), run_dir=cfg.exp_manager.explicit_log_dir)
+    return trainer.fit(), actor
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_raises_a_known_reward_well_outside_noise(tiny_policy, tmp_path, seed):
+    history, _ = run(grpo_cfg(tiny_policy, tmp_path / "run"), good_fraction, seed=seed)
+    rewards = [h["reward/score"] for h in history]
+    start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    noise = np.std(rewards[:3]) + 1e-3  # step-to-step spread of the untrained policy
+    assert end - start > 0.25 and end - start > 5 * noise, rewards
+    assert all(math.isfinite(h["loss/policy"]) and math.isfinite(h["loss/kl"]) for h in history)
+
+
+def _synthetic(trainer, scores, is_end, signs=None):
+    """Two prompts × two samples of a fixed rollout through make_experience."""
+    tokens = torch.tensor([[5, 6, 7, 8, 9, 0]] * 4)
+    rollout = Rollout(tokens, torch.tensor([2, 2, 2, 2]), torch.tensor([6, 6, 5, 6]), torch.tensor(is_end))
+    return trainer.make_experience(rollout, np.array(scores, dtype=np.float64), signs)
+
+
+@pytest.fixture()
+def trainer(tiny_policy, tmp_path):
+    cfg = grpo_cfg(tiny_policy, tmp_path / "unit", **{"grpo.num_prompts_per_step": 2, "grpo.num_rollouts_per_prompt": 2,
+                                                      "grpo.truncated": "mask", "grpo.initial_policy_kl_penalty": 0.0})
+    return GRPOTrainer(cfg, HFActor(cfg.model, max_steps=1), good_fraction, prompts(2), run_dir=tmp_path / "unit")
+
+
+def test_nan_rewards_and_truncated_samples_leave_the_loss(trainer):
+    exp, metrics = _synthetic(trainer, [1.0, 0.0, float("nan"), 2.0], [True, True, True, False])
+    # group 0: (1, 0) → ±1/std; group 1: the NaN row and the truncated row are both out, no signal left
+    assert exp["mask"][2].sum() == 0 and exp["mask"][3].sum() == 0
+    assert exp["advantages"][2:].abs().sum() == 0
+    adv0 = exp["advantages"][0][exp["mask"][0] > 0]
+    assert torch.allclose(adv0, torch.full_like(adv0, 1 / math.sqrt(0.5) / 2 * 1), atol=1e-4)  # (1-0.5)/std(1,0)=0.707
+    assert metrics["valid_frac"] == 0.5
+    # the response mask keeps one EOS: positions [prompt_len-1, response_len-1) = [1, 5)
+    assert exp["mask"][0].tolist() == [0, 1, 1, 1, 1]
+
+
+def test_fspo_signs_flip_token_advantages(trainer):
+    signs = [np.array([1, -1, 0, 1], dtype=np.int8), np.array([1, -1, 0, 1], dtype=np.int8),
+             np.array([0, 0, 0], dtype=np.int8), np.array([0, 0, 0, 0], dtype=np.int8)]
+    exp, metrics = _synthetic(trainer, [1.0, 0.0, 1.0, 0.0], [True] * 4, signs)
+    a0, a1 = exp["advantages"][0, 1:5], exp["advantages"][1, 1:5]
+    # row 0 has A > 0: the −1 token turns negative; row 1 has A < 0: the +1 tokens turn positive
+    assert (a0 > 0).tolist() == [True, False, True, True]
+    assert (a1 > 0).tolist() == [True, False, False, True]
+    assert metrics["fspo/flip_frac"] > 0
+
+
+def test_resume_gives_the_same_next_steps(tiny_policy, tmp_path):
+    full_dir, split_dir = tmp_path / "full", tmp_path / "split"
+    full, _ = run(grpo_cfg(tiny_policy, full_dir, **{"trainer.max_steps": 4}), good_fraction)
+    # the interrupted run: stop after 2 steps (checkpoint), then a fresh actor resumes to step 4
+    run(grpo_cfg(tiny_policy, split_dir, **{"trainer.max_steps": 2}), good_fraction)
+    torch.manual_seed(123)  # a different global RNG state: resume must restore the checkpoint's
+    resumed, _ = run(grpo_cfg(tiny_policy, split_dir, **{"trainer.max_steps": 4}), good_fraction, seed=123)
+    assert len(resumed) == 2
+    keys = ("reward/score", "loss/policy", "loss/kl", "kl", "grad_norm", "response_length/mean")
+    for a, b in zip(full[2:], resumed):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    assert [m["step"] for m in read_metrics(split_dir)] == [1, 2, 3, 4]
+    assert (split_dir / "final" / "config.json").exists()
+
+
+def test_early_stopping_restores_the_best_weights(tiny_policy, tmp_path):
+    scores = iter([0.5, 0.9, 0.1, 0.2, 0.3, 0.4])
+    cfg = grpo_cfg(tiny_policy, tmp_path / "es", **{"trainer.max_steps": 10, "trainer.val_check_interval": 1})
+    cfg.trainer.early_stopping.monitor, cfg.trainer.early_stopping.patience = "val/score", 2
+    torch.manual_seed(0)
+    actor = HFActor(cfg.model, max_steps=100)
+    trainer = GRPOTrainer(cfg, actor, good_fraction, prompts(8), run_dir=tmp_path / "es",
+                          validate=lambda step: {"val/score": next(scores)})
+    history = trainer.fit()
+    assert len(history) == 4  # best at step 2, then two validations without improvement
+    from safetensors.torch import load_file
+
+    best = load_file(tmp_path / "es" / "checkpoints" / "step_000002" / "policy.safetensors")
+    now = actor.model.state_dict()
+    assert all(torch.equal(best[k], now[k]) for k in best)
+
+
+def test_abstaining_reward_skips_the_update(tiny_policy, tmp_path):
+    def abstain(prompts, completions, **_):
+        return RewardBatch(np.full(len(completions), np.nan))
+
+    history, actor = run(grpo_cfg(tiny_policy, tmp_path / "nan", **{"trainer.max_steps": 1}), abstain)
+    assert history[0]["skipped_minibatches"] == 2 and history[0]["optimizer_steps"] == 0
+    assert history[0]["reward/abstain_frac"] == 1.0
