@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", choices=("pytriton", "inprocess"), default="pytriton",
                    help="serve the lab reward on PyTriton in this process (default) or call it in-process")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="GRPO stage overrides on conf/lab/grpo.yaml, e.g. model.optim.lr=5e-5 trainer.max_steps=40")
     return p
 
 
@@ -55,8 +57,11 @@ def main(argv: Sequence[str]) -> int:
             raise FactualityInputError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     cfg = quick_config(args.seed) if args.quick else LabConfig(seed=args.seed)
-    cfg = replace(cfg, compare=args.compare, reward_transport=args.reward,
-                  world=replace(cfg.world, seed=args.seed), rl=replace(cfg.rl, seed=args.seed))
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        raise FactualityInputError(f"overrides must look like key=value, got {bad}")
+    cfg = replace(cfg, compare=args.compare, reward_transport=args.reward, grpo_overrides=tuple(args.overrides),
+                  world=replace(cfg.world, seed=args.seed))
     report = run_lab(cfg, args.out)
     print((args.out / "report.md").read_text(encoding="utf-8"))
     print(json.dumps(report["summary"], indent=2))

@@ -85,8 +85,8 @@ def write_plots(report: dict[str, Any], curves: dict[str, Any], plots: Path) -> 
     plots.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for name, info in curves.items():
-        ax.plot([r["step"] for r in info["train"]], [r["reward"] for r in info["train"]], alpha=0.5, label=f"{name} train")
-        ax.plot([r["step"] for r in info["val"]], [r["val_reward"] for r in info["val"]], marker="o", label=f"{name} val")
+        ax.plot([r["step"] for r in info["train"]], [r["reward/score"] for r in info["train"]], alpha=0.5, label=f"{name} train")
+        ax.plot([r["step"] for r in info["val"]], [r["val/lab_reward"] for r in info["val"]], marker="o", label=f"{name} val")
     ax.set_xlabel("RL step")
     ax.set_ylabel("lab reward")
     ax.legend(fontsize=7)

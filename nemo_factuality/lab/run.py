@@ -6,6 +6,7 @@ Run folder layout::
     DIR/kb.sqlite                                               the knowledge store (passages + facts)
     DIR/checkpoints/base, DIR/checkpoints/rl[_<variant>]         HF checkpoints (tokenizer included)
     DIR/metrics/pretrain.jsonl, rl[_<variant>]_{train,val}.jsonl
+    DIR/rl/<variant>/                                           the GRPO stage's run dir (metrics.jsonl, checkpoints, final/)
     DIR/eval/<set>_<when>/                                      each ``nemo-factuality eval`` run
     DIR/report.json, report.md, plots/*.png
 """
@@ -17,17 +18,16 @@ import json
 import logging
 import resource
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 
 from nemo_factuality.lab import world as W
 from nemo_factuality.lab.evaluate import responses_for, run_eval
-from nemo_factuality.lab.policy import PolicyConfig, build_policy, encode_docs, pretrain, sample, train_tokenizer
-from nemo_factuality.lab.rl import RLConfig, train_rl
+from nemo_factuality.lab.policy import PolicyConfig, build_policy, encode_docs, pretrain, train_tokenizer
+from nemo_factuality.lab.train import lab_reward, train_grpo
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +40,11 @@ class LabConfig:
     n_val: tuple[int, int, int] = (10, 15, 25)
     n_heldout: tuple[int, int, int] = (40, 40, 40)
     policy: PolicyConfig = PolicyConfig()
-    pretrain_budget_s: float = 300.0
-    pretrain_steps: int = 1500
+    pretrain_budget_s: float = 600.0  # a cap on wall time; the step count is the setting
+    pretrain_steps: int = 800
     reward: dict[str, Any] = field(default_factory=lambda: {"name": "lab_slots", "wrong_penalty": 1.0, "mode": "dual"})
-    rl: RLConfig = RLConfig()
+    grpo_preset: str = "grpo"  # conf/lab/<preset>.yaml: the GRPO stage's config
+    grpo_overrides: tuple[str, ...] = ()  # key=value on top of it
     eval_samples: int = 4
     tau: float = 0.5
     reward_transport: str = "pytriton"  # pytriton | inprocess
@@ -52,32 +53,11 @@ class LabConfig:
 
 
 def quick_config(seed: int = 0) -> LabConfig:
-    return LabConfig(world=W.WorldConfig(n_people=(30, 60, 150), bios_per_person=(16, 4, 1), seed=seed),
-                     n_val=(5, 5, 10), n_heldout=(10, 15, 25), pretrain_budget_s=70.0, pretrain_steps=400,
-                     rl=RLConfig(max_steps=25, budget_s=50.0, prompts_per_step=16, val_every=5, patience=3, seed=seed),
-                     eval_samples=2, seed=seed)
-
-
-@contextlib.contextmanager
-def reward_endpoint(cfg: LabConfig, kb: Path, tokenizer_dir: Path, reward_spec: dict[str, Any]) -> Iterator[Any]:
-    """The lab reward, served on PyTriton in this process (default) or called in-process."""
-    from nemo_factuality.registry import REWARDS
-
-    spec = {**reward_spec, "store_path": str(kb), "tokenizer": str(tokenizer_dir)}
-    reward = REWARDS.build(spec)
-    if cfg.reward_transport == "inprocess":
-        yield reward
-        return
-    from nemo_factuality.serving.client import RemoteFactualityReward
-    from nemo_factuality.serving.config import ServeConfig
-    from nemo_factuality.serving.server import FactualityRewardServer
-    from nemo_factuality.testing.ports import free_ports
-
-    ports = free_ports(5)
-    serve_cfg = ServeConfig(reward=spec, policy_tokenizer=str(tokenizer_dir), host="127.0.0.1", http_port=ports[0],
-                            grpc_port=ports[1], triton_metrics_port=ports[2], health_port=ports[3], metrics_port=ports[4])
-    with FactualityRewardServer(serve_cfg, reward):
-        yield RemoteFactualityReward(f"http://127.0.0.1:{ports[0]}")
+    """A small world a 2-layer policy memorises in a few hundred steps (CI: under 3 minutes)."""
+    return LabConfig(world=W.WorldConfig(n_people=(20, 30, 60), bios_per_person=(12, 3, 1), seed=seed),
+                     n_val=(4, 4, 8), n_heldout=(6, 8, 16), pretrain_budget_s=120.0, pretrain_steps=300,
+                     policy=PolicyConfig(hidden=96, layers=2, heads=4, intermediate=256),
+                     grpo_preset="grpo_quick", eval_samples=4, seed=seed)
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -133,37 +113,21 @@ def rl_sample(splits: W.Splits, people: list[W.Person], n_heldout: tuple[int, in
     return out
 
 
-def make_validator(model, tok, reward, val_names: list[str], n: int):
-    """``validate(step)``: mean lab reward, precision and claims on the validation entities."""
-    prompts = [W.prompt_for(x) for x in val_names]
-
-    def validate(step: int) -> dict[str, float]:
-        samples = sample(model, tok, prompts, n=n, seed=10_000 + step)
-        batch = reward([s.prompt for s in samples], [s.response for s in samples])
-        comp = batch.components
-        return {"val_reward": float(np.mean(batch.scores)),
-                "val_precision": float(comp["supported"].sum() / max(comp["claims"].sum(), 1)),
-                "val_claims": float(np.mean(comp["claims"]))}
-
-    return validate
-
-
-def run_rl_variant(cfg: LabConfig, name: str, reward_spec: dict, rl_cfg: RLConfig, base: Path, kb: Path,
+def run_rl_variant(cfg: LabConfig, name: str, reward_spec: dict, overrides: list[str], base: Path, kb: Path,
                    splits: W.Splits, out: Path) -> tuple[Any, dict[str, Any]]:
-    """Train one RL variant from the base checkpoint; save it and its metrics. Returns (model, info)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Train one RL variant with the GRPO stage from the base checkpoint; export it and its metrics."""
+    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base).eval()
-    with reward_endpoint(cfg, kb, base, reward_spec) as reward:
-        validate = make_validator(model, tok, reward, splits.val, n=cfg.eval_samples)
-        train_log, val_log = train_rl(model, tok, reward, [W.prompt_for(x) for x in splits.rl], rl_cfg, validate)
+    spec = {**reward_spec, "store_path": str(kb), "tokenizer": str(base)}
+    with lab_reward(cfg.reward_transport, spec, base) as (reward, reward_overrides):
+        model, train_log, val_log = train_grpo(cfg.grpo_preset, [*reward_overrides, f"trainer.seed={cfg.seed}", *overrides],
+                                               base, out / "rl" / name, reward, splits.rl, splits.val, cfg.eval_samples)
     ckpt = out / "checkpoints" / name
     model.save_pretrained(ckpt)
-    tok.save_pretrained(ckpt)
+    AutoTokenizer.from_pretrained(base).save_pretrained(ckpt)
     _write_jsonl(out / "metrics" / f"{name}_train.jsonl", train_log)
     _write_jsonl(out / "metrics" / f"{name}_val.jsonl", val_log)
-    best = max(val_log, key=lambda v: v["val_reward"])
+    best = max(val_log, key=lambda v: v["val/lab_reward"])
     return model, {"steps": len(train_log), "best_step": best["step"], "train": train_log, "val": val_log}
 
 
@@ -173,10 +137,11 @@ def evaluate(model, tok, names: list[str], tiers: dict[str, str], kb: Path, out_
     return run_eval(rows, kb, out_dir)
 
 
-def compare_variants(cfg: LabConfig) -> dict[str, tuple[dict, RLConfig]]:
-    """``--compare`` columns: precision-only vs the dual reward; slot-level dense vs response-level advantages."""
-    return {"rl_precision_only": ({**cfg.reward, "mode": "precision"}, cfg.rl),
-            "rl_slot_dense": (cfg.reward, replace(cfg.rl, advantage="slot"))}
+def compare_variants(cfg: LabConfig) -> dict[str, tuple[dict, list[str]]]:
+    """``--compare`` columns (KLCF's point and RLFH/FSPO's): a precision-only reward instead of the dual one,
+    and a response-level advantage (no per-sentence FSPO signs) instead of the sentence-level one."""
+    return {"rl_precision_only": ({**cfg.reward, "mode": "precision"}, []),
+            "rl_response_level": (cfg.reward, ["grpo.fspo_flip=false"])}
 
 
 def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
@@ -201,7 +166,7 @@ def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
         report["references"][f"threshold_tau{cfg.tau:g}"] = evaluate(model, tok, splits.heldout, tiers, kb,
                                                                     out / "eval" / "heldout_threshold", cfg, tau=cfg.tau)
     with clock.phase("rl"):
-        rl_model, info = run_rl_variant(cfg, "rl", cfg.reward, cfg.rl, base, kb, splits, out)
+        rl_model, info = run_rl_variant(cfg, "rl", cfg.reward, list(cfg.grpo_overrides), base, kb, splits, out)
     report["training"] = {"rl": {k: v for k, v in info.items() if k not in ("train", "val")}}
     with clock.phase("eval_after"):
         report["heldout"]["after"] = evaluate(rl_model, tok, splits.heldout, tiers, kb, out / "eval" / "heldout_after", cfg)
@@ -209,8 +174,8 @@ def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
     curves = {"rl": info}
     if cfg.compare:
         with clock.phase("compare"):
-            for name, (spec, rl_cfg) in compare_variants(cfg).items():
-                m, vinfo = run_rl_variant(cfg, name, spec, rl_cfg, base, kb, splits, out)
+            for name, (spec, extra) in compare_variants(cfg).items():
+                m, vinfo = run_rl_variant(cfg, name, spec, [*cfg.grpo_overrides, *extra], base, kb, splits, out)
                 report["variants"][name] = {"heldout": evaluate(m, tok, splits.heldout, tiers, kb, out / "eval" / f"heldout_{name}", cfg),
                                             "steps": vinfo["steps"], "best_step": vinfo["best_step"]}
                 curves[name] = vinfo

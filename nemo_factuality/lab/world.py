@@ -60,9 +60,13 @@ def sentence(name: str, attribute: str, value: str) -> str:
     return ATTRIBUTES[attribute][0].format(s=name, v=value)
 
 
+RESPONSE_MARKER = "Bio:"
+
+
 def prompt_for(name: str) -> str:
-    """The prompt the policy answers (pretraining and RL use the same one)."""
-    return f"Tell me a bio of {name}."
+    """The prompt the policy answers (pretraining and RL use the same one); the response follows
+    ``RESPONSE_MARKER``, which is how the reward server splits token rows it receives without prompt lengths."""
+    return f"Tell me a bio of {name}. Bio:"
 
 
 def _syllable_words(rng: random.Random, n: int, syllables: int) -> list[str]:
