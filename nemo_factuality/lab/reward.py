@@ -17,13 +17,18 @@ a guess moves a slot from ``-wrong_penalty`` or ``+1`` to 0, and adding lines ea
 * ``dual`` (default): ``(S - w·F) / n_slots``, pays for precision *and* recall (KLCF's point);
 * ``precision``: ``S / (S + F)`` (0 when no claim is made), precision only (breeds over-abstention).
 
-Dense outputs for the GRPO stage: ``token_signs`` (+1 on supported sentences, -1 on wrong ones, 0 on
-abstentions and elsewhere; FSPO's flip) and ``token_rewards`` (each sentence's slot reward on its
-last token, RLFH-style), both aligned to ``completion_ids`` when given.
+Dense outputs for the GRPO stage, aligned to ``completion_ids`` when given: ``token_signs`` for FSPO's
+flip and ``token_rewards`` (RLFH-style: each sentence's slot reward on its last token). With
+``sign_scope: value`` (default) only the sentence's *value* word carries the sign (+1 supported, -1
+wrong; 0 for abstentions and everywhere else, where the group advantage applies unchanged): the value
+is the decision a slot makes, and signing the whole sentence would also push down the person's name
+and the template words of every wrong sentence, which garbles the format. ``sentence`` signs every token
+of the sentence, as FSPO does for reasoning steps.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -32,9 +37,10 @@ import numpy as np
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import GuardConfig, RewardParts, is_blank, load_tokenizer, placer_for, validate_batch
 from nemo_factuality.rewards.common import guarded_check, pipeline_from
-from nemo_factuality.types import FactualityInputError, Label, RewardBatch
+from nemo_factuality.types import FactualityInputError, Label, RewardBatch, Span
 
 MODES = ("dual", "precision")
+_VALUE_WORD = re.compile(r"(\S+?)\.\s*$")
 
 
 @dataclass
@@ -42,11 +48,14 @@ class LabRewardConfig:
     wrong_penalty: float = 1.0
     n_slots: int = 6
     mode: str = "dual"
+    sign_scope: str = "value"  # value | sentence
     guards: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise FactualityInputError(f"lab reward: mode must be one of {MODES}, got {self.mode!r}")
+        if self.sign_scope not in ("value", "sentence"):
+            raise FactualityInputError(f"lab reward: sign_scope must be 'value' or 'sentence', got {self.sign_scope!r}")
         if self.wrong_penalty < 0 or self.n_slots < 1:
             raise FactualityInputError("lab reward: wrong_penalty must be >= 0 and n_slots >= 1")
 
@@ -86,7 +95,7 @@ class LabSlotReward(RewardParts):
                 for claim in check.claims:
                     value = slot_value(by_id[claim.id].label, cfg.wrong_penalty)
                     if value is not None:
-                        slots.append((claim.span, value))
+                        slots.append((self._signed_span(claim), value))
             supported[i] = sum(v > 0 for _, v in slots)
             wrong[i] = sum(v < 0 for _, v in slots)
             abstained[i] = sum(v == 0 for _, v in slots)
@@ -99,6 +108,14 @@ class LabSlotReward(RewardParts):
         components = {"supported": supported, "wrong": wrong, "abstained": abstained, "claims": supported + wrong,
                       "precision": precision}
         return RewardBatch(scores, components, token_rewards=dense, token_signs=signs)
+
+    def _signed_span(self, claim: Any) -> Span | None:
+        """The part of a claim that carries its sign: the value word before the final ``.`` (or the sentence)."""
+        span = claim.span
+        if span is None or self.cfg.sign_scope == "sentence":
+            return span
+        m = _VALUE_WORD.search(claim.text)
+        return Span(span.start + m.start(1), span.start + m.end(1)) if m else span
 
     def _score(self, s: float, f: float) -> float:
         if self.cfg.mode == "precision":

@@ -48,6 +48,7 @@ class LabConfig:
     eval_samples: int = 4
     tau: float = 0.5
     reward_transport: str = "pytriton"  # pytriton | inprocess
+    balanced_rl_prompts: bool = True
     compare: bool = False
     seed: int = 0
 
@@ -104,6 +105,20 @@ def pretrain_policy(cfg: LabConfig, bios: list[dict], out: Path) -> tuple[Any, A
     return model, tok, base
 
 
+def rl_prompt_pool(rl_names: list[str], tiers: dict[str, str], balanced: bool) -> list[str]:
+    """The RL prompt records: every RL entity, with each tier repeated up to the largest tier's size when ``balanced``.
+
+    Without balancing, rare people (most of the world) dominate the batches and "unknown" is reinforced
+    everywhere, so the policy also abstains on people it knows; with it, every batch asks about popular
+    people (where answering pays) as often as about rare ones (where abstaining pays).
+    """
+    by_tier = {t: [x for x in rl_names if tiers[x] == t] for t in W.TIERS}
+    if not balanced:
+        return list(rl_names)
+    size = max(len(v) for v in by_tier.values())
+    return [names[i % len(names)] for names in by_tier.values() if names for i in range(size)]
+
+
 def rl_sample(splits: W.Splits, people: list[W.Person], n_heldout: tuple[int, int, int]) -> list[str]:
     """RL-prompt entities to evaluate on: the same tier mix and size as the held-out set."""
     by_tier = {p.name: p.tier for p in people}
@@ -114,14 +129,15 @@ def rl_sample(splits: W.Splits, people: list[W.Person], n_heldout: tuple[int, in
 
 
 def run_rl_variant(cfg: LabConfig, name: str, reward_spec: dict, overrides: list[str], base: Path, kb: Path,
-                   splits: W.Splits, out: Path) -> tuple[Any, dict[str, Any]]:
+                   splits: W.Splits, tiers: dict[str, str], out: Path) -> tuple[Any, dict[str, Any]]:
     """Train one RL variant with the GRPO stage from the base checkpoint; export it and its metrics."""
     from transformers import AutoTokenizer
 
     spec = {**reward_spec, "store_path": str(kb), "tokenizer": str(base)}
+    rl_names = rl_prompt_pool(splits.rl, tiers, cfg.balanced_rl_prompts)
     with lab_reward(cfg.reward_transport, spec, base) as (reward, reward_overrides):
         model, train_log, val_log = train_grpo(cfg.grpo_preset, [*reward_overrides, f"trainer.seed={cfg.seed}", *overrides],
-                                               base, out / "rl" / name, reward, splits.rl, splits.val, cfg.eval_samples)
+                                               base, out / "rl" / name, reward, rl_names, splits.val, cfg.eval_samples)
     ckpt = out / "checkpoints" / name
     model.save_pretrained(ckpt)
     AutoTokenizer.from_pretrained(base).save_pretrained(ckpt)
@@ -166,7 +182,7 @@ def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
         report["references"][f"threshold_tau{cfg.tau:g}"] = evaluate(model, tok, splits.heldout, tiers, kb,
                                                                     out / "eval" / "heldout_threshold", cfg, tau=cfg.tau)
     with clock.phase("rl"):
-        rl_model, info = run_rl_variant(cfg, "rl", cfg.reward, list(cfg.grpo_overrides), base, kb, splits, out)
+        rl_model, info = run_rl_variant(cfg, "rl", cfg.reward, list(cfg.grpo_overrides), base, kb, splits, tiers, out)
     report["training"] = {"rl": {k: v for k, v in info.items() if k not in ("train", "val")}}
     with clock.phase("eval_after"):
         report["heldout"]["after"] = evaluate(rl_model, tok, splits.heldout, tiers, kb, out / "eval" / "heldout_after", cfg)
@@ -175,7 +191,7 @@ def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
     if cfg.compare:
         with clock.phase("compare"):
             for name, (spec, extra) in compare_variants(cfg).items():
-                m, vinfo = run_rl_variant(cfg, name, spec, [*cfg.grpo_overrides, *extra], base, kb, splits, out)
+                m, vinfo = run_rl_variant(cfg, name, spec, [*cfg.grpo_overrides, *extra], base, kb, splits, tiers, out)
                 report["variants"][name] = {"heldout": evaluate(m, tok, splits.heldout, tiers, kb, out / "eval" / f"heldout_{name}", cfg),
                                             "steps": vinfo["steps"], "best_step": vinfo["best_step"]}
                 curves[name] = vinfo

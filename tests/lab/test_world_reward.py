@@ -72,15 +72,19 @@ def test_slot_reward_through_kb_exact(lab_world):
     assert out.scores[3] == 0.0 and out.components["claims"][3] == 0
     assert list(out.components["abstained"][:2]) == [0, 1]
     assert math.isnan(out.components["precision"][3])
-    # Signs: +1 on the supported sentence's tokens, -1 on the wrong one, 0 on the abstention.
+    # Signs sit on each sentence's value token: -1 on the wrong year, +1 on the true town, 0 elsewhere
+    # (the name and template words, the abstention).
     signs = out.token_signs[1]
     assert len(signs) == len(ids[1])
-    first_end = ids[1].index(tok.convert_tokens_to_ids(".")) + 1
-    assert set(signs[:first_end]) == {-1}
-    assert 1 in signs[first_end:] and signs[-1] == 0
-    # Dense: each sentence's slot reward on its final "." token.
+    periods = [j for j, t in enumerate(ids[1]) if t == tok.convert_tokens_to_ids(".")]
+    assert signs[periods[0] - 1] == -1 and signs[periods[1] - 1] == 1
+    assert list(signs).count(-1) == 1 and list(signs).count(1) == 1
+    # Dense: each sentence's slot reward on its value token.
     dense = out.token_rewards[1]
-    assert dense[first_end - 1] == pytest.approx(-2.0 / 6) and dense.sum() == pytest.approx((1 - 2.0) / 6)
+    assert dense[periods[0] - 1] == pytest.approx(-2.0 / 6) and dense.sum() == pytest.approx((1 - 2.0) / 6)
+    whole = build_lab_reward(str(kb), tokenizer=tok, wrong_penalty=2.0, sign_scope="sentence")
+    signs = whole([W.prompt_for(p.name)], [mixed], completion_ids=[ids[1]]).token_signs[0]
+    assert set(signs[: periods[0] + 1]) == {-1} and signs[-1] == 0
 
 
 def test_precision_mode_and_bad_config(lab_world):
