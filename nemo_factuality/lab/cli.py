@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reward", choices=("pytriton", "inprocess"), default="pytriton",
                    help="serve the lab reward on PyTriton in this process (default) or call it in-process")
+    p.add_argument("--trainable", choices=("calibration", "all"), default="calibration",
+                   help="what RL may change: the final norm + the abstention row (default), or every weight")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="GRPO stage overrides on conf/lab/grpo.yaml, e.g. model.optim.lr=5e-5 trainer.max_steps=40")
@@ -60,7 +62,7 @@ def main(argv: Sequence[str]) -> int:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         raise FactualityInputError(f"overrides must look like key=value, got {bad}")
-    cfg = replace(cfg, compare=args.compare, reward_transport=args.reward, grpo_overrides=tuple(args.overrides),
+    cfg = replace(cfg, compare=args.compare, reward_transport=args.reward, trainable=args.trainable, grpo_overrides=tuple(args.overrides),
                   world=replace(cfg.world, seed=args.seed))
     report = run_lab(cfg, args.out)
     print((args.out / "report.md").read_text(encoding="utf-8"))

@@ -49,6 +49,7 @@ class LabConfig:
     tau: float = 0.5
     reward_transport: str = "pytriton"  # pytriton | inprocess
     balanced_rl_prompts: bool = True
+    trainable: str = "calibration"  # all | calibration (final norm + the abstention row; see lab/train.py)
     compare: bool = False
     seed: int = 0
 
@@ -137,7 +138,8 @@ def run_rl_variant(cfg: LabConfig, name: str, reward_spec: dict, overrides: list
     rl_names = rl_prompt_pool(splits.rl, tiers, cfg.balanced_rl_prompts)
     with lab_reward(cfg.reward_transport, spec, base) as (reward, reward_overrides):
         model, train_log, val_log = train_grpo(cfg.grpo_preset, [*reward_overrides, f"trainer.seed={cfg.seed}", *overrides],
-                                               base, out / "rl" / name, reward, rl_names, splits.val, cfg.eval_samples)
+                                               base, out / "rl" / name, reward, rl_names, splits.val, cfg.eval_samples,
+                                               cfg.trainable)
     ckpt = out / "checkpoints" / name
     model.save_pretrained(ckpt)
     AutoTokenizer.from_pretrained(base).save_pretrained(ckpt)

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from nemo_factuality.lab.policy import sample
-from nemo_factuality.lab.world import RESPONSE_MARKER, prompt_for
+from nemo_factuality.lab.world import ABSTAIN_VALUE, RESPONSE_MARKER, prompt_for
+from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +75,47 @@ def make_validator(model: Any, tokenizer: Any, reward: Any, names: Sequence[str]
     return validate
 
 
+TRAINABLE = ("all", "calibration")
+
+
+def restrict_to_calibration(model: Any, abstain_id: int) -> list[str]:
+    """Freeze everything but the final norm's gains and the abstention token's output row.
+
+    What is left can sharpen or flatten every value distribution (the norm scales the logits) and
+    move the "unknown" logit as a linear function of the state, but it cannot store a fact about any
+    one person: RL can learn *when* to answer, not *what* to answer. Returns the trainable names.
+    """
+    for p in model.parameters():
+        p.requires_grad_(False)
+    norm = model.get_decoder().norm.weight
+    head = model.get_output_embeddings().weight
+    norm.requires_grad_(True)
+    head.requires_grad_(True)
+    rows = torch.zeros(head.shape[0], 1, dtype=head.dtype)
+    rows[abstain_id] = 1.0
+    head.register_hook(lambda grad: grad * rows.to(grad.device))  # only the abstention row moves
+    return ["model.norm.weight", f"lm_head.weight[{abstain_id}]"]
+
+
 def train_grpo(preset: str, overrides: Sequence[str], base: Path, run_dir: Path, reward: Any,
-               rl_names: Sequence[str], val_names: Sequence[str], val_samples: int) -> tuple[Any, list[dict], list[dict]]:
+               rl_names: Sequence[str], val_names: Sequence[str], val_samples: int,
+               trainable: str = "all") -> tuple[Any, list[dict], list[dict]]:
     """Run the GRPO stage from ``base``; returns (the policy with its best weights, train metrics, val metrics)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from nemo_factuality.trainers.backends.hf import HFActor
     from nemo_factuality.trainers.data import PromptRecord
     from nemo_factuality.trainers.grpo import GRPOTrainer
 
+    if trainable not in TRAINABLE:
+        raise FactualityInputError(f"lab: trainable must be one of {TRAINABLE}, got {trainable!r}")
     cfg = load_grpo_config(preset, [f"model.path={base}", f"exp_manager.explicit_log_dir={run_dir}", *overrides])
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    if trainable == "calibration":
+        log.info("lab rl: training only %s", restrict_to_calibration(model, tokenizer.convert_tokens_to_ids(ABSTAIN_VALUE)))
     actor = HFActor(cfg.model, max_steps=cfg.trainer.max_steps, gradient_clip_val=cfg.trainer.gradient_clip_val,
-                    device=cfg.trainer.device)
+                    device=cfg.trainer.device, model=model, tokenizer=tokenizer)
     records = [PromptRecord(prompt=prompt_for(x)) for x in rl_names]
     validate = make_validator(actor.model, actor.tokenizer, reward, val_names, val_samples)
     val_log: list[dict] = []
