@@ -76,7 +76,7 @@ def encode_docs(tokenizer, docs: Sequence[dict]) -> tuple[torch.Tensor, torch.Te
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, (r, m) in enumerate(zip(rows, masks)):
+    for i, (r, m) in enumerate(zip(rows, masks, strict=True)):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(m)] = torch.tensor(m, dtype=torch.float32)
     return ids, mask

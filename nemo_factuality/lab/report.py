@@ -98,7 +98,7 @@ def write_plots(report: dict[str, Any], curves: dict[str, Any], plots: Path) -> 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
     for name, block in _rows(report):
         pts = [(t["claims_per_response"], t["precision"]) for t in block["per_tier"].values()]
-        ax.plot(*zip(*pts), marker="o", label=name)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=name)
     ax.set_xlabel("claims per response (per tier)")
     ax.set_ylabel("precision")
     ax.legend(fontsize=6)

@@ -124,7 +124,7 @@ def rl_sample(splits: W.Splits, people: list[W.Person], n_heldout: tuple[int, in
     """RL-prompt entities to evaluate on: the same tier mix and size as the held-out set."""
     by_tier = {p.name: p.tier for p in people}
     out = []
-    for tier, k in zip(W.TIERS, n_heldout):
+    for tier, k in zip(W.TIERS, n_heldout, strict=True):
         out += [x for x in splits.rl if by_tier[x] == tier][:k]
     return out
 

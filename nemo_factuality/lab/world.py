@@ -105,7 +105,7 @@ def make_people(cfg: WorldConfig) -> list[Person]:
             names.append(name)
     values = _values(rng)
     people, k = [], 0
-    for tier, count in zip(TIERS, cfg.n_people):
+    for tier, count in zip(TIERS, cfg.n_people, strict=True):
         for _ in range(count):
             facts = {attr: rng.choice(values[attr]) for attr in ATTRIBUTES}
             people.append(Person(names[k], tier, facts))
@@ -116,7 +116,7 @@ def make_people(cfg: WorldConfig) -> list[Person]:
 def bio_text(person: Person, stated: Sequence[bool]) -> str:
     """One bio: every slot in order, its value when ``stated`` else the abstention sentence."""
     return " ".join(sentence(person.name, attr, person.facts[attr] if say else ABSTAIN_VALUE)
-                    for attr, say in zip(ATTRIBUTES, stated))
+                    for attr, say in zip(ATTRIBUTES, stated, strict=True))
 
 
 def make_bios(people: Sequence[Person], cfg: WorldConfig) -> list[dict]:
