@@ -11,18 +11,26 @@ Parts are chosen by registry name from config::
 
 Each stage runs once per batch (one ``extract_batch``, one ``get_batch``, one ``verify_batch``) so an
 LLM judge sees the whole batch at once and keeps ``concurrency`` requests in flight.
+
+**One judge per role.** ``judge`` is the shared endpoint; a stage's own ``judge:`` block (e.g.
+``verifier: {name: llm_judge, style: truthfulness, judge: {base_url: ..., model: KLCF-...-Truthfulness-Verifier}}``)
+overrides it key by key, so KLCF's truthfulness check goes to the truthfulness model, not the extractor.
+
+**Failures are values.** A response whose extraction failed (``ClaimsFailed``), whose verifier's
+judge never answered for some claim, or none of whose claims could be verified gets
+``FactCheck.error`` with the reason; it is never reported as "no claims" or "not supported".
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Mapping, Sequence
 
 from nemo_factuality.interfaces import ClaimExtractor, EvidenceProvider, EvidenceQuery, Segmenter, Verifier, VerifyItem
 from nemo_factuality.registry import EVIDENCE, EXTRACTORS, SEGMENTERS, VERIFIERS, Registry
-from nemo_factuality.types import FactCheck, FactualityInputError, check_batch_columns
+from nemo_factuality.types import FactCheck, FactualityInputError, Label, Verdict, check_batch_columns
 
 log = logging.getLogger(__name__)
 
@@ -131,14 +139,36 @@ class FactualityPipeline:
         verdicts = self.verifier.verify_batch(items) if items else []
         if len(verdicts) != len(items):
             raise FactualityInputError(f"verifier {type(self.verifier).__name__} returned {len(verdicts)} verdicts for {len(items)} claims")
-        out = [FactCheck(response=r, sentences=s, claims=list(c), abstained=not c)
+        out = [FactCheck(response=r, sentences=s, claims=list(c), abstained=not c and getattr(c, "error", None) is None,
+                         error=getattr(c, "error", None))
                for r, s, c in zip(responses, sentences, claims)]
         for (i, _), v in zip(index, verdicts):
             out[i].verdicts.append(v)
+        for check in out:
+            check.error = check.error or verification_error(check.verdicts)
         return out
 
 
-def _build(registry: Registry, spec: Mapping[str, Any], judge: Any) -> Any:
+def verification_error(verdicts: Sequence[Verdict]) -> str | None:
+    """Why a response's verification failed, or None.
+
+    Failed: the judge never answered for at least one claim (an outage is not a verdict), or every
+    claim's reply was unreadable (nothing was verified). Some unreadable replies among readable ones
+    are left to the reward's own policy (RLFH ``unparseable_verdict``; counted everywhere).
+    """
+    unanswered = [v for v in verdicts if v.judge_failed]
+    if unanswered:
+        return f"verification failed for {len(unanswered)} of {len(verdicts)} claims: {unanswered[0].error}"
+    if verdicts and all(v.label is Label.UNPARSEABLE for v in verdicts):
+        return f"no claim could be verified: all {len(verdicts)} verdicts unreadable ({verdicts[0].error})"
+    return None
+
+
+def _build(registry: Registry, spec: Mapping[str, Any], judge: Any, shared_judge_cfg: Mapping[str, Any] | None = None) -> Any:
+    spec = dict(spec)
+    role_judge = spec.pop("judge", None)
+    if role_judge:  # this role's own endpoint, key by key over the shared judge block
+        judge = role_judge if hasattr(role_judge, "complete_batch") else build_judge({**dict(shared_judge_cfg or {}), **dict(role_judge)})
     factory = registry.get(spec["name"]) if "name" in spec else None
     extra = {}
     if factory is not None and judge is not None:
@@ -167,13 +197,23 @@ def build_judge(cfg: JudgeConfig | Mapping[str, Any]) -> Any:
     """An ``OpenAIJudgeClient`` from a judge config block."""
     from nemo_factuality.judge.client import OpenAIJudgeClient
 
+    if not isinstance(cfg, JudgeConfig):
+        unknown = set(dict(cfg)) - {f.name for f in fields(JudgeConfig)}
+        if unknown:
+            raise FactualityInputError(f"judge config: unknown key(s) {sorted(unknown)}; expected some of "
+                                       f"{sorted(f.name for f in fields(JudgeConfig))}")
     c = cfg if isinstance(cfg, JudgeConfig) else JudgeConfig(**dict(cfg))
     return OpenAIJudgeClient(c.base_url, c.model, api_key=c.api_key, concurrency=c.concurrency, timeout_s=c.timeout_s,
                              max_retries=c.max_retries, backoff_s=c.backoff_s, cache=c.cache_path)
 
 
-def build_pipeline(cfg: PipelineConfig | Mapping[str, Any], judge_client: Any = None) -> FactualityPipeline:
-    """Build the four stages by registry name; LLM-backed parts get ``client=judge_client``."""
+def build_pipeline(cfg: PipelineConfig | Mapping[str, Any], judge_client: Any = None,
+                   judge_defaults: Mapping[str, Any] | None = None) -> FactualityPipeline:
+    """Build the four stages by registry name; LLM-backed parts get ``client=judge_client``.
+
+    A stage's own ``judge:`` block is laid over ``cfg.judge`` (or ``judge_defaults``, the caller's
+    shared judge block) and gets its own client.
+    """
     raw = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
     defaults = asdict(PipelineConfig())
     unknown = set(raw) - set(defaults)
@@ -181,12 +221,14 @@ def build_pipeline(cfg: PipelineConfig | Mapping[str, Any], judge_client: Any = 
         raise FactualityInputError(f"pipeline config: unknown key(s) {sorted(unknown)}; expected {sorted(defaults)}")
     merged = {**defaults, **raw}
     judge = judge_client
-    if judge is None and merged.get("judge"):
-        judge = build_judge(merged["judge"])
+    shared = merged.get("judge") or judge_defaults
+    shared = asdict(shared) if is_dataclass(shared) else shared
+    if judge is None and shared:
+        judge = build_judge(shared)
     return FactualityPipeline(
-        _build(SEGMENTERS, merged["segmenter"], judge),
-        _build(EXTRACTORS, merged["extractor"], judge),
-        _build(EVIDENCE, merged["evidence"], judge),
-        _build(VERIFIERS, merged["verifier"], judge),
+        _build(SEGMENTERS, merged["segmenter"], judge, shared),
+        _build(EXTRACTORS, merged["extractor"], judge, shared),
+        _build(EVIDENCE, merged["evidence"], judge, shared),
+        _build(VERIFIERS, merged["verifier"], judge, shared),
         abstain_detection=merged.get("abstain_detection"),
     )

@@ -140,6 +140,23 @@ class Verdict:
     def supported(self) -> bool:
         return self.label is Label.SUPPORTED
 
+    @property
+    def judge_failed(self) -> bool:
+        """The judge never answered (outage, timeout, refused request): no reply text, only an error."""
+        return self.label is Label.UNPARSEABLE and self.raw is None and self.error is not None
+
+
+class ClaimsFailed(list):
+    """An empty claim list that says why extraction failed (judge down, reply unreadable after retries).
+
+    Extractors return it in place of ``[]`` so the pipeline can tell "no claims" from "no answer":
+    the sample's ``FactCheck.error`` is set and every reward scores it NaN.
+    """
+
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
 
 @dataclass
 class FactCheck:
@@ -150,6 +167,13 @@ class FactCheck:
     claims: list[Claim] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
     abstained: bool = False
+    # Why this response could not be fact-checked (extraction or verification failed). A failed
+    # check is never a score: rewards give NaN with this reason in ``details[i]["error"]``.
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     def counts(self) -> dict[str, int]:
         """Number of verdicts per label value (every label present, zeros included)."""

@@ -2,8 +2,10 @@
 
 Prompts are our own wording of each method's published structure. Every reply goes through a
 pure parser; a reply that cannot be parsed is retried (RLFH raises the temperature each time)
-and, if it still fails, the sample gets no claims and a logged error — the failure is counted in
-``stats["parse_failures"]`` rather than hidden.
+and, if it still fails (or the judge never answered), the sample gets ``ClaimsFailed(error)`` — an
+empty list that carries the reason, so "the judge is down" is never mistaken for "no claims". The
+failure is also counted in ``stats["parse_failures"]``. Every prompt is rendered by
+``judge.guard.judge_request`` (the response and its sentences are untrusted text).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import re
 from typing import Sequence
 
 from nemo_factuality.interfaces import ChatRequest, JudgeClient
+from nemo_factuality.judge.guard import judge_request
 from nemo_factuality.registry import EXTRACTORS
-from nemo_factuality.types import Claim, Sentence, Span
+from nemo_factuality.types import Claim, ClaimsFailed, Sentence, Span
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +110,31 @@ def _locate(text: str, response: str, sentences: Sequence[Sentence]) -> tuple[in
     return owner, span
 
 
-def _owner_of_sentence(sentence_text: str, sentences: Sequence[Sentence]) -> Sentence | None:
-    norm = " ".join(sentence_text.split()).rstrip(".")
-    return next((s for s in sentences if " ".join(s.text.split()).rstrip(".") == norm), None)
+def _owner_of_sentence(sentence_text: str, sentences: Sequence[Sentence], min_ratio: float = 80.0) -> Sentence | None:
+    """The response sentence an extractor echoed, by normalised edit similarity (RLFH's echo may change a comma).
+
+    Cost: one ``fuzz.ratio`` per sentence (rapidfuzz, C), so linear in the response per echo.
+    """
+    from rapidfuzz import fuzz, process
+
+    norm = " ".join(sentence_text.split()).rstrip(".").lower()
+    if not norm or not sentences:
+        return None
+    choices = [" ".join(s.text.split()).rstrip(".").lower() for s in sentences]
+    best = process.extractOne(norm, choices, scorer=fuzz.ratio, score_cutoff=min_ratio)
+    return sentences[best[2]] if best is not None else None
+
+
+def lcs_span(statement: str, sentence: Sentence) -> Span | None:
+    """Where a statement sits in its sentence (methods.md §2.4): LCS of the statement (trailing '.' stripped)
+    against the sentence; the span runs from the first to the last matched sentence character."""
+    from rapidfuzz.distance import LCSseq
+
+    needle = statement.strip().rstrip(".")
+    blocks = [b for b in LCSseq.editops(needle, sentence.text).as_matching_blocks() if b.size > 0]
+    if not needle or not blocks:
+        return None
+    return Span(sentence.span.start + blocks[0].b, sentence.span.start + blocks[-1].b + blocks[-1].size)
 
 
 class _LLMExtractor:
@@ -130,6 +155,7 @@ class _LLMExtractor:
     def extract_batch(self, prompts: Sequence[str], responses: Sequence[str],
                       sentences: Sequence[Sequence[Sentence]]) -> list[list[Claim]]:
         results: list[list[Claim] | None] = [None] * len(responses)
+        last_error: dict[int, str] = {}
         pending = [i for i, r in enumerate(responses) if r.strip()]
         for i in range(len(responses)):
             if i not in pending:
@@ -152,12 +178,14 @@ class _LLMExtractor:
                         raise ExtractionParseError(errors[0])
                     results[i] = self._claims([r.text or "" for r in chunk], responses[i], sentences[i])
                 except ExtractionParseError as err:
+                    last_error[i] = str(err)
                     log.warning("%s extraction failed for sample %d (attempt %d): %s", self.style, i, attempt + 1, err)
                     still.append(i)
             pending = still
         for i in pending:
             self.stats["parse_failures"] += 1
-            results[i] = []
+            results[i] = ClaimsFailed(f"{self.style} claim extraction failed after {self.retries + 1} attempt(s): "
+                                      f"{last_error.get(i, 'no reply')}")
         return [r if r is not None else [] for r in results]
 
     def health(self) -> dict[str, str | None]:
@@ -175,16 +203,19 @@ class RLFHExtractor(_LLMExtractor):
         super().__init__(client, temperature=temperature, max_tokens=max_tokens, retries=retries)
 
     def _requests(self, prompt, response, sentences, temperature):
-        msg = {"role": "user", "content": RLFH_PROMPT.format(prompt=prompt, response=response)}
-        return [ChatRequest((msg,), temperature=min(temperature, 2.0), top_p=1.0, max_tokens=self.max_tokens)]
+        return [judge_request(RLFH_PROMPT, untrusted={"response": response}, trusted={"prompt": prompt},
+                              temperature=min(temperature, 2.0), top_p=1.0, max_tokens=self.max_tokens)]
 
     def _claims(self, replies, response, sentences):
         claims: list[Claim] = []
         for sent_text, statements in parse_rlfh(replies[0]).items():
             owner = _owner_of_sentence(sent_text, sentences)
             for st in statements:
-                sid, span = _locate(st, response, sentences)
-                claims.append(Claim(len(claims), st, owner.id if owner else sid, span))
+                if owner is not None:  # the statement's last matched character in its sentence (spec §2.4)
+                    claims.append(Claim(len(claims), st, owner.id, lcs_span(st, owner)))
+                else:
+                    sid, span = _locate(st, response, sentences)
+                    claims.append(Claim(len(claims), st, sid, span))
         return claims
 
 
@@ -195,8 +226,8 @@ class FactScoreExtractor(_LLMExtractor):
     style = "factscore"
 
     def _requests(self, prompt, response, sentences, temperature):
-        msg = {"role": "user", "content": FACTSCORE_PROMPT.format(response=response)}
-        return [ChatRequest((msg,), temperature=temperature, max_tokens=self.max_tokens)]
+        return [judge_request(FACTSCORE_PROMPT, untrusted={"response": response}, temperature=temperature,
+                              max_tokens=self.max_tokens)]
 
     def _claims(self, replies, response, sentences):
         out = []
@@ -213,8 +244,8 @@ class SAFEExtractor(_LLMExtractor):
     style = "safe"
 
     def _requests(self, prompt, response, sentences, temperature):
-        return [ChatRequest(({"role": "user", "content": SAFE_PROMPT.format(response=response, sentence=s.text)},),
-                            temperature=temperature, max_tokens=self.max_tokens) for s in sentences]
+        return [judge_request(SAFE_PROMPT, untrusted={"response": response, "sentence": s.text}, temperature=temperature,
+                              max_tokens=self.max_tokens) for s in sentences]
 
     def _claims(self, replies, response, sentences):
         out = []
@@ -232,5 +263,5 @@ class KLCFExtractor(FactScoreExtractor):
     style = "klcf"
 
     def _requests(self, prompt, response, sentences, temperature):
-        msg = {"role": "user", "content": KLCF_PROMPT.format(prompt=prompt, response=response)}
-        return [ChatRequest((msg,), temperature=temperature, max_tokens=self.max_tokens)]
+        return [judge_request(KLCF_PROMPT, untrusted={"response": response}, trusted={"prompt": prompt},
+                              temperature=temperature, max_tokens=self.max_tokens)]

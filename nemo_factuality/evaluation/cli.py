@@ -7,6 +7,10 @@
 Records without labels are fact-checked first with the configured pipeline
 (``conf/eval/<config-name>.yaml``, ``pipeline:`` block). Writes ``report.json``, ``report.md``
 and ``precision_vs_claims.png`` (all via temp file + rename, so a failure leaves nothing half-written).
+
+A record whose fact-check failed (judge down, unreadable replies) is excluded from every metric and
+listed under ``failures`` in the report; the command exits 1 when more than ``--max-failed-fraction``
+(default 0) of the records failed, and ``--fail-fast`` stops at the first failure instead.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +28,8 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from nemo_factuality.config import load_config
-from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.evaluation.render import render_markdown, render_plot
+from nemo_factuality.evaluation.report import EvalOptions, EvalRecord, build_report, parse_record, to_json_safe
 from nemo_factuality.jsonl import iter_jsonl
 from nemo_factuality.types import Label
 
@@ -65,11 +70,21 @@ def _needs_checking(raw: dict[str, Any]) -> bool:
     return isinstance(claims, list) and any(isinstance(c, dict) and "label" not in c for c in claims)
 
 
-def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig) -> None:
-    """Fill ``claims`` (with labels) in place for records that have none, using the configured pipeline."""
+class EvalFailedError(RuntimeError):
+    """Fact-checking failed for a record and ``--fail-fast`` was given (or too many records failed)."""
+
+
+def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig, *, fail_fast: bool = False) -> dict[str, str]:
+    """Fill ``claims`` (with labels) in place for records that have none, using the configured pipeline.
+
+    Returns ``{file:line: reason}`` for the records whose fact-check failed (their ``claims`` stay
+    unset: they are not abstentions); with ``fail_fast`` the first failure raises ``EvalFailedError``.
+    """
+    where_of = {id(raw): where for where, raw in rows}
+    failed: dict[str, str] = {}
     todo = [raw for _, raw in rows if _needs_checking(raw)]
     if not todo:
-        return
+        return failed
     from nemo_factuality.pipeline import build_pipeline
 
     pipeline = build_pipeline(cfg.pipeline)
@@ -84,6 +99,11 @@ def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig)
             materials=[tuple(r.get(cfg.materials_field) or ()) for r in chunk],
         )
         for raw, check in zip(chunk, checks):
+            if check.error is not None:
+                failed[where_of[id(raw)]] = check.error
+                if fail_fast:
+                    raise EvalFailedError(f"{where_of[id(raw)]}: fact-checking failed (--fail-fast): {check.error}")
+                continue
             by_id = {v.claim_id: v for v in check.verdicts}
             if check.abstained or not check.claims:
                 raw["claims"] = None
@@ -97,6 +117,7 @@ def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig)
                 labelled.append({"text": claim.text, "label": _LABEL_FROM_VERDICT[verdict.label]})
             raw["claims"] = labelled
             raw["unparseable"] = unparseable
+    return failed
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -141,6 +162,9 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--gamma", default="0,10", help="FActScore length-penalty gammas (comma-separated)")
     p.add_argument("--hallulens-k", type=int, default=32)
     p.add_argument("--config-name", default=None, help="conf/eval/<name>.yaml for the fact-checking pipeline")
+    p.add_argument("--max-failed-fraction", type=float, default=0.0,
+                   help="exit 1 when more than this fraction of records could not be fact-checked (default 0)")
+    p.add_argument("--fail-fast", action="store_true", help="stop at the first record whose fact-check fails")
     args, overrides = p.parse_known_args(list(argv))
     bad = [o for o in overrides if "=" not in o]
     if bad:
@@ -171,14 +195,55 @@ def main(argv: Sequence[str]) -> int:
     cfg = load_config(EvalConfig, args.config_name, overrides, group="eval")
     opts = EvalOptions(ks=_ints(args.k, "--k"), gammas=_floats(args.gamma, "--gamma"), hallulens_k=args.hallulens_k,
                        extra={"input": str(input_path), "group_by": args.group_by})
+    if not 0.0 <= args.max_failed_fraction <= 1.0:
+        raise SystemExit(f"--max-failed-fraction must be in [0, 1], got {args.max_failed_fraction}")
     rows = read_jsonl(input_path)
-    label_with_pipeline(rows, cfg)
+    try:
+        failed = label_with_pipeline(rows, cfg, fail_fast=args.fail_fast)
+    except EvalFailedError as err:
+        print(f"nemo-factuality eval: {err}", file=sys.stderr)
+        return 1
     records: list[EvalRecord] = [parse_record(raw, where=where, group_by=args.group_by) for where, raw in
-                                 tqdm(rows, desc="scoring", unit="rec", disable=len(rows) < 1000)]
-    report = to_json_safe(build_report(records, opts))
+                                 tqdm(rows, desc="scoring", unit="rec", disable=len(rows) < 1000) if where not in failed]
+    if records or not failed:
+        report = to_json_safe(build_report(records, opts))
+    else:  # every record failed: a report of the failures alone, never "no records"
+        report = {"options": {"k": list(opts.ks), "gamma": list(opts.gammas), "hallulens_k": opts.hallulens_k, **opts.extra},
+                  "groups": {}}
+    report["failures"] = failure_block(failed, len(rows), args.max_failed_fraction)
     _atomic_write(out_json, lambda p: p.write_text(json.dumps(report, indent=2), encoding="utf-8"))
-    _atomic_write(out_json.with_suffix(".md"), lambda p: p.write_text(render_markdown(report), encoding="utf-8"))
+    markdown = render_markdown(report) + _failures_markdown(report["failures"])
+    _atomic_write(out_json.with_suffix(".md"), lambda p: p.write_text(markdown, encoding="utf-8"))
     _atomic_write(out_json.parent / "precision_vs_claims.png", lambda p: render_plot(records, p))
-    print(render_markdown(report))
+    print(markdown)
     log.info("wrote %s, %s and %s", out_json, out_json.with_suffix(".md"), out_json.parent / "precision_vs_claims.png")
+    block = report["failures"]
+    if block["n_failed"]:
+        print(f"nemo-factuality eval: {block['n_failed']} of {block['n_records']} records could not be fact-checked and "
+              f"were excluded (first: {block['records'][0]['where']}: {block['records'][0]['error']})", file=sys.stderr)
+    if block["exceeded"]:
+        print(f"nemo-factuality eval: failed fraction {block['fraction']:.3g} > --max-failed-fraction "
+              f"{args.max_failed_fraction:g}; the report is written but this run is not a result", file=sys.stderr)
+        return 1
     return 0
+
+
+def _failures_markdown(block: dict[str, Any]) -> str:
+    if not block["n_failed"]:
+        return ""
+    lines = [f"**{block['n_failed']} of {block['n_records']} records could not be fact-checked** and are excluded "
+             f"from every number above (fraction {block['fraction']:.3g}, limit {block['max_failed_fraction']:g}):", ""]
+    lines += [f"* `{r['where']}`: {r['error']}" for r in block["records"][:10]]
+    return "\n".join(lines) + "\n"
+
+
+def failure_block(failed: dict[str, str], n_records: int, max_fraction: float, *, listed: int = 100) -> dict[str, Any]:
+    """The report's ``failures`` block: counts, the fraction, whether it exceeds the limit, and the first records.
+
+    >>> failure_block({"f.jsonl:2": "judge down"}, 4, 0.0)["fraction"]
+    0.25
+    """
+    fraction = len(failed) / n_records if n_records else 0.0
+    return {"n_failed": len(failed), "n_records": n_records, "fraction": fraction, "max_failed_fraction": max_fraction,
+            "exceeded": fraction > max_fraction,
+            "records": [{"where": w, "error": e} for w, e in list(failed.items())[:listed]]}

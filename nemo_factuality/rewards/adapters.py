@@ -41,9 +41,15 @@ def _split_log(log: Sequence[dict[str, Any]], i: int) -> tuple[str, str]:
     return (_text(users[-1]) if users else ""), _text(assistants[-1])
 
 
-def _columns(metadata: Sequence[dict[str, Any]], n: int) -> dict[str, list[Any]]:
+def _columns(metadata: Sequence[dict[str, Any]] | None, n: int) -> dict[str, list[Any]]:
+    """Per-sample metadata dicts → columns; a metadata list of the wrong length is an error, never dropped."""
+    if metadata is None:
+        return {}
+    if len(metadata) != n:
+        raise FactualityInputError(f"FactualityEnvironment.step: {len(metadata)} metadata entries for {n} message logs; "
+                                   "pass one metadata dict (or None) per sample")
     keys = sorted({k for m in metadata for k in (m or {})})
-    return {k: [(m or {}).get(k) for m in metadata] for k in keys} if len(metadata) == n else {}
+    return {k: [(m or {}).get(k) for m in metadata] for k in keys}
 
 
 class FactualityEnvironment:
@@ -57,7 +63,10 @@ class FactualityEnvironment:
         batch = self.reward([p for p, _ in pairs], [c for _, c in pairs], **_columns(metadata, len(pairs)))
         rewards = torch.tensor([self.nan_reward if math.isnan(s) else s for s in batch.scores], dtype=torch.float32)
         obs = [{"role": "environment", "content": f"reward {r:.4f}"} for r in rewards.tolist()]
-        meta = [dict(m or {}, **batch.sample_dict(i)) for i, m in enumerate(metadata)]
+        meta = [dict(m or {}, **batch.sample_dict(i)) for i, m in enumerate(metadata or [None] * len(pairs))]
+        for i, d in enumerate(batch.details or []):
+            if d.get("error"):
+                meta[i]["error"] = d["error"]
         return EnvironmentReturn(obs, meta, [None] * len(pairs), rewards, torch.ones(len(pairs), dtype=torch.bool))
 
     def global_post_process_and_metrics(self, batch: Any) -> tuple[Any, dict[str, float]]:

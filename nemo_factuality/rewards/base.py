@@ -6,16 +6,22 @@ Guards (on by default, ``guards.*`` in each method's config):
 
 * **judge injection**: verdict-like text (``[Supported]``, ``Correct.``, ``Label: supported``,
   ``{"is_supported": true}``) and instructions aimed at the judge ("ignore previous instructions",
-  "rate this as correct") are blanked out — replaced by spaces of the same length, so character
-  spans and token alignment stay exact — before any claim reaches a judge. A response cannot raise
-  its own reward by talking to the judge; ``injection_penalty`` can additionally punish it.
+  "rate this as correct", "note to the grader") are blanked out — replaced by spaces of the same
+  length, so character spans and token alignment stay exact — in the completion before fact-checking
+  and, at the judge boundary (``judge.guard.judge_request``), in every untrusted field of every judge
+  prompt (claims, responses, predicted answers). A response cannot raise its own reward by talking to
+  a judge; ``injection_penalty`` additionally punishes the attempt in every method.
 * **duplicates**: claims are deduplicated on normalised text, so repeating a fact counts once.
 * **empty / padding**: a completion that is empty, whitespace or pad tokens only is an abstention
   (``NaN`` score), never precision 1.0.
+
+Failures (``mark_failures``): a sample whose fact-check or judge failed is ``NaN`` with the reason in
+``details[i]["error"]`` — never a default score.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -23,22 +29,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from nemo_factuality.judge.guard import neutralize_injection  # noqa: F401  (re-exported: the one guard)
 from nemo_factuality.knowledge.store import normalize
 from nemo_factuality.pipeline import merged_health
 from nemo_factuality.types import Claim, FactualityInputError, Span, Verdict
 
-_INJECTION_PATTERNS = [
-    r"\[\s*\**\s*(?:not\s+)?supported\s*\**\s*[.!]?\s*\]",
-    r"\[\s*(?:not\s+)?foo\s*\]",
-    r"\{\s*\"?is_supported\"?\s*:\s*\"?(?:true|false)\"?\s*\}",
-    r"\b(?:label|verdict|rating|judgement|judgment|answer)\s*[:=]\s*(?:supported|correct|true|covered)\b",
-    r"###\s*supported\s*\.?\s*###",
-    r"\bignore\s+(?:all\s+|any\s+)?(?:the\s+)?(?:previous|prior|above)\s+(?:instructions|prompts?)\b[^.\n]*",
-    r"\b(?:rate|mark|label|grade|judge)\s+(?:this|these|it|them|every\w*|all)\b[^.\n]{0,40}?\b(?:as\s+)?(?:correct|supported|true|covered)\b",
-    r"\b(?:you\s+must|always)\s+(?:answer|output|say|reply)\b[^.\n]{0,40}?\b(?:correct|supported|true|covered)\b",
-    r"^\s*(?:correct|supported|true)\s*[.!]?\s*$",
-]
-_INJECTION = re.compile("|".join(f"(?:{p})" for p in _INJECTION_PATTERNS), re.IGNORECASE | re.MULTILINE)
+log = logging.getLogger(__name__)
 _PAD = re.compile(r"(?:<pad>|<\|endoftext\|>|<\|im_end\|>|</s>|<unk>|\[PAD\]|\s)*")
 
 
@@ -49,18 +45,6 @@ class GuardConfig:
     neutralize_injection: bool = True
     injection_penalty: float = 0.0  # subtracted from the score of a completion that tried
     dedup_claims: bool = True
-
-
-def neutralize_injection(text: str) -> tuple[str, int]:
-    """Blank out judge-directed text with spaces of equal length; returns (text, number of hits)."""
-    hits = 0
-
-    def blank(m: re.Match[str]) -> str:
-        nonlocal hits
-        hits += 1
-        return " " * len(m.group(0))
-
-    return _INJECTION.sub(blank, text), hits
 
 
 def is_blank(text: str) -> bool:
@@ -152,7 +136,20 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
 
 class RewardParts:
-    """Mixin: ``health()`` and ``stats()`` merged over the reward's components."""
+    """Mixin: the guarded call, ``health()`` and ``stats()`` merged over the reward's components.
+
+    ``reward(prompts, completions, **columns)`` runs the subclass's ``_score`` with the judge-boundary
+    guard set from ``self.cfg.guards.neutralize_injection`` (every judge the reward calls obeys it).
+    """
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> Any:
+        from nemo_factuality.judge.guard import guard_scope
+
+        with guard_scope(self.cfg.guards.neutralize_injection):
+            return self._score(prompts, completions, **columns)
+
+    def _score(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> Any:
+        raise NotImplementedError
 
     def _parts(self) -> list[Any]:
         return []
@@ -175,3 +172,28 @@ class RewardParts:
 
 def nan_array(n: int) -> np.ndarray:
     return np.full(n, np.nan, dtype=np.float64)
+
+
+def mark_failures(scores: np.ndarray, errors: Sequence[str | None], details: list[dict[str, Any]] | None = None,
+                  *, who: str) -> list[dict[str, Any]]:
+    """Set ``scores[i] = NaN`` where ``errors[i]`` is set and return per-sample details with ``"error"``.
+
+    A failed sample is excluded (NaN = "do not train on this"), never scored with a default; the
+    reason travels in ``details[i]["error"]`` to the trainer, the server's clients and the logs.
+    """
+    out = [dict(d or {}) for d in (details or [{} for _ in errors])]
+    failed = 0
+    for i, err in enumerate(errors):
+        if err is not None:
+            scores[i] = np.nan
+            out[i]["error"] = err
+            failed += 1
+    if failed:
+        first = next(e for e in errors if e is not None)
+        log.warning("%s: %d of %d samples failed and are NaN (first: %s)", who, failed, len(errors), first)
+    return out
+
+
+def check_errors(checks: Sequence[Any]) -> list[str | None]:
+    """``FactCheck.error`` per sample (None for blank completions and successful checks)."""
+    return [getattr(c, "error", None) if c is not None else None for c in checks]

@@ -22,8 +22,8 @@ def guarded_check(pipeline: FactualityPipeline, guards: GuardConfig, prompts: Se
     """
     texts, hits = [], []
     for c in completions:
-        t, h = neutralize_injection(c) if guards.neutralize_injection else (c, 0)
-        texts.append(t)
+        t, h = neutralize_injection(c)  # hits are counted either way (injection_penalty)
+        texts.append(t if guards.neutralize_injection else c)
         hits.append(h)
     live = [i for i, c in enumerate(completions) if not is_blank(c)]
     checks: list[FactCheck | None] = [None] * len(completions)
@@ -37,8 +37,20 @@ def guarded_check(pipeline: FactualityPipeline, guards: GuardConfig, prompts: Se
     return checks, hits
 
 
-def pipeline_from(spec: FactualityPipeline | Mapping[str, Any], judge: Any) -> FactualityPipeline:
-    return spec if isinstance(spec, FactualityPipeline) else build_pipeline(dict(spec), judge_client=judge)
+def pipeline_from(spec: FactualityPipeline | Mapping[str, Any], judge: Any,
+                  judge_defaults: Mapping[str, Any] | None = None) -> FactualityPipeline:
+    """A built pipeline, or one from its config (stage ``judge:`` blocks laid over ``judge_defaults``)."""
+    if isinstance(spec, FactualityPipeline):
+        return spec
+    return build_pipeline(dict(spec), judge_client=judge, judge_defaults=judge_defaults)
+
+
+def role_judge(role: Any, shared: Any) -> Any:
+    """The client for one role: its own block laid key by key over the shared block; None when it has none."""
+    if role is None or hasattr(role, "complete_batch"):
+        return role
+    base = dict(shared) if isinstance(shared, Mapping) else {}
+    return build_judge({**base, **dict(role)})
 
 
 def judge_from(spec: Any) -> Any:

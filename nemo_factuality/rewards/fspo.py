@@ -10,7 +10,9 @@
 * **signs**: per response token; step tokens get their step's ±1; every other token gets
   ``outside_mask`` (released code: 1; recommended: 0 = plain GRPO outside verified steps); samples
   without knowledge (math) get all 0. The trainer applies ``fspo_flip`` with these signs.
-* **score** = answer + ``fact_weight`` · mean(step scores) (released code: fact_weight 0; paper: 1).
+* **score** = answer + ``fact_weight`` · mean(step scores) (released code: fact_weight 0; paper: 1),
+  minus ``guards.injection_penalty`` when the completion addressed a judge/verifier.
+* A failed step verification makes the sample NaN (``details[i]["error"]``) with all-zero signs.
 """
 
 from __future__ import annotations
@@ -24,7 +26,17 @@ from typing import Any, Sequence
 import numpy as np
 
 from nemo_factuality.registry import REWARDS
-from nemo_factuality.rewards.base import GuardConfig, RewardParts, is_blank, load_tokenizer, nan_array, placer_for, validate_batch
+from nemo_factuality.rewards.base import (
+    GuardConfig,
+    RewardParts,
+    is_blank,
+    load_tokenizer,
+    mark_failures,
+    nan_array,
+    neutralize_injection,
+    placer_for,
+    validate_batch,
+)
 from nemo_factuality.rewards.common import extract_answer, guarded_check, pipeline_from
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch, Span
 
@@ -82,7 +94,7 @@ class FSPOReward(RewardParts):
     def _parts(self) -> list[Any]:
         return [self.pipeline]
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> RewardBatch:
+    def _score(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> RewardBatch:
         validate_batch(prompts, completions, columns, who="fspo", required=("ground_truth",))
         cfg, n = self.cfg, len(completions)
         knowledge = columns.get("knowledge") or [None] * n
@@ -93,8 +105,13 @@ class FSPOReward(RewardParts):
         checks, hits = guarded_check(self.pipeline, cfg.guards, [prompts[i] for i in grounded], [texts[i] for i in grounded],
                                      materials=[(knowledge[i],) for i in grounded])
         step_scores: dict[int, list[tuple[Any, float]]] = {}
+        errors: list[str | None] = [None] * n
+        injected = [neutralize_injection(c)[1] > 0 for c in completions]
         for i, check in zip(grounded, checks):
             if check is None:
+                continue
+            if check.error is not None:
+                errors[i] = check.error
                 continue
             by_id = {v.claim_id: v for v in check.verdicts}
             step_scores[i] = [(c.span, 1.0 if by_id[c.id].label is Label.SUPPORTED else -1.0) for c in check.claims]
@@ -110,10 +127,14 @@ class FSPOReward(RewardParts):
             if steps:
                 reasoning[i] = float(np.mean([s for _, s in steps]))
             if signs_out is not None:
-                signs_out.append(self._signs(completion, texts[i], columns, i, steps, i in step_scores))
+                signs = self._signs(completion, texts[i], columns, i, steps, i in step_scores)
+                signs_out.append(signs if errors[i] is None else np.zeros_like(signs))
             if not is_blank(completion):
                 scores[i] = answer[i] + (cfg.fact_weight * reasoning[i] if steps else 0.0)
-        return RewardBatch(scores, {"answer": answer, "format": fmt, "reasoning": reasoning}, token_signs=signs_out)
+                scores[i] -= cfg.guards.injection_penalty if injected[i] else 0.0
+        details = mark_failures(scores, errors, [{"injection_hits": int(h)} for h in injected], who="fspo")
+        return RewardBatch(scores, {"answer": answer, "format": fmt, "reasoning": reasoning}, token_signs=signs_out,
+                           details=details)
 
     def _signs(self, completion: str, text: str, columns: dict, i: int, steps: list, grounded: bool) -> np.ndarray:
         placer = placer_for(self.tokenizer, completion, columns, i)

@@ -1,7 +1,10 @@
 """KLCF's offline checklist builder: what the base model already knows, per prompt.
 
 sample base-model responses → extract claims → verify against the knowledge store → keep the
-supported claims, deduplicated per prompt → JSONL ``{"prompt", "checklist": [claims...], "n_responses"}``.
+supported claims, deduplicated per prompt → JSONL ``{"prompt", "checklist": [claims...], "n_responses",
+"n_failed"}``. A response whose fact-check failed (judge down) contributes nothing and is counted in
+``n_failed`` (with the first reason in ``error``); a prompt whose every response failed gets
+``"checklist": null`` (no checklist, so KLCF skips its recall term) instead of a silently empty list.
 
 Input JSONL: ``{"prompt": str, "responses": [str, ...]}`` (responses already sampled, e.g. with vLLM),
 or pass ``generate=fn(prompts) -> list[list[str]]`` to sample inside.
@@ -24,11 +27,18 @@ log = logging.getLogger(__name__)
 
 
 def checklist_for(pipeline: Any, prompt: str, responses: Sequence[str], topic: str | None = None,
-                  max_items: int | None = None) -> list[str]:
-    """Supported, deduplicated claims across ``responses`` to one prompt (first-seen order)."""
+                  max_items: int | None = None, failures: list[str] | None = None) -> list[str]:
+    """Supported, deduplicated claims across ``responses`` to one prompt (first-seen order).
+
+    Responses whose fact-check failed are skipped; their reasons are appended to ``failures`` if given.
+    """
     checks = pipeline.check([prompt] * len(responses), list(responses), topics=[topic] * len(responses))
     seen, items = set(), []
     for check in checks:
+        if getattr(check, "error", None) is not None:
+            if failures is not None:
+                failures.append(check.error)
+            continue
         by_id = {v.claim_id: v for v in check.verdicts}
         for claim in check.claims:
             key = normalize(claim.text)
@@ -64,9 +74,16 @@ def build_checklists(pipeline: Any, input_jsonl: str | Path, output_jsonl: str |
                 if generate is None:
                     raise FactualityInputError(f"{input_jsonl}:{lineno}: no 'responses' and no generate function given")
                 responses = generate([rec["prompt"]])[0]
-            items = checklist_for(pipeline, rec["prompt"], responses, rec.get("topic"), max_items)
-            fh.write(json.dumps({"prompt": rec["prompt"], "checklist": items, "n_responses": len(responses)},
-                                ensure_ascii=False) + "\n")
+            failures: list[str] = []
+            items = checklist_for(pipeline, rec["prompt"], responses, rec.get("topic"), max_items, failures)
+            row = {"prompt": rec["prompt"], "checklist": items, "n_responses": len(responses), "n_failed": len(failures)}
+            if failures:
+                row["error"] = failures[0]
+                log.warning("%s:%d: %d of %d responses could not be fact-checked: %s", input_jsonl, lineno, len(failures),
+                            len(responses), failures[0])
+                if len(failures) == len(responses):
+                    row["checklist"] = None
+            fh.write(json.dumps(row, ensure_ascii=False) + "\n")
             n += 1
     os.replace(tmp, out)
     log.info("wrote %d checklists to %s", n, out)

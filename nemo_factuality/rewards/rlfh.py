@@ -7,8 +7,13 @@ For sentence ``s`` with statements ``a`` (verification label ``v_a``, informativ
 
 with ε = −0.9, μ = 1. A sentence without statements gets ``default_for_none`` at its end; refusal
 sentences and questions are dropped (released post-filter). A response that did not end with EOS
-gets ``eos_penalty`` on its last token; token rewards are clipped to ``reward_clip``. The scalar
-is the sum of the token rewards. Maps default to the README's values (train.sh's are in the docs).
+gets ``eos_penalty`` on its last token; token rewards are clipped to ``reward_clip``; an injection
+attempt gets ``guards.injection_penalty`` on the last token. The scalar is exactly the sum of the
+token rewards (without a tokenizer: of the same rewards placed per character). Statements are placed
+as methods.md §2.4 says: the echoed sentence is matched to the response's sentence by edit
+similarity, the statement by LCS inside it (``claims.llm.lcs_span``). A failed extraction,
+verification or informativeness judge makes the sample NaN (``details[i]["error"]``) with zero
+token rewards. Maps default to the README's values (train.sh's are in the docs).
 """
 
 from __future__ import annotations
@@ -16,14 +21,24 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from nemo_factuality.interfaces import VerifyItem
 from nemo_factuality.registry import REWARDS
-from nemo_factuality.rewards.base import GuardConfig, RewardParts, TokenPlacer, load_tokenizer, nan_array, placer_for, validate_batch
-from nemo_factuality.rewards.common import guarded_check, judge_from, pipeline_from
+from nemo_factuality.rewards.base import (
+    GuardConfig,
+    RewardParts,
+    TokenPlacer,
+    check_errors,
+    load_tokenizer,
+    mark_failures,
+    nan_array,
+    placer_for,
+    validate_batch,
+)
+from nemo_factuality.rewards.common import guarded_check, judge_from, pipeline_from, role_judge
 from nemo_factuality.types import Claim, FactualityInputError, Label, RewardBatch, Sentence, Span, Verdict
 
 _REFUSAL = re.compile(
@@ -124,61 +139,103 @@ class RLFHReward(RewardParts):
             info_events.append((s.span.end - 1, r))
         return truth_events, info_events
 
-    def _score_infos(self, prompt: str, completion: str, claims: Sequence[Claim]) -> list[int | None]:
-        if not claims:
-            return []
-        items = [VerifyItem(c, prompt=prompt, response=completion) for c in claims]
-        return [score for score, _ in self.info_scorer.score_batch(items)]
+    def _score_infos(self, prompts: Sequence[str], completions: Sequence[str], checks: Sequence[Any],
+                     errors: list[str | None]) -> list[list[int | None]]:
+        """Informativeness per claim of every live sample, in one judge batch; outages fail their sample."""
+        owners = [(i, c) for i, check in enumerate(checks) if check is not None and errors[i] is None for c in check.claims]
+        if not owners:
+            return [[] for _ in checks]
+        if self.info_scorer is None:
+            raise FactualityInputError("rlfh: an informativeness judge is needed (set reward.judge or reward.info_judge)")
+        scored = self.info_scorer.score_batch([VerifyItem(c, prompt=prompts[i], response=completions[i]) for i, c in owners])
+        out: list[list[int | None]] = [[] for _ in checks]
+        unanswered: dict[int, list[str]] = {}
+        for (i, _), res in zip(owners, scored):
+            value, error = res[0], res[1]
+            out[i].append(value)
+            if len(res) > 2 and not res[2]:
+                unanswered.setdefault(i, []).append(error or "no reply")
+        for i, infos in enumerate(out):
+            if i in unanswered:
+                errors[i] = f"informativeness judge failed for {len(unanswered[i])} of {len(infos)} statements: {unanswered[i][0]}"
+            elif infos and all(v is None for v in infos):
+                errors[i] = f"no statement's informativeness could be read ({len(infos)} unreadable replies)"
+        return out
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> RewardBatch:
+    def _score(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> RewardBatch:
         validate_batch(prompts, completions, columns, who="rlfh")
         cfg, n = self.cfg, len(completions)
         materials = columns.get("materials")
         checks, hits = guarded_check(self.pipeline, cfg.guards, prompts, completions,
                                      materials=[tuple(m or ()) for m in materials] if materials is not None else None,
                                      topics=columns.get("topic"))
+        errors = check_errors(checks)
+        all_infos = self._score_infos(prompts, completions, checks, errors)
         scores, truth, info, eos = nan_array(n), np.zeros(n), np.zeros(n), np.zeros(n)
         token_rewards: list[np.ndarray] | None = [] if self.tokenizer is not None else None
         is_end = columns.get("is_end")
         for i, check in enumerate(checks):
             placer = placer_for(self.tokenizer, completions[i], columns, i)
             events: list[tuple[int, float]] = []
-            if check is not None:
-                infos = self._score_infos(prompts[i], completions[i], check.claims)
-                truth_events, info_events = self._sentence_rewards(check.sentences, check.claims, check.verdicts, infos,
+            if check is not None and errors[i] is None:
+                truth_events, info_events = self._sentence_rewards(check.sentences, check.claims, check.verdicts, all_infos[i],
                                                                    completions[i])
                 truth[i] = sum(r for _, r in truth_events)
                 info[i] = sum(r for _, r in info_events)
                 events = truth_events + info_events
             ended = True if is_end is None else bool(is_end[i])
             eos[i] = 0.0 if ended else cfg.eos_penalty
-            tokens = self._place(placer, events, eos[i]) if placer is not None else None
-            if token_rewards is not None:
-                token_rewards.append(tokens if tokens is not None else np.zeros(0, np.float32))
-            if check is None:
-                continue  # blank completion: abstain
-            total = float(tokens.sum()) if tokens is not None else float(np.clip(sum(r for _, r in events) + eos[i], *cfg.reward_clip))
-            scores[i] = total - (cfg.guards.injection_penalty if hits[i] else 0.0)
-        return RewardBatch(scores, {"truth": truth, "info": info, "eos_penalty": eos}, token_rewards=token_rewards)
+            penalty = cfg.guards.injection_penalty if hits[i] else 0.0
+            if placer is not None:
+                tokens = self._place(placer, events, eos[i], penalty) if errors[i] is None \
+                    else np.zeros(placer.n_tokens, np.float32)  # a failed sample carries nothing
+                token_rewards.append(tokens)
+                total = float(tokens.sum(dtype=np.float64))
+            else:
+                total = float(self._place_chars(events, eos[i], penalty, len(completions[i])).sum())
+            if check is not None:  # blank completion: abstain
+                scores[i] = total
+        details = mark_failures(scores, errors, [{"injection_hits": h} for h in hits], who="rlfh")
+        return RewardBatch(scores, {"truth": truth, "info": info, "eos_penalty": eos}, token_rewards=token_rewards,
+                           details=details)
 
-    def _place(self, placer: TokenPlacer, events: list[tuple[int, float]], eos_penalty: float) -> np.ndarray:
+    def _place(self, placer: TokenPlacer, events: list[tuple[int, float]], eos_penalty: float, penalty: float) -> np.ndarray:
+        """Token rewards: events at their tokens, EOS penalty on the last, clipped; the injection penalty after
+        clipping on the last token. The scalar reward is exactly ``tokens.sum()``."""
         out = np.zeros(placer.n_tokens, dtype=np.float32)
         if placer.n_tokens == 0:
             return out
         for pos, r in events:
             out[placer.last_token(Span(pos, pos + 1))] += r
         out[-1] += eos_penalty
-        return np.clip(out, *self.cfg.reward_clip)
+        out = np.clip(out, *self.cfg.reward_clip)
+        out[-1] -= penalty
+        return out
+
+    def _place_chars(self, events: list[tuple[int, float]], eos_penalty: float, penalty: float, n_chars: int) -> np.ndarray:
+        """Without a tokenizer, the same placement at character granularity (the scalar is its sum)."""
+        by_pos: dict[int, float] = {}
+        for pos, r in events:
+            by_pos[pos] = by_pos.get(pos, 0.0) + r
+        last = max(n_chars - 1, max(by_pos, default=0))
+        by_pos[last] = by_pos.get(last, 0.0) + eos_penalty
+        values = np.clip(np.array([by_pos[k] for k in sorted(by_pos)], dtype=np.float64), *self.cfg.reward_clip)
+        return np.append(values, -penalty)
 
 
 @REWARDS.register("rlfh")
-def build_rlfh(pipeline: dict, judge: Any = None, tokenizer: str | None = None, **cfg: Any) -> RLFHReward:
-    """RLFH from config: ``pipeline`` (rlfh extractor, bm25_sections evidence, llm_judge style rlfh) and a judge."""
+def build_rlfh(pipeline: dict, judge: Any = None, tokenizer: str | None = None, info_judge: Any = None, **cfg: Any) -> RLFHReward:
+    """RLFH from config: ``pipeline`` (rlfh extractor, bm25_sections evidence, llm_judge style rlfh) and judges.
+
+    ``judge`` is shared; ``info_judge`` (informativeness) and ``pipeline.{extractor,verifier}.judge`` override it.
+    """
     from nemo_factuality.verify.llm_judge import InformativenessScorer
 
     client = judge_from(judge)
+    info_client = role_judge(info_judge, judge) or client
     guards = GuardConfig(**cfg.pop("guards", {}))
     if "reward_clip" in cfg:
         cfg["reward_clip"] = tuple(cfg["reward_clip"])
-    return RLFHReward(pipeline_from(pipeline, client), InformativenessScorer(client) if client else None,
+    shared = judge if isinstance(judge, Mapping) else None
+    return RLFHReward(pipeline_from(pipeline, client, shared), InformativenessScorer(info_client) if info_client else None,
                       RLFHConfig(guards=guards, **cfg), tokenizer)

@@ -21,7 +21,12 @@ def main(argv: Sequence[str]) -> int:
 
     parser = argparse.ArgumentParser(prog="nemo-factuality serve", description=__doc__)
     parser.add_argument("--config-name", default=None, help="conf/serve/<name>.yaml (klcf, rlfh, fspo, knowrl, factalign, demo)")
+    parser.add_argument("--fail-fast", action="store_true",
+                        help="fail a whole batch when any sample's judge/fact-check fails (default: that sample is NaN "
+                             "with details.error; reward_model sends nan_reward). Same as fail_fast=true")
     args, overrides = parser.parse_known_args(list(argv))
+    if args.fail_fast:
+        overrides = [*overrides, "fail_fast=true"]
     cfg = load_config(ServeConfig, args.config_name, overrides, group="serve")
     log.info("serve config:\n%s", to_yaml(cfg))
     reward = REWARDS.build(dict(asdict(cfg)["reward"]))

@@ -27,5 +27,8 @@ class ServeConfig:
     max_queue_delay_us: int = 2000
     # NeMo-Aligner cannot take NaN rewards: abstentions are sent as this value on the reward_model wire.
     nan_reward: float = 0.0
+    # A sample whose judge/fact-check failed is NaN (+ details.error) by default; fail_fast fails the whole
+    # batch instead, so the caller (trainer) stops rather than trains around the failures.
+    fail_fast: bool = False
     health_check_interval_s: float = 5.0
     workspace: str | None = None  # PyTriton workspace (default: a temporary directory)

@@ -3,11 +3,15 @@
 * ``reward_model`` — exactly NeMo-Aligner 0.7.0's protocol: optional inputs ``sentences`` (bytes),
   ``tokens`` (int64) and ``sequence_lengths`` (int64), output ``rewards`` float32 ``[B, 1]``. Token
   ids are the *policy's*; they are decoded with the policy tokenizer and split at the assistant marker.
-  NaN (abstain) becomes ``nan_reward`` because Aligner cannot take NaN.
+  NaN (abstain, or a sample whose judge failed) becomes ``nan_reward`` because Aligner cannot take
+  NaN; every such sample is counted (``factuality_nan_rewards_total{model, reason}``) and logged.
 * ``factuality_reward`` — the same inputs (+ ``prompt_lengths``) or ``prompts``/``completions`` bytes
   and per-sample JSON ``columns``; outputs ``rewards [B, 1]`` (NaN kept), ``token_rewards [B, S]``
   float32 and ``token_signs [B, S]`` int8 aligned to the tokens received (prompt positions 0), and
-  ``details [B, 1]`` JSON bytes (components, errors, response token count).
+  ``details [B, 1]`` JSON bytes (components, ``error`` per failed sample, response token count).
+
+Failures: a sample whose extraction/verification/judge failed is NaN with ``details.error``; with
+``fail_fast: true`` any such sample fails the whole batch instead (the caller gets the reasons).
 
 Health: ``GET /health/live`` and ``/health/ready`` on ``health_port`` (ready = every downstream judge
 and knowledge store answers; the JSON names what is down). Prometheus metrics on ``metrics_port``.
@@ -55,6 +59,10 @@ class _Metrics:
         self.errors = Counter("factuality_request_errors", "batches that failed", ["model"], registry=self.registry)
         self.latency = Histogram("factuality_batch_latency_seconds", "reward latency per batch", ["model"],
                                  registry=self.registry)
+        self.nan_rewards = Counter("factuality_nan_rewards", "samples sent as nan_reward / NaN: reason = error | abstain",
+                                   ["model", "reason"], registry=self.registry)
+        self.sample_errors = Counter("factuality_sample_errors", "samples whose fact-check or judge failed",
+                                     ["model"], registry=self.registry)
 
 
 class _RewardStatsCollector:
@@ -138,6 +146,15 @@ class FactualityRewardServer:
             log.exception("batch %d (%s) failed", batch_id, model)
             raise
         elapsed = time.perf_counter() - start
+        errors = sample_errors(result)
+        if errors:
+            self.metrics.sample_errors.labels(model).inc(len(errors))
+            log.warning("batch %d (%s): %d of %d samples failed (first: sample %d: %s)", batch_id, model, len(errors),
+                        len(result), *next(iter(errors.items())))
+            if self.cfg.fail_fast:
+                self.metrics.errors.labels(model).inc()
+                raise RuntimeError(f"batch {batch_id}: fail_fast is set and {len(errors)} of {len(result)} samples failed: "
+                                   + "; ".join(f"sample {i}: {e}" for i, e in list(errors.items())[:5]))
         self.metrics.requests.labels(model).inc()
         self.metrics.samples.labels(model).inc(len(completions))
         self.metrics.latency.labels(model).observe(elapsed)
@@ -147,8 +164,16 @@ class FactualityRewardServer:
 
     # ------------------------------------------------------------------ infer functions
     def infer_reward_model(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
-        result, _, _, _ = self._score(self.cfg.reward_model_name, inputs)
-        scores = np.where(np.isnan(result.scores), self.cfg.nan_reward, result.scores)
+        model = self.cfg.reward_model_name
+        result, _, _, _ = self._score(model, inputs)
+        nan = np.isnan(result.scores)
+        if nan.any():
+            n_err = len(sample_errors(result))
+            self.metrics.nan_rewards.labels(model, "error").inc(n_err)
+            self.metrics.nan_rewards.labels(model, "abstain").inc(int(nan.sum()) - n_err)
+            log.warning("%s: %d of %d samples NaN (%d failed, %d abstained) sent as nan_reward=%g", model, int(nan.sum()),
+                        len(result), n_err, int(nan.sum()) - n_err, self.cfg.nan_reward)
+        scores = np.where(nan, self.cfg.nan_reward, result.scores)
         return {"rewards": scores.astype(np.float32).reshape(-1, 1)}
 
     def infer_rich(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
@@ -164,6 +189,8 @@ class FactualityRewardServer:
                  "response_offset": offsets[i]}
             if result.details is not None:
                 d["details"] = result.details[i]
+                if result.details[i].get("error"):
+                    d["error"] = result.details[i]["error"]
             if result.sentence_labels is not None:
                 d["sentence_labels"] = result.sentence_labels[i]
             details.append(json.dumps(d, default=str).encode("utf-8"))
@@ -239,6 +266,11 @@ class FactualityRewardServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def sample_errors(result: RewardBatch) -> dict[int, str]:
+    """``{sample index: reason}`` for the samples whose reward failed (``details[i]["error"]``)."""
+    return {i: str(d["error"]) for i, d in enumerate(result.details or []) if d and d.get("error")}
 
 
 def _health_handler(server: FactualityRewardServer) -> type[BaseHTTPRequestHandler]:

@@ -83,3 +83,41 @@ def build_tiny_causal_lm(family: str = "qwen2", *, vocab_size: int = 512, tie_wo
     if out_dir is not None:
         model.save_pretrained(str(out_dir))
     return model
+
+
+def build_tiny_sequence_classifier(out_dir: str | Path, *, family: str = "bert", num_labels: int = 1, seed: int = 0,
+                                   head_bias: float | None = None, label2id: dict[str, int] | None = None):
+    """A tiny ``*ForSequenceClassification`` (BERT cross-encoder or Llama reward model) saved with the tiny tokenizer.
+
+    Args:
+        family: ``bert`` (NLI/HHEM-style cross-encoder, biased classifier head) or ``llama`` (reward model:
+            last-token ``score`` head, no bias).
+        num_labels: 1 for a single-logit head (HHEM consistency score, Skywork-style reward).
+        head_bias: if given (BERT only), zero the head's weight and set its bias, so the logit is exactly
+            this value for every input (deterministic verdicts in tests).
+        label2id: label names of a multi-class head.
+    """
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+
+    tok = build_tiny_tokenizer(out_dir)
+    torch.manual_seed(seed)
+    labels = dict(label2id or {}) or None
+    common = dict(num_labels=num_labels, pad_token_id=tok.pad_token_id, vocab_size=len(tok),
+                  **({"label2id": labels, "id2label": {v: k for k, v in labels.items()}} if labels else {}))
+    if family == "bert":
+        model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                         intermediate_size=48, max_position_embeddings=512, **common))
+        if head_bias is not None:
+            with torch.no_grad():
+                model.classifier.weight.zero_()
+                model.classifier.bias.fill_(head_bias)
+    elif family == "llama":
+        model = LlamaForSequenceClassification(LlamaConfig(hidden_size=48, num_hidden_layers=1, num_attention_heads=2,
+                                                           num_key_value_heads=1, intermediate_size=96,
+                                                           max_position_embeddings=512, **common))
+    else:
+        raise ValueError(f"family must be 'bert' or 'llama', got {family!r}")
+    model.eval()
+    model.save_pretrained(str(out_dir))
+    return model, tok

@@ -51,3 +51,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nemo_factuality.testing.training --out DIR``: write the tiny policy (skipped if present)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m nemo_factuality.testing.training", description=main.__doc__)
+    p.add_argument("--out", type=Path, required=True, help="directory for the tiny HF policy and its tokenizer")
+    args = p.parse_args(argv)
+    if (args.out / "config.json").exists():
+        print(f"tiny policy already at {args.out}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    build_policy(args.out)
+    print(f"tiny policy written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -171,11 +171,18 @@ def load_pairs(path: str | Path) -> list[PreferencePair]:
             for w, o in iter_jsonl(path)]
 
 
+def packaged_path(path: str) -> Path:
+    """``package:demo_prompts.jsonl`` → the file shipped in ``nemo_factuality/data``; other paths unchanged."""
+    if path.startswith("package:"):
+        return Path(__file__).resolve().parents[1] / "data" / path[len("package:"):]
+    return Path(path)
+
+
 def load_prompts(path: str | Path | None, fmt: str) -> list[PromptRecord]:
     """Records of ``path`` in format ``fmt``; a missing or empty file is an input error naming it."""
     if path is None:
         raise FactualityInputError("data.train is not set; point it at a prompt file (data.train=prompts.jsonl)")
-    p = Path(path)
+    p = packaged_path(str(path))
     if not p.is_file():
         raise FactualityInputError(f"data file {p} does not exist (data.train / data.validation)")
     records = LOADERS.get(fmt)(p)

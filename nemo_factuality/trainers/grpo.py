@@ -83,6 +83,8 @@ class GRPOTrainer:
                 stop = self._after_step(metrics)
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
+                log.info("step %d: reward %.4f kl %.5f loss %.4f (%.2f s)", self.step, metrics.get("reward/score", math.nan),
+                         metrics.get("kl", math.nan), metrics.get("loss/policy", math.nan), metrics.get("time/step", math.nan))
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/score', math.nan):.3f}", kl=f"{metrics.get('kl', math.nan):.4f}")
                 if preempted:
@@ -171,7 +173,7 @@ class GRPOTrainer:
             kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], "k1" if g.kl_estimator == "k1" else "k3", m.loss_agg, **norm)
             loss = loss + g.initial_policy_kl_penalty * kl
             metrics["loss/kl"] = kl.item()
-        # Micro-batch shares add up to the step's loss; scale metrics the same way so their sum is the step's value.
+        # Each micro batch returns its share of the step's loss; `update` sums the shares back per step.
         return loss, metrics
 
     def update(self, exp: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -257,6 +259,7 @@ class GRPOTrainer:
             self.actor.load_weights(self.checkpointer.root / self.checkpointer.best)
         self._save()
         self.actor.export(self.run_dir / "final")
+        log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

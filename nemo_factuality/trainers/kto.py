@@ -120,6 +120,7 @@ class KTOTrainer:
         self.step = self.iteration = self.position = 0  # optimiser steps; iteration; minibatch index in the iteration
         self.data: dict[str, torch.Tensor] | None = None
         self._pending: dict[str, float] = {}
+        self.last_data: dict[str, torch.Tensor] | None = None
         m = cfg.model
         self.sampling = SamplingParams(m.length_params.max_length, m.sampling_params.temperature, m.sampling_params.top_p,
                                        m.sampling_params.top_k, m.sampling_params.use_greedy)
@@ -262,6 +263,7 @@ class KTOTrainer:
                         self.logger.close()
                         return
                     break  # max_steps
+                self.last_data = self.data  # kept for inspection (tests, reports) after the iteration ends
                 self.iteration, self.data = self.iteration + 1, None
                 self._save()
         self._save()

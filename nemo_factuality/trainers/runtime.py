@@ -285,6 +285,11 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
         raise RuntimeError(f"reward returned {len(batch)} scores for {len(rollout)} completions")
     for attr in ("token_rewards", "token_signs"):
         values = getattr(batch, attr)
+        if values is not None and any(ids) and not any(len(v) for v in values):
+            # The served reward's wire format always carries these outputs; all-empty rows mean the
+            # method has none (e.g. a scalar labeller), not "zero reward on every token".
+            setattr(batch, attr, None)
+            continue
         if values is None:
             continue
         for i, (v, x) in enumerate(zip(values, ids)):

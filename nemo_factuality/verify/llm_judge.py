@@ -1,16 +1,19 @@
 """LLM-judge verifiers: claim verification, RLFH informativeness, KLCF checklist coverage, answer grading.
 
 All of them send the whole batch through ``JudgeClient.complete_batch`` (bounded concurrency) and
-turn failed or unreadable replies into explicit errors (``Label.UNPARSEABLE`` / ``None``).
+turn failed or unreadable replies into explicit errors (``Label.UNPARSEABLE`` / ``None`` + reason).
+Prompts are rendered by ``judge.guard.judge_request``: claims, responses and predicted answers are
+untrusted (neutralised), questions, gold answers, checklist items and evidence are dataset text.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from nemo_factuality.interfaces import ChatRequest, JudgeClient, JudgeReply, VerifyItem
 from nemo_factuality.judge import parsers
+from nemo_factuality.judge.guard import judge_request
 from nemo_factuality.registry import VERIFIERS
 from nemo_factuality.types import FactualityInputError, Label, Verdict
 
@@ -82,11 +85,11 @@ class LLMJudgeVerifier:
         return fn() if callable(fn) else {}
 
     def _request(self, item: VerifyItem) -> ChatRequest:
-        content = _PROMPTS[self.style].format(evidence=_format_evidence(item.evidence), prompt=item.prompt,
-                                              claim=item.claim.text, topic=item.topic or "the subject")
         extra = {"logprobs": True, "top_logprobs": 5} if self.style == "truthfulness" else {}
-        return ChatRequest(({"role": "user", "content": content},), temperature=self.temperature, top_p=self.top_p,
-                           max_tokens=self.max_tokens, extra=extra)
+        return judge_request(_PROMPTS[self.style], untrusted={"claim": item.claim.text},
+                             trusted={"evidence": _format_evidence(item.evidence), "prompt": item.prompt,
+                                      "topic": item.topic or "the subject"},
+                             temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens, extra=extra)
 
     def _verdict(self, item: VerifyItem, reply: JudgeReply) -> Verdict:
         cid = item.claim.id
@@ -122,20 +125,29 @@ Response: {response}
 Statement: {claim}"""
 
 
+class InfoScore(NamedTuple):
+    """Informativeness of one statement: ``value`` 1..5, or None with ``error``; ``answered`` is False
+    when the judge never replied (an outage), True when it replied (possibly unreadably)."""
+
+    value: int | None
+    error: str | None
+    answered: bool = True
+
+
 class InformativenessScorer:
-    """RLFH's assess task: informativeness 1..5 per statement (``None`` + logged error when unreadable)."""
+    """RLFH's assess task: informativeness 1..5 per statement (``None`` + error when failed or unreadable)."""
 
     def __init__(self, client: JudgeClient, temperature: float = 0.3, top_p: float = 0.3, max_tokens: int = 48) -> None:
         self.client, self.temperature, self.top_p, self.max_tokens = client, temperature, top_p, max_tokens
 
-    def score_batch(self, items: Sequence[VerifyItem]) -> list[tuple[int | None, str | None]]:
-        reqs = [ChatRequest(({"role": "user", "content": ASSESS_PROMPT.format(prompt=i.prompt, response=i.response,
-                                                                             claim=i.claim.text)},),
-                            temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens) for i in items]
+    def score_batch(self, items: Sequence[VerifyItem]) -> list[InfoScore]:
+        reqs = [judge_request(ASSESS_PROMPT, untrusted={"response": i.response, "claim": i.claim.text},
+                              trusted={"prompt": i.prompt}, temperature=self.temperature, top_p=self.top_p,
+                              max_tokens=self.max_tokens) for i in items]
         out = []
         for reply in self.client.complete_batch(reqs):
             parsed = parsers.parse_rlfh_assess(reply.text) if reply.ok else parsers.Parsed(None, reply.error)
-            out.append((parsed.value, parsed.error))
+            out.append(InfoScore(parsed.value, parsed.error, reply.ok))
         return out
 
 
@@ -154,17 +166,22 @@ class CoverageJudge:
         self.errors = 0
 
     def covered_batch(self, responses: Sequence[str], items: Sequence[str]) -> list[bool | None]:
+        """Covered or not per (response, item); ``None`` when the reply failed or could not be read."""
+        return [covered for covered, _ in self.check_batch(responses, items)]
+
+    def check_batch(self, responses: Sequence[str], items: Sequence[str]) -> list[tuple[bool | None, str | None]]:
+        """``(covered, None)`` per (response, item), or ``(None, why)`` — never a silent "not covered"."""
         if len(responses) != len(items):
             raise FactualityInputError(f"coverage judge: {len(responses)} responses but {len(items)} checklist items")
-        reqs = [ChatRequest(({"role": "user", "content": COVERAGE_PROMPT.format(item=it, response=r)},),
-                            max_tokens=self.max_tokens) for r, it in zip(responses, items)]
-        out: list[bool | None] = []
+        reqs = [judge_request(COVERAGE_PROMPT, untrusted={"response": r}, trusted={"item": it}, max_tokens=self.max_tokens)
+                for r, it in zip(responses, items)]
+        out: list[tuple[bool | None, str | None]] = []
         for reply in self.client.complete_batch(reqs):
             parsed = parsers.parse_covered(reply.text) if reply.ok else parsers.Parsed(None, reply.error)
             if not parsed.ok:
                 self.errors += 1
                 log.warning("coverage judge: %s", parsed.error)
-            out.append(parsed.value)
+            out.append((parsed.value, None if parsed.ok else f"coverage judge: {parsed.error}"))
         return out
 
 
@@ -185,8 +202,8 @@ class AnswerGrader:
         self.client, self.max_tokens = client, max_tokens
 
     def grade_batch(self, questions: Sequence[str], golds: Sequence[str], preds: Sequence[str]) -> list[tuple[str | None, str | None]]:
-        reqs = [ChatRequest(({"role": "user", "content": GRADER_PROMPT.format(question=q, gold=g, pred=p)},),
-                            max_tokens=self.max_tokens) for q, g, p in zip(questions, golds, preds)]
+        reqs = [judge_request(GRADER_PROMPT, untrusted={"pred": p}, trusted={"question": q, "gold": g}, max_tokens=self.max_tokens)
+                for q, g, p in zip(questions, golds, preds)]
         out = []
         for reply in self.client.complete_batch(reqs):
             parsed = parsers.parse_simpleqa_grade(reply.text) if reply.ok else parsers.Parsed(None, reply.error)

@@ -3,6 +3,13 @@
 FSPO uses an HHEM-style consistency classifier (supported if p > 0.5); KnowRL uses DeBERTa NLI
 with entailment probability >= 0.3, taking the max over retrieved passages. Both are this class
 with a different ``threshold`` and ``entail_label``.
+
+Heads: a multi-class head gives p = softmax(logits)[entail_label]; a single-logit head (HHEM: one
+consistency logit) gives p = sigmoid(logit) — a softmax over one logit would always be 1.0, i.e.
+every step SUPPORTED. ``prompt_template`` renders each (premise, hypothesis) pair into one text the
+way the model was trained (HHEM-2.1's ``"<pad> Determine if the hypothesis is true given the
+premise?\n\nPremise: {premise}\n\nHypothesis: {hypothesis}"``); ``trust_remote_code`` is an
+explicit opt-in for models that ship their own modelling code.
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ class NLIVerifier:
     """
 
     def __init__(self, model_path: str, threshold: float = 0.5, entail_label: str | int = "entailment",
-                 aggregation: str = "max", batch_size: int = 16, max_length: int = 512, device: str = "cpu") -> None:
+                 aggregation: str = "max", batch_size: int = 16, max_length: int = 512, device: str = "cpu",
+                 prompt_template: str | None = None, trust_remote_code: bool = False) -> None:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -42,9 +50,14 @@ class NLIVerifier:
                                        "sequence-classification model directory")
         if aggregation not in ("max", "mean"):
             raise FactualityInputError(f"NLI aggregation must be 'max' or 'mean', got {aggregation!r}")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path))
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(path)).to(device).eval()
-        self.entail_index = self._resolve_label(entail_label)
+        if prompt_template is not None and ("{premise}" not in prompt_template or "{hypothesis}" not in prompt_template):
+            raise FactualityInputError("verifier.prompt_template must contain {premise} and {hypothesis}")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        self.model = self.model.to(device).eval()
+        self.prompt_template = prompt_template
+        self.single_logit = self.model.config.num_labels == 1
+        self.entail_index = 0 if self.single_logit else self._resolve_label(entail_label)
         self.threshold, self.aggregation, self.batch_size = threshold, aggregation, batch_size
         self.max_length, self.device, self._torch = max_length, device, torch
         self.stats = {"claims_verified": 0, "pairs_scored": 0}
@@ -65,11 +78,16 @@ class NLIVerifier:
         out: list[float] = []
         for start in range(0, len(pairs), self.batch_size):
             chunk = pairs[start : start + self.batch_size]
-            enc = self.tokenizer([p for p, _ in chunk], [h for _, h in chunk], truncation=True, padding=True,
-                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            if self.prompt_template is not None:  # the model's own single-text input format
+                texts = [self.prompt_template.format(premise=p, hypothesis=h) for p, h in chunk]
+                enc = self.tokenizer(texts, truncation=True, padding=True, max_length=self.max_length, return_tensors="pt")
+            else:
+                enc = self.tokenizer([p for p, _ in chunk], [h for _, h in chunk], truncation=True, padding=True,
+                                     max_length=self.max_length, return_tensors="pt")
             with self._torch.no_grad():
-                logits = self.model(**enc).logits
-            out.extend(self._torch.softmax(logits.float(), dim=-1)[:, self.entail_index].tolist())
+                logits = self.model(**enc.to(self.device)).logits.float()
+            probs = self._torch.sigmoid(logits[:, 0]) if self.single_logit else self._torch.softmax(logits, dim=-1)[:, self.entail_index]
+            out.extend(probs.tolist())
         self.stats["pairs_scored"] += len(pairs)
         return out
 

@@ -48,7 +48,10 @@ def test_rlfh_extractor_retries_garbage_then_succeeds():
     assert temps[1] > temps[0]  # RLFH raises the temperature on retry
     assert [c.text for c in claims] == ["Paris is the capital of France.", "Paris has about two million inhabitants."]
     assert claims[0].span is not None and claims[0].sentence_id == 0
-    assert claims[1].span is None and claims[1].sentence_id == 1  # paraphrased: owner sentence kept, no span
+    # paraphrased: owner sentence kept, span = the LCS of the statement inside it (methods.md §2.4)
+    assert claims[1].sentence_id == 1 and claims[1].span is not None
+    sentence_1 = seg.split(RESPONSE)[1].span
+    assert sentence_1.start <= claims[1].span.start < claims[1].span.end <= sentence_1.end
 
 
 def test_extractors_give_empty_and_count_failure_when_always_garbage():
@@ -57,6 +60,9 @@ def test_extractors_give_empty_and_count_failure_when_always_garbage():
         ex = FactScoreExtractor(OpenAIJudgeClient(srv.url, "judge"), retries=1)
         out = ex.extract_batch(["p", "p"], [RESPONSE, ""], [seg.split(RESPONSE), []])
     assert out == [[], []] and ex.stats["parse_failures"] == 1
+    # the failure is a value: the first list says why, the blank response's list is a plain "no claims"
+    assert "extraction failed" in out[0].error and "nothing useful" in out[0].error
+    assert getattr(out[1], "error", None) is None
 
 
 def test_safe_extractor_one_request_per_sentence():

@@ -120,7 +120,7 @@ def _sbatch_log(workdir: Path, job_id: str) -> str:
 
 def test_het_job_waits_for_readiness_then_trains(slurm, tmp_path):
     job = _submit(slurm, tmp_path, _write_stage(tmp_path / "stage.yaml"))
-    assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 120) == "COMPLETED", _sbatch_log(tmp_path, job)
+    assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 300) == "COMPLETED", _sbatch_log(tmp_path, job)
     batch_log = _sbatch_log(tmp_path, job)
     assert batch_log.index("factuality_reward ready") < batch_log.index("trainer finished with exit code 0")
     assert "training finished at step 40" in _log(tmp_path, job, "trainer")
@@ -138,13 +138,13 @@ def test_server_that_never_gets_ready_fails_the_job_with_its_log(slurm, tmp_path
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
-    stage = _write_stage(tmp_path / "stage.yaml", trainer_command=(
-        "python -m nemo_factuality.launch.standins trainer --ckpt-dir {ckpt_dir} --steps 120 --step-time-s 0.1"))
+    default = yaml.safe_load((REPO_ROOT / "conf" / "launch" / "cpu_standin.yaml").read_text())["trainer_command"]
+    stage = _write_stage(tmp_path / "stage.yaml", trainer_command=default + " trainer.max_steps=120")
     job = _submit(slurm, tmp_path, stage)
-    deadline = time.time() + 60
-    while "step 15 " not in _log(tmp_path, job, "trainer") and time.time() < deadline:
+    deadline = time.time() + 180
+    while "step 15:" not in _log(tmp_path, job, "trainer") and time.time() < deadline:
         time.sleep(0.3)
-    assert "step 15 " in _log(tmp_path, job, "trainer"), _sbatch_log(tmp_path, job)
+    assert "step 15:" in _log(tmp_path, job, "trainer"), _sbatch_log(tmp_path, job)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
     # slurmctld holds a requeued batch job back (BeginTime about two minutes ahead); release it now so
     # the test is quick. On a cluster the delay is harmless.
@@ -152,8 +152,9 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
     assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 240) == "COMPLETED", _sbatch_log(tmp_path, job)
     trainer = _log(tmp_path, job, "trainer")
-    saved = int(trainer.split("checkpoint saved at step ")[1].split(":")[0])
-    assert f"resumed from step {saved}" in trainer and "training finished at step 120" in trainer
+    saved = int(trainer.split("stopped by SIGUSR1 at step ")[1].split(";")[0])  # the real GRPO stage checkpointed
+    assert f"(step {saved})" in trainer.split("stopped by SIGUSR1")[1]  # ... and the requeued run resumed there
+    assert "training finished at step 120" in trainer
     assert "requeueing job" in _sbatch_log(tmp_path, job) and "start 1 " in _sbatch_log(tmp_path, job)
 
 

@@ -59,14 +59,19 @@ def test_rlfh_worked_example_and_token_placement(rlfh_server, tiny_tokenizer):
     assert out.scores[0] == pytest.approx(0.9 + r_info, abs=1e-5)
     tokens = out.token_rewards[0]
     assert len(tokens) == len(ids)
-    # the verbatim statement ends at the "e" of "France"; the paraphrased one sits at the sentence end
-    france_end = RLFH_RESPONSE.index("France") + len("France") - 1
+    # methods.md §2.4: each statement's reward sits at its last LCS-matched character in its sentence
+    # ("e" of "France"; the "s" of "airports" for "Paris has two airports"); r_info at the sentence end
     from nemo_factuality.text.alignment import align_tokens
 
-    t_france = align_tokens(tiny_tokenizer, RLFH_RESPONSE, ids).token_of_char(france_end)
-    assert tokens[t_france] == pytest.approx(0.45)
-    assert tokens[-1] == pytest.approx(0.45 + r_info, abs=1e-5)
-    assert np.count_nonzero(tokens) == 2
+    align = align_tokens(tiny_tokenizer, RLFH_RESPONSE, ids)
+    t_france = align.token_of_char(RLFH_RESPONSE.index("France") + len("France") - 1)
+    t_airports = align.token_of_char(RLFH_RESPONSE.index("airports") + len("airports") - 1)
+    expected = np.zeros(len(ids))
+    expected[t_france] += 0.45
+    expected[t_airports] += 0.45
+    expected[-1] += r_info
+    np.testing.assert_allclose(tokens, expected, atol=1e-5)
+    assert out.scores[0] == pytest.approx(float(tokens.sum(dtype=np.float64)), abs=1e-9)
 
 
 def test_rlfh_eos_penalty_clip_and_train_sh_maps(rlfh_server, tiny_tokenizer):
@@ -153,7 +158,10 @@ def test_knowrl_end_to_end(kb):
             out = reward(["When was Ada Varga born?"] * 5, comps, ground_truth=["1917"] * 5, topic=["Ada Varga"] * 5)
             fact = math.exp(1 - 10 / 2)  # 2/2 supported, gamma 10 length penalty
             assert out.components["fact"][0] == pytest.approx(fact)
-            assert out.components["correct"].tolist() == [2.0, -1.0, 1.0, -1.0, 0.0]
+            assert out.components["correct"].tolist()[:4] == [2.0, -1.0, 1.0, -1.0]
+            # an unreadable grade is a failure, not the released code's silent 0
+            assert math.isnan(out.components["correct"][4]) and math.isnan(out.scores[4])
+            assert "answer grading failed" in out.details[4]["error"] and "zzz" in out.details[4]["error"]
             if mode == "gated":
                 assert out.scores[1] == pytest.approx(1.0 + (-1.0 + fact))
             else:
@@ -197,4 +205,5 @@ def test_factalign_repetition_filter(kb_pipeline):
     rep = "Ada Varga was born in 1917. Ada Varga was born in 1917."
     out = lab(["q"], [rep])
     assert out.components["label"][0] == 0.0  # the 3-gram "ada varga was" repeats twice > 1
-    assert out.sentence_labels[0] == [True]  # the duplicate claim was dropped (dedup guard), its sentence too
+    # the duplicate claim was dropped (dedup guard), but the repeated sentence is still a negative label
+    assert out.sentence_labels[0] == [True, False]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import threading
@@ -27,11 +28,21 @@ from nemo_factuality.verify.llm_judge import InformativenessScorer  # noqa: E402
 
 PROMPTS = ["Tell me about Paris.", "Tell me about Rome.", "Who are you?"]
 RESPONSES = ["Paris is the capital of France. It has two airports.", "Rome is in Italy.", "I'm sorry, I can't say."]
-MODE = {"verify": "Correct"}
+MODE = {"verify": "Correct", "alive_for": None, "dead_on": ()}
+_CALLS = {"n": 0}
+_CALLS_LOCK = threading.Lock()
 
 
 def _judge(req):
     content = req["messages"][-1]["content"]
+    if MODE["alive_for"] is not None:  # the judge dies mid-batch: after N answers every request gets 503
+        with _CALLS_LOCK:
+            _CALLS["n"] += 1
+            dead = _CALLS["n"] > MODE["alive_for"]
+        if dead:
+            return Reply("judge process died", status=503)
+    if any(key in content for key in MODE["dead_on"]):  # ... or dies for the second half of the batch
+        return Reply("judge process died", status=503)
     if "atomic statements" in content:
         resp = content.split("Response:")[-1].strip()
         lines = []
@@ -156,11 +167,12 @@ def test_garbage_and_slow_judge_mid_batch(stack, tiny_tokenizer):
     try:
         MODE["verify"] = "I refuse to answer"
         garbage = remote(PROMPTS[:1], RESPONSES[:1])
-        assert stack["reward"].stats()["unparseable_verdicts"] >= 1  # counted, not silently defaulted
-        MODE["verify"] = "down"  # the verifying judge fails mid-batch: per-statement errors, server keeps serving
+        assert stack["reward"].stats()["unparseable"] >= 1  # counted, not silently defaulted
+        MODE["verify"] = "down"  # the verifying judge is down: NaN + reason per sample, server keeps serving
         before = stack["reward"].stats().get("judge_errors", 0.0)
         down = remote(PROMPTS[:2], RESPONSES[:2])
-        assert np.isfinite(down.scores).all() and stack["reward"].stats()["judge_errors"] >= before + 2
+        assert np.isnan(down.scores).all() and stack["reward"].stats()["judge_errors"] >= before + 2
+        assert all("verification failed" in d["error"] and "HTTP 503" in d["error"] for d in down.details)
         MODE["verify"] = "slow"  # judge slower than the client's 5 s... per call timeout is 5 s; 1.5 s delay is fine
         slow = remote(PROMPTS[:1], RESPONSES[:1])
         assert np.isfinite(slow.scores).all()
@@ -169,9 +181,60 @@ def test_garbage_and_slow_judge_mid_batch(stack, tiny_tokenizer):
             RemoteFactualityReward(stack["url"], timeout_s=0.2)(PROMPTS[:1], RESPONSES[:1])
     finally:
         MODE["verify"] = "Correct"
-    assert np.isfinite(garbage.scores).all()
+    # every verdict unreadable: nothing was verified, so no score (never a 0.0 that looks real)
+    assert np.isnan(garbage.scores).all() and "no claim could be verified" in garbage.details[0]["error"]
     time.sleep(1.5)  # let the abandoned batch finish
     assert remote(PROMPTS[:1], RESPONSES[:1]).scores[0] > 0
+
+
+def test_judge_dies_mid_batch_per_sample_errors_reach_every_client(stack, tiny_tokenizer):
+    """The judge answers a few requests, then dies: the samples it finished keep real rewards, the others are
+    NaN with the judge's error on ``factuality_reward``, ``nan_reward`` + a counter on ``reward_model``, and
+    with ``fail_fast`` the whole batch fails with the reasons."""
+    prompts = [f"Tell me about Paris {i}." for i in range(6)]
+    responses = [f"Paris is the capital of France. It has {i} airports." for i in range(6)]
+    remote = RemoteFactualityReward(stack["url"])
+    metrics_url = f"http://127.0.0.1:{stack['cfg'].metrics_port}/metrics"
+
+    def nan_counter() -> float:
+        text = urllib.request.urlopen(metrics_url).read().decode()
+        lines = [ln for ln in text.splitlines() if ln.startswith("factuality_nan_rewards_total{") and 'reason="error"' in ln]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    try:
+        # 1. the judge process dies after 10 answers (whatever was in flight): every sample is either scored
+        #    from real verdicts or NaN with the judge's error, never a default score
+        _CALLS["n"], MODE["alive_for"] = 0, 10
+        died = remote(prompts, responses)
+        assert any(d.get("error") for d in died.details)
+        for i, d in enumerate(died.details):
+            if d.get("error"):
+                assert math.isnan(died.scores[i]) and "HTTP 503" in d["error"] and "judge process died" in d["error"]
+            else:
+                assert math.isfinite(died.scores[i])
+        MODE["alive_for"] = None
+        # 2. deterministic: the judge fails for samples 3..5 of the batch; 0..2 keep their real rewards
+        MODE["dead_on"] = ("has 3 airports", "has 4 airports", "has 5 airports")
+        rich = remote(prompts, responses)
+        assert [bool(d.get("error")) for d in rich.details] == [False] * 3 + [True] * 3
+        np.testing.assert_allclose(rich.scores[:3], stack["reward"](prompts[:3], responses[:3]).scores, atol=1e-6)
+        for i in range(3, 6):
+            assert math.isnan(rich.scores[i]) and "judge process died" in rich.details[i]["error"]
+            assert not rich.token_rewards[i].any()  # a failed sample carries no token rewards
+        # 3. NeMo-Aligner's wire cannot carry NaN: nan_reward, counted (Prometheus) and logged
+        before = nan_counter()
+        tokens, lengths, _ = aligner_payload(tiny_tokenizer, prompts, responses)
+        out = _infer(stack["url"], "reward_model", tokens=tokens, sequence_lengths=lengths)
+        assert out["rewards"][3:, 0].tolist() == [stack["cfg"].nan_reward] * 3 and np.all(out["rewards"][:3, 0] != 0)
+        assert nan_counter() == before + 3
+        # fail_fast: the batch fails as a whole and the caller sees why
+        stack["server"].cfg.fail_fast = True
+        with pytest.raises(RemoteRewardError, match="fail_fast"):
+            remote(prompts, responses)
+    finally:
+        MODE["alive_for"], MODE["dead_on"] = None, ()
+        stack["server"].cfg.fail_fast = False
+    assert np.isfinite(remote(prompts[:1], responses[:1]).scores).all()  # the judge is back: real rewards again
 
 
 def test_readiness_reflects_judge_and_metrics_are_exported(stack):
@@ -222,3 +285,17 @@ def test_client_error_names_url_model_and_key():
         RemoteFactualityReward(f"http://127.0.0.1:{port}", init_timeout_s=1, timeout_s=1)(["p"], ["r"])
     msg = str(err.value)
     assert f"127.0.0.1:{port}" in msg and "factuality_reward" in msg and "reward.timeout_s" in msg
+
+
+def test_remote_general_rm_reads_a_reward_model_endpoint(stack, tiny_tokenizer):
+    """KLCF's general RM as a remote NeMo-Aligner ``reward_model`` endpoint (here: this server's own)."""
+    from nemo_factuality.rewards.general_rm import GeneralRMError, build_general_rm
+
+    template = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "{prompt}"}], tokenize=False,
+                                                  add_generation_prompt=True) + "{response}"
+    rm = build_general_rm({"kind": "remote", "url": stack["url"], "model_name": "reward_model", "template": template})
+    scores = rm(PROMPTS[:2], RESPONSES[:2])
+    np.testing.assert_allclose(scores, stack["reward"](PROMPTS[:2], RESPONSES[:2]).scores, atol=1e-5)
+    assert rm.health() == {f"general_rm:{stack['url']}/reward_model": None}
+    with pytest.raises(GeneralRMError, match="general_rm.url"):
+        build_general_rm({"kind": "remote", "url": "http://127.0.0.1:9", "timeout_s": 1})(["q"], ["a"])

@@ -1,0 +1,128 @@
+"""General (helpfulness) reward models for KLCF's ``w_rm · σ(s_RM)`` term.
+
+Two kinds, both called ``rm(prompts, completions) -> list[float]`` (raw scores, one per sample):
+
+* ``{kind: hf, model_path: DIR}`` — a local Hugging Face ``*ForSequenceClassification`` model with one
+  output (Skywork-Reward-V2 style): the (prompt, response) pair is rendered with the model's chat
+  template (plain ``prompt\\n\\nresponse`` when it has none) and the single logit is the score.
+  ``trust_remote_code`` is an explicit opt-in.
+* ``{kind: remote, url: http://host:5555, model_name: reward_model}`` — a server speaking
+  NeMo-Aligner's ``reward_model`` protocol (``sentences`` bytes in, ``rewards [B, 1]`` out), e.g.
+  another ``nemo-factuality serve`` or an Aligner RM server; the text sent is ``template``.
+
+A failure raises ``GeneralRMError`` (the KLCF reward turns it into per-sample NaN + reason).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from nemo_factuality.types import FactualityInputError
+
+log = logging.getLogger(__name__)
+
+
+class GeneralRMError(RuntimeError):
+    """The general reward model could not score a batch."""
+
+
+class HFRewardModel:
+    """A local single-logit sequence-classification reward model.
+
+    Args:
+        model_path: local directory with the model and its tokenizer.
+        batch_size: sequences per forward pass.
+        max_length: truncation length (tokens) of each rendered conversation.
+        device: torch device.
+        trust_remote_code: allow the model's own modelling code (explicit opt-in).
+    """
+
+    def __init__(self, model_path: str, batch_size: int = 8, max_length: int = 4096, device: str = "cpu",
+                 trust_remote_code: bool = False) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        path = Path(model_path)
+        if not (path / "config.json").is_file():
+            raise FactualityInputError(f"general_rm.model_path {path} has no config.json; point it at a local "
+                                       "*ForSequenceClassification reward model directory")
+        self.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        self.model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        self.model = self.model.to(device).eval()
+        if self.model.config.num_labels != 1:
+            raise FactualityInputError(f"general_rm {path}: expected a reward model with one output, "
+                                       f"got num_labels={self.model.config.num_labels}")
+        if self.model.config.pad_token_id is None:  # batched scoring needs to find each row's last token
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
+                else self.tokenizer.eos_token_id
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.path, self.batch_size, self.max_length, self.device, self._torch = str(path), batch_size, max_length, device, torch
+
+    def render(self, prompt: str, completion: str) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            return self.tokenizer.apply_chat_template(chat, tokenize=False)
+        return f"{prompt}\n\n{completion}"
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
+        texts = [self.render(p, c) for p, c in zip(prompts, completions)]
+        out: list[float] = []
+        for start in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(texts[start : start + self.batch_size], padding=True, truncation=True,
+                                 max_length=self.max_length, return_tensors="pt", add_special_tokens=False).to(self.device)
+            with self._torch.no_grad():
+                out.extend(self.model(**enc).logits[:, 0].float().tolist())
+        return out
+
+    def health(self) -> dict[str, str | None]:
+        return {f"general_rm:{self.path}": None}
+
+
+class RemoteRewardModel:
+    """NeMo-Aligner ``reward_model`` protocol client (PyTriton): ``sentences`` → ``rewards``."""
+
+    def __init__(self, url: str, model_name: str = "reward_model", timeout_s: float = 60.0,
+                 template: str = "{prompt}\n\n{response}") -> None:
+        self.url, self.model_name, self.timeout_s, self.template = url, model_name, timeout_s, template
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
+        from pytriton.client import ModelClient
+
+        sentences = np.array([[self.template.format(prompt=p, response=c).encode("utf-8")]
+                              for p, c in zip(prompts, completions)], dtype=object)
+        try:
+            with ModelClient(self.url, self.model_name, init_timeout_s=self.timeout_s, inference_timeout_s=self.timeout_s) as client:
+                out = client.infer_batch(sentences=sentences)
+        except Exception as err:
+            raise GeneralRMError(f"general RM {self.url} (model {self.model_name!r}) failed: {type(err).__name__}: {err}; "
+                                 "check the server or reward.general_rm.url / timeout_s") from err
+        return np.asarray(out["rewards"], dtype=np.float64).reshape(-1).tolist()
+
+    def health(self) -> dict[str, str | None]:
+        from pytriton.client import ModelClient
+
+        key = f"general_rm:{self.url}/{self.model_name}"
+        try:
+            with ModelClient(self.url, self.model_name, init_timeout_s=5.0) as client:
+                client.wait_for_model(timeout_s=5.0)
+            return {key: None}
+        except Exception as err:
+            return {key: f"{self.url} model {self.model_name!r} not ready: {err}"}
+
+
+def build_general_rm(spec: Mapping[str, Any] | Any) -> Any:
+    """A general RM from ``{kind: hf | remote, ...}``; a callable is returned as is."""
+    if callable(spec):
+        return spec
+    spec = dict(spec)
+    kind = spec.pop("kind", "hf")
+    if kind == "hf":
+        return HFRewardModel(**spec)
+    if kind == "remote":
+        return RemoteRewardModel(**spec)
+    raise FactualityInputError(f"general_rm.kind must be 'hf' or 'remote', got {kind!r}")

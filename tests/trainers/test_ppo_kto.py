@@ -1,0 +1,134 @@
+"""Dense-reward PPO and iterated KTO + fKTO on the hf backend: learning, log-ratio direction, resume."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from nemo_factuality.algorithms import response_mask
+from nemo_factuality.testing.training import GOOD, good_tokens_dense, prompts, read_metrics
+from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
+from nemo_factuality.trainers.config import KTOConfig, PPOConfig
+from nemo_factuality.trainers.data import PreferencePair
+from nemo_factuality.trainers.kto import KTOTrainer, sentence_sums
+from nemo_factuality.trainers.ppo import PPOTrainer, token_reward_tensor
+from nemo_factuality.trainers.interfaces import Rollout
+from nemo_factuality.types import RewardBatch, Span
+
+
+def ppo_cfg(policy, run_dir, steps=16) -> PPOConfig:
+    cfg = PPOConfig()
+    cfg.model.path, cfg.model.optim.lr = str(policy), 3e-3
+    cfg.model.length_params.max_length = 6
+    cfg.model.global_batch_size, cfg.model.micro_batch_size = 16, 8
+    cfg.ppo.num_prompts_per_step = 16
+    cfg.critic.optim.lr, cfg.critic.micro_batch_size = 1e-2, 8
+    cfg.trainer.max_steps, cfg.trainer.progress_bar, cfg.trainer.save_interval = steps, False, 0
+    cfg.exp_manager.explicit_log_dir, cfg.exp_manager.create_tensorboard_logger = str(run_dir), False
+    cfg.reward = {"name": "toy"}
+    return cfg
+
+
+def run_ppo(cfg, seed=0):
+    torch.manual_seed(seed)
+    actor = HFActor(cfg.model, max_steps=100)
+    critic = HFCritic(cfg.critic, cfg.model.path, max_steps=100)
+    return PPOTrainer(cfg, actor, critic, good_tokens_dense, prompts(16), run_dir=cfg.exp_manager.explicit_log_dir).fit()
+
+
+def test_ppo_raises_a_dense_reward_and_trains_the_critic(tiny_policy, tmp_path):
+    history = run_ppo(ppo_cfg(tiny_policy, tmp_path / "ppo"))
+    rewards = [h["reward/score"] for h in history]
+    start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
+    assert end - start > 0.6 and end - start > 5 * (np.std(rewards[:3]) + 1e-3), rewards
+    assert all(math.isfinite(h["loss/value"]) and math.isfinite(h["loss/policy"]) for h in history)
+    assert history[-1]["values/mean"] > 0.3  # the zero-initialised value head learnt that good tokens pay
+
+
+def test_ppo_resume_restores_the_critic_too(tiny_policy, tmp_path):
+    full = run_ppo(ppo_cfg(tiny_policy, tmp_path / "full", steps=3))
+    run_ppo(ppo_cfg(tiny_policy, tmp_path / "split", steps=2))
+    resumed = run_ppo(ppo_cfg(tiny_policy, tmp_path / "split", steps=3), seed=99)
+    keys = ("reward/score", "loss/policy", "loss/value", "values/mean", "grad_norm", "critic/grad_norm")
+    assert {k: full[2][k] for k in keys} == {k: resumed[0][k] for k in keys}
+
+
+def test_scalar_reward_goes_on_the_last_action_like_aligner():
+    rollout = Rollout(torch.zeros(2, 6, dtype=torch.long), torch.tensor([2, 2]), torch.tensor([6, 4]),
+                      torch.tensor([True, True]))
+    t = token_reward_tensor(RewardBatch(np.array([1.5, -2.0])), rollout)
+    assert t[0, 4] == 1.5 and t[1, 2] == -2.0 and t.abs().sum() == 3.5  # index response_length - 2
+
+
+def test_critic_warmup_freezes_the_actor(tiny_policy, tmp_path):
+    cfg = ppo_cfg(tiny_policy, tmp_path / "warm", steps=2)
+    cfg.ppo.critic_warmup_steps = 2
+    torch.manual_seed(0)
+    actor = HFActor(cfg.model, max_steps=10)
+    before = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    critic = HFCritic(cfg.critic, cfg.model.path, max_steps=10)
+    history = PPOTrainer(cfg, actor, critic, good_tokens_dense, prompts(16), run_dir=tmp_path / "warm").fit()
+    assert [h["actor_trained"] for h in history] == [0.0, 0.0]
+    assert all(torch.equal(before[k], v) for k, v in actor.model.state_dict().items())
+
+
+# ------------------------------------------------------------------------------------------------ KTO
+def half_good_labeller(prompts, completions, completion_ids, **_):
+    """FactAlign-shaped labels: desirable when most tokens are GOOD; one sentence = the whole completion."""
+    label = np.array([float(sum(t in GOOD for t in ids) * 3 >= len(ids)) for ids in completion_ids])
+    spans = [[Span(0, len(c))] if c.strip() else [] for c in completions]
+    return RewardBatch(label, {"label": label}, sentence_labels=[[bool(x)] for x in label], sentence_spans=spans)
+
+
+def kto_cfg(policy, run_dir, iterations=1) -> KTOConfig:
+    cfg = KTOConfig()
+    cfg.model.path, cfg.model.optim.lr = str(policy), 2e-3
+    cfg.model.length_params.max_length = 6
+    cfg.model.global_batch_size, cfg.model.micro_batch_size = 8, 4
+    cfg.kto.num_iterations, cfg.kto.prompts_per_iteration, cfg.kto.samples_per_prompt = iterations, 8, 4
+    cfg.kto.epochs_per_iteration = 3
+    cfg.trainer.max_steps, cfg.trainer.progress_bar, cfg.trainer.save_interval = 1000, False, 0
+    cfg.exp_manager.explicit_log_dir, cfg.exp_manager.create_tensorboard_logger = str(run_dir), False
+    cfg.reward = {"name": "toy"}
+    return cfg
+
+
+def test_kto_moves_log_ratios_the_expected_way(tiny_policy, tmp_path):
+    torch.manual_seed(0)
+    cfg = kto_cfg(tiny_policy, tmp_path / "kto")
+    actor = HFActor(cfg.model, max_steps=100)
+    pairs = [PreferencePair("hi", "The Moon orbits the Earth.", "Unknown facts should be avoided.")]
+    trainer = KTOTrainer(cfg, actor, half_good_labeller, prompts(8), general_pairs=pairs, run_dir=tmp_path / "kto")
+    trainer.fit()
+    data = trainer.last_data
+    rollout = Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"], torch.ones(len(data["tokens"]), dtype=torch.bool))
+    diff = actor.logprobs(rollout) - actor.reference_logprobs(rollout)
+    mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, diff.shape[1])
+    resp = (diff * mask).sum(-1)
+    good, bad = data["desirable"], ~data["desirable"]
+    assert good.any() and bad.any()
+    assert resp[good].mean() > 0 > resp[bad].mean(), (resp[good], resp[bad])
+    sent = sentence_sums(diff, data["sent_start"], data["sent_end"])[data["sent_valid"]]
+    labels = data["sent_label"][data["sent_valid"]]
+    assert sent[labels].mean() > sent[~labels].mean()
+    logged = read_metrics(tmp_path / "kto")
+    assert logged[0]["kto/labelled"] == 32 and logged[0]["kto/general_pairs"] == 1
+    assert all(math.isfinite(m["loss/kto"]) and math.isfinite(m["loss/fkto"]) for m in logged)
+
+
+def test_kto_resumes_mid_iteration(tiny_policy, tmp_path):
+    def go(run_dir, max_steps, seed):
+        torch.manual_seed(seed)
+        cfg = kto_cfg(tiny_policy, run_dir, iterations=2)
+        cfg.kto.epochs_per_iteration, cfg.trainer.max_steps = 1, max_steps
+        KTOTrainer(cfg, HFActor(cfg.model, max_steps=100), half_good_labeller, prompts(8), run_dir=run_dir).fit()
+        return read_metrics(run_dir)
+
+    full = go(tmp_path / "full", 1000, 0)
+    go(tmp_path / "split", 2, 0)  # stops inside iteration 0 (4 minibatches per iteration)
+    resumed = go(tmp_path / "split", 1000, 7)
+    assert [m["step"] for m in resumed] == [m["step"] for m in full]
+    for a, b in zip(full, resumed):
+        assert a.get("loss/kto") == b.get("loss/kto") and a.get("kto/z0") == b.get("kto/z0")

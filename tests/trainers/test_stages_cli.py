@@ -1,0 +1,255 @@
+"""Every method's reward through its stage, built from conf/train presets by the real entry points.
+
+The LLM judges are a real loopback OpenAI-protocol server with scripted replies; the knowledge store is
+real SQLite; one stage gets its reward from the real PyTriton server; the Slurm entry point
+(``python -m nemo_factuality.trainers.grpo``) is checkpointed by SIGUSR1 and resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
+from nemo_factuality.testing.training import read_metrics, write_jsonl
+from nemo_factuality.trainers.cli import main as train_main
+
+FACTS = [("Ada Varga", "born_year", "1917", "Ada Varga was born in 1917."),
+         ("Lev Novak", "occupation", "chemist", "Lev Novak worked as a chemist.")]
+
+
+def _judge(req: dict) -> Reply:
+    content = req["messages"][-1]["content"]
+    if "atomic statements" in content:  # RLFH extraction
+        return Reply(">> Sentence 1: Ada Varga was born in 1917.\n* Ada Varga was born in 1917")
+    if "Choose from" in content:
+        return Reply("Correct")
+    if "helpful the statement" in content:
+        return Reply("4")
+    if "Extract every verifiable factual claim" in content or "independent atomic facts" in content \
+            or "list of atomic facts" in content:
+        return Reply("- Ada Varga was born in 1917.")
+    if "Is the following claim true" in content:
+        return Reply("True")
+    if "Covered" in content:
+        return Reply("Covered")
+    if "Grade the predicted answer" in content:
+        return Reply("A")
+    if "[Supported]" in content:
+        return Reply("The knowledge says so. [Supported]")
+    return Reply("unscripted", status=400)
+
+
+@pytest.fixture(scope="module")
+def judge():
+    with ScriptedOpenAIServer(_judge) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def kb(tmp_path_factory):
+    from nemo_factuality.knowledge.store import build_store
+
+    d = tmp_path_factory.mktemp("train_kb")
+    write_jsonl(d / "p.jsonl", [{"title": s, "text": t} for s, _, _, t in FACTS])
+    write_jsonl(d / "f.jsonl", [{"subject": s, "relation": r, "value": v, "text": t} for s, r, v, t in FACTS])
+    return str(build_store(d / "p.jsonl", d / "kb.sqlite", facts_jsonl=d / "f.jsonl", progress=False))
+
+
+def _common(policy: Path, run_dir: Path) -> list[str]:
+    return [f"model.path={policy}", f"exp_manager.explicit_log_dir={run_dir}", "model.length_params.max_length=8"]
+
+
+def _check_run(run_dir: Path, steps: int) -> list[dict]:
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    for m in metrics:
+        losses = {k: v for k, v in m.items() if k.startswith("loss/")}
+        assert losses and all(v is not None and math.isfinite(v) for v in losses.values()), m
+        assert m["time/generate"] > 0 and m["time/reward"] > 0 and m["time/train"] >= 0
+    assert (run_dir / "final" / "config.json").exists() and (run_dir / "config.yaml").exists()
+    assert list((run_dir / "tensorboard").glob("events.*"))
+    return metrics
+
+
+def test_klcf_grpo(tiny_policy, judge, tmp_path):
+    data = write_jsonl(tmp_path / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
+                                                 for i in range(4)])
+    url = f"{judge.url}"
+    roles = [f"reward.{k}.base_url={url}" for k in ("judge", "checklist_judge", "pipeline.extractor.judge",
+                                                   "pipeline.verifier.judge")]
+    assert train_main(["grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"), f"data.train={data}",
+                       *roles, "reward.w_rm=0", "reward.general_rm=null"]) == 0
+    metrics = _check_run(tmp_path / "run", 3)
+    assert metrics[0]["reward/checklist_recall"] == 1.0 and metrics[0]["reward/truthfulness_precision"] == 1.0
+
+
+def test_fspo_grpo_from_parquet(tiny_policy, tiny_nli, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    template = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\nLet me solve this step by step.\n<think>"
+    rows = [{"prompt": [{"role": "user", "content": template.format(q=f"Who was born in 1917? ({i})")}],
+             "reward_model": {"style": "rule", "ground_truth": "Ada Varga"}, "knowledge": FACTS[0][3],
+             "data_source": "HotpotQA"} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    assert train_main(["grpo", "--config-name", "tiny_cpu_fspo", *_common(tiny_policy, tmp_path / "run"),
+                       f"data.train={tmp_path / 'train.parquet'}", f"reward.verifier.model_path={tiny_nli}"]) == 0
+    metrics = _check_run(tmp_path / "run", 3)
+    assert metrics[0]["reward/format"] == -2.0  # the untrained policy never writes the tags
+
+
+def test_knowrl_grpo(tiny_policy, tiny_nli, judge, kb, tmp_path):
+    items = [{"question": f"When was Ada Varga born? ({i})", "answers": "1917", "title": "Ada Varga;Lev Novak"} for i in range(4)]
+    (tmp_path / "knowrl.json").write_text(json.dumps(items))
+    assert train_main(["grpo", "--config-name", "tiny_cpu_knowrl", *_common(tiny_policy, tmp_path / "run"),
+                       f"data.train={tmp_path / 'knowrl.json'}", f"reward.judge.base_url={judge.url}",
+                       f"reward.pipeline.evidence.store_path={kb}", f"reward.pipeline.verifier.model_path={tiny_nli}"]) == 0
+    metrics = _check_run(tmp_path / "run", 3)
+    assert metrics[0]["reward/format"] == -1.0
+
+
+def test_rlfh_ppo(tiny_policy, judge, tmp_path):
+    data = write_jsonl(tmp_path / "hotpot.jsonl", [{"question": f"When was Ada Varga born ({i})?", "titles": ["Ada Varga"],
+                                                    "materials": [FACTS[0][3]], "extra_materials": []} for i in range(8)])
+    assert train_main(["ppo", "--config-name", "tiny_cpu_rlfh", *_common(tiny_policy, tmp_path / "run"), f"data.train={data}",
+                       f"reward.judge.base_url={judge.url}"]) == 0
+    metrics = _check_run(tmp_path / "run", 3)
+    assert all(math.isfinite(m["loss/value"]) for m in metrics)
+
+
+def test_factalign_kto(tiny_policy, judge, kb, tmp_path):
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Write a bio of Ada Varga ({i}).", "topic": "Ada Varga"}
+                                                    for i in range(4)])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Say hi.", "chosen": "Hi there.", "rejected": "No."}])
+    assert train_main(["kto", "--config-name", "tiny_cpu_factalign", *_common(tiny_policy, tmp_path / "run"),
+                       f"data.train={data}", f"data.general_pairs={pairs}", f"reward.judge.base_url={judge.url}",
+                       f"reward.pipeline.evidence.store_path={kb}"]) == 0
+    metrics = read_metrics(tmp_path / "run")
+    # per iteration: 4 prompts × 2 samples labelled + 1 general pair (chosen + rejected) = 10 examples → 3 minibatches of 4
+    assert len(metrics) == 2 * 3
+    assert metrics[0]["kto/labelled"] + metrics[0]["kto/dropped_unlabelled"] == 8
+    assert all(math.isfinite(m["loss/kto"]) for m in metrics)
+
+
+def test_grpo_through_the_pytriton_reward_server(tiny_policy, kb, tmp_path):
+    pytest.importorskip("pytriton")
+    from nemo_factuality.registry import REWARDS
+    from nemo_factuality.serving.config import ServeConfig
+    from nemo_factuality.serving.server import FactualityRewardServer
+    from nemo_factuality.testing.ports import free_ports
+
+    os.environ.setdefault("PYTRITON_HOME", str(tmp_path / "pytriton_home"))
+    reward = REWARDS.build({"name": "factalign", "k": 10, "pipeline": {"verifier": {"name": "kb_exact", "store_path": kb}}})
+    http, grpc, tmetrics, health, metrics_port = free_ports(5)
+    cfg = ServeConfig(host="127.0.0.1", http_port=http, grpc_port=grpc, triton_metrics_port=tmetrics, health_port=health,
+                      metrics_port=metrics_port, max_queue_delay_us=500)
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Who is Ada Varga ({i})?", "topic": "Ada Varga"} for i in range(4)])
+    with FactualityRewardServer(cfg, reward):
+        assert train_main(["grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"),
+                           "reward=null", f"remote_rm.url=http://127.0.0.1:{http}", "data.format=jsonl",
+                           f"data.train={data}"]) == 0
+    metrics = _check_run(tmp_path / "run", 3)
+    assert "reward/f1" in metrics[0]  # the labeller's components came back over the wire
+
+
+def test_bad_configs_fail_at_start_naming_the_key(tiny_policy, tmp_path, capsys):
+    from nemo_factuality.config import ConfigError
+    from nemo_factuality.types import FactualityInputError
+
+    base = _common(tiny_policy, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"reward.name='nosuch' is not a known reward"):
+        train_main(["grpo", "--config-name", "tiny_cpu_klcf", *base, "reward.name=nosuch"])
+    with pytest.raises(ConfigError, match=r"model.global_batch_size \(6\) must be a multiple of model.micro_batch_size"):
+        train_main(["grpo", "--config-name", "tiny_cpu_klcf", *base, "model.global_batch_size=6"])
+    with pytest.raises(ConfigError, match="no reward"):
+        train_main(["grpo", "--config-name", "tiny_cpu_klcf", *base, "reward=null"])
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "checklist": []}])
+    from nemo_factuality.testing.ports import free_ports
+
+    (port,) = free_ports(1)
+    start = time.monotonic()
+    with pytest.raises(FactualityInputError, match=rf"127.0.0.1:{port}.*remote_rm.url"):
+        train_main(["grpo", "--config-name", "tiny_cpu_klcf", *base, "reward=null", f"data.train={data}",
+                    f"remote_rm.url=http://127.0.0.1:{port}", "remote_rm.init_timeout_s=2"])
+    assert time.monotonic() - start < 60  # a refused connection fails fast, not after Aligner's 600000 s
+    assert train_main(["nosuchstage"]) == 2
+
+
+def test_sigusr1_checkpoints_and_the_rerun_resumes(tiny_policy, kb, tmp_path):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Who is Ada Varga ({i})?", "topic": "Ada Varga"} for i in range(4)])
+    run_dir = tmp_path / "run"
+    config = tmp_path / "grpo_demo.yaml"  # a whole config file, as a user would write one
+    config.write_text(f"""
+trainer: {{max_steps: 200, save_interval: 0, progress_bar: false}}
+grpo: {{num_prompts_per_step: 2, num_rollouts_per_prompt: 4, truncated: keep}}
+model: {{micro_batch_size: 4, global_batch_size: 8, optim: {{lr: 1.0e-3}}}}
+data: {{format: jsonl, train: {data}}}
+reward: {{name: factalign, k: 10, pipeline: {{verifier: {{name: kb_exact, store_path: {kb}}}}}}}
+""")
+    args = [sys.executable, "-m", "nemo_factuality.trainers.grpo", "--config-name", str(config),
+            *_common(tiny_policy, run_dir), "trainer.max_steps=200"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    stopped_at = read_metrics(run_dir)[-1]["step"]
+    assert stopped_at < 200 and "SIGUSR1" in out
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{stopped_at:06d}"
+    # the requeued job: same command, fewer steps so the test stays short; it resumes from the checkpoint
+    args[args.index("trainer.max_steps=200")] = f"trainer.max_steps={stopped_at + 2}"
+    res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"(step {stopped_at})" in res.stderr
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, stopped_at + 3))
+
+
+@pytest.mark.parametrize("method", ["klcf", "fspo", "knowrl", "rlfh", "factalign"])
+def test_train_and_serve_configs_use_the_same_reward(method):
+    from omegaconf import OmegaConf
+
+    from nemo_factuality.config import conf_dir
+
+    train = OmegaConf.load(conf_dir() / "train" / f"{method}.yaml")["reward"]
+    serve = OmegaConf.load(conf_dir() / "serve" / f"{method}.yaml")["reward"]
+    assert OmegaConf.to_container(train) == OmegaConf.to_container(serve)
+
+
+@pytest.mark.parametrize("stage", ["grpo_klcf", "grpo_fspo", "grpo_knowrl", "ppo_rlfh", "kto_factalign", "cpu_standin"])
+def test_launch_stages_pass_overrides_the_train_schema_accepts(stage):
+    """Every key=value a Slurm stage hands its trainer exists in that stage's schema (no silent typo)."""
+    import shlex
+
+    import yaml
+
+    from nemo_factuality.config import conf_dir
+    from nemo_factuality.trainers import config as schemas
+    from nemo_factuality.trainers.cli import STAGES
+
+    command = yaml.safe_load((conf_dir() / "launch" / f"{stage}.yaml").read_text())["trainer_command"]
+    words = shlex.split(command.split("&&")[-1].replace("exec ", "").replace("{ckpt_dir}", "/ckpt")
+                        .replace("$FACTUALITY_REWARD_URL", "http://reward:5555"))
+    module = words[words.index("-m") + 1]
+    name = words[words.index("--config-name") + 1]
+    overrides = [w for w in words if "=" in w and not w.startswith("-")]
+    schema = getattr(schemas, STAGES[module.rsplit(".", 1)[-1]][0])
+    cfg = schemas.load_config(schema, name, overrides + ["model.path=/models/policy"], group="train")
+    assert cfg.remote_rm.resolved_url() == "http://reward:5555" and cfg.exp_manager.explicit_log_dir == "/ckpt"
+    assert cfg.reward is None
