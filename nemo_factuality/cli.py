@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("nemo_factuality.convert.cli:main", "HF <-> NeMo checkpoint conversion and verification"),
     "launch": ("nemo_factuality.launch.cli:main", "render / submit Slurm jobs from configs"),
     "train": ("nemo_factuality.trainers.cli:main", "run a training stage: grpo (KLCF/FSPO/KnowRL), ppo (RLFH), kto (FactAlign)"),
+    "lab": ("nemo_factuality.lab.cli:main", "factuality lab: synthetic world, tiny policy, RL, before/after report"),
 }
 
 

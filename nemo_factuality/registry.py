@@ -126,4 +126,4 @@ SEGMENTERS: Registry[Any] = Registry("segmenter", lazy_modules=("nemo_factuality
 EXTRACTORS: Registry[Any] = Registry("claim extractor", lazy_modules=("nemo_factuality.claims",))
 EVIDENCE: Registry[Any] = Registry("evidence provider", lazy_modules=("nemo_factuality.knowledge.evidence",))
 VERIFIERS: Registry[Any] = Registry("verifier", lazy_modules=("nemo_factuality.verify",))
-REWARDS: Registry[Any] = Registry("reward", lazy_modules=("nemo_factuality.rewards",))
+REWARDS: Registry[Any] = Registry("reward", lazy_modules=("nemo_factuality.rewards", "nemo_factuality.lab.reward"))

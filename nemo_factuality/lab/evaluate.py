@@ -1,0 +1,111 @@
+"""Lab evaluation through ``nemo-factuality eval``: sample → label with the pipeline → score → lab summary.
+
+For one policy and one set of entities:
+
+1. sample ``n`` responses per entity (T=1; or greedy; or T=1 with the decode-time confidence
+   threshold: a sentence whose value token had p < tau has its value replaced by ``unknown``);
+2. label every sentence with the eval pipeline (identity claims → ``kb_exact``), exactly as
+   ``nemo-factuality eval --config-name demo_kb`` does (``label_with_pipeline``);
+3. take abstention sentences out of the claims (``kb_exact`` labels ``unknown`` values IRRELEVANT; they
+   assert nothing, so they are neither supported nor hallucinated; a response of abstentions only
+   is an abstained response), and run the ``nemo-factuality eval`` command on the labelled records
+   grouped by popularity tier (its ``report.json``, ``report.md`` and plot land in the eval folder);
+4. summarise: FActScore (γ=0, 0–1), SAFE F1@6 and precision, claims per responding response,
+   abstain rate (abstained slots / all slots), per tier.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from nemo_factuality.evaluation.cli import EvalConfig, label_with_pipeline
+from nemo_factuality.lab.policy import Sample, sample
+from nemo_factuality.lab.world import ABSTAIN_VALUE, prompt_for
+
+log = logging.getLogger(__name__)
+
+SAFE_K = (3, 6)
+_SENTENCE_END = re.compile(r"(?<=\.)\s+")
+_LAST_WORD = re.compile(r"\S+\.$")
+
+
+def apply_threshold(s: Sample, tau: float) -> str:
+    """The response with every sentence whose value-token probability is below ``tau`` turned into an abstention."""
+    sentences = _SENTENCE_END.split(s.response.strip())
+    out = []
+    for k, sent in enumerate(sentences):
+        if k < len(s.value_probs) and s.value_probs[k] < tau and sent.endswith("."):
+            sent = _LAST_WORD.sub(f"{ABSTAIN_VALUE}.", sent)
+        out.append(sent)
+    return " ".join(out)
+
+
+def responses_for(model, tokenizer, names: Sequence[str], tiers: dict[str, str], *, n: int, greedy: bool = False,
+                  tau: float | None = None, seed: int = 0) -> list[dict]:
+    """Eval records ``{"id", "prompt", "response", "topic", "tier"}`` for ``names`` (``n`` each, 1 when greedy)."""
+    samples = sample(model, tokenizer, [prompt_for(x) for x in names], n=1 if greedy else n, greedy=greedy, seed=seed)
+    reps = 1 if greedy else n
+    rows = []
+    for i, s in enumerate(samples):
+        name = names[i // reps]
+        text = apply_threshold(s, tau) if tau is not None else s.response
+        rows.append({"id": f"{name}#{i % reps}", "prompt": s.prompt, "response": text, "topic": name, "tier": tiers[name]})
+    return rows
+
+
+def label_rows(rows: list[dict], kb_path: Path) -> None:
+    """Label claims in place with the eval pipeline; abstention sentences move to ``abstained_slots``."""
+    cfg = EvalConfig(pipeline={"segmenter": {"name": "regex"}, "extractor": {"name": "identity"},
+                               "evidence": {"name": "none"}, "verifier": {"name": "kb_exact", "store_path": str(kb_path)},
+                               "abstain_detection": None})
+    label_with_pipeline([("lab", r) for r in rows], cfg)
+    for r in rows:
+        claims = r.get("claims") or []
+        kept = [c for c in claims if c["label"] != "irrelevant"]
+        r["abstained_slots"] = len(claims) - len(kept)
+        r["slots"] = len(claims)
+        r["claims"] = kept or None
+
+
+def run_eval(rows: list[dict], kb_path: Path, out_dir: Path) -> dict[str, Any]:
+    """Label, write ``responses.jsonl``, run ``nemo-factuality eval`` into ``out_dir``; return the lab summary."""
+    from nemo_factuality.evaluation.cli import main as eval_main
+
+    label_rows(rows, kb_path)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = out_dir / "responses.jsonl"
+    with records.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    code = eval_main(["--input", str(records), "--output", str(out_dir / "report.json"), "--group-by", "tier",
+                      "--k", ",".join(map(str, SAFE_K)), "--gamma", "0,10"])
+    if code != 0:
+        raise RuntimeError(f"nemo-factuality eval failed on {records} (exit {code})")
+    report = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
+    return summarise(report, rows)
+
+
+def _block(group: dict[str, Any], rows: Sequence[dict]) -> dict[str, Any]:
+    slots = sum(r["slots"] for r in rows)
+    return {
+        "factscore": group["factscore"]["gamma0"]["score"],
+        "factscore_gamma10": group["factscore"]["gamma10"]["score"],
+        "respond_ratio": group["factscore"]["gamma0"]["respond_ratio"],
+        "safe_f1@6": group["safe"]["f1@6"],
+        "precision": group["safe"]["precision"],
+        "claims_per_response": group["claims_per_response"],
+        "abstain_rate": sum(r["abstained_slots"] for r in rows) / slots if slots else None,
+        "n_responses": group["n_records"],
+    }
+
+
+def summarise(report: dict[str, Any], rows: Sequence[dict]) -> dict[str, Any]:
+    """The lab's block for one evaluation: headline numbers for ``all`` plus ``per_tier``."""
+    out = _block(report["groups"]["all"], rows)
+    out["per_tier"] = {name: _block(g, [r for r in rows if r["tier"] == name])
+                       for name, g in report["groups"].items() if name != "all"}
+    return out
