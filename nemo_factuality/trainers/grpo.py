@@ -254,9 +254,11 @@ class GRPOTrainer:
 
     def _finish(self, reason: str) -> None:
         es = self.cfg.trainer.early_stopping
-        if reason == "early_stopping" and es.restore_best and self.checkpointer.best:
-            log.info("early stopping at step %d; restoring the best weights (%s)", self.step, self.checkpointer.best)
-            self.actor.load_weights(self.checkpointer.root / self.checkpointer.best)
+        best = self.checkpointer.best
+        if es.monitor and es.restore_best and best and best != f"step_{self.step:06d}":
+            # the exported policy is the best validated one, whether training stopped early or ran out of steps
+            log.info("%s at step %d; restoring the best weights (%s)", reason, self.step, best)
+            self.actor.load_weights(self.checkpointer.root / best)
         self._save()
         self.actor.export(self.run_dir / "final")
         log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
