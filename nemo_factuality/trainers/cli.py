@@ -45,6 +45,11 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     overrides = split_overrides(args.overrides, parser.prog)
     cfg = schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, overrides)
+    if stage == "ppo" and cfg.trainer.backend == "aligner":
+        from nemo_factuality.config import ConfigError
+
+        raise ConfigError("trainer.backend=aligner runs the grpo and kto stages; the ppo stage's critic on Aligner's "
+                          "critic server is not wired yet, so run RLFH with trainer.backend=hf")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -300,9 +300,6 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         problems.append("grpo.kl_estimator=abs only works with grpo.kl_in=reward (the loss needs k1 or k3)")
     if cfg.trainer.backend == "hf" and not m.path:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
-    if cfg.trainer.backend == "aligner" and isinstance(cfg, PPOConfig):
-        problems.append("trainer.backend=aligner runs the grpo and kto stages; the ppo stage's critic on Aligner's critic "
-                        "server is not wired yet, so run RLFH with trainer.backend=hf")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:
         problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
     if problems:
