@@ -55,6 +55,17 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see '{self.prog} --help')")
 
 
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts such as ``--k`` (a bad value is one usage line, not a traceback)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def split_overrides(values: Sequence[str], prog: str) -> list[str]:
     """``key=value`` config overrides from positional words; anything else is a usage error."""
     bad = [v for v in values if "=" not in v or v.startswith("=")]

@@ -14,25 +14,15 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from nemo_factuality.cli import ArgumentParser, UsageError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from nemo_factuality.cli import ArgumentParser, UsageError, positive_int
 
 
 def add_verify_arguments(v: argparse.ArgumentParser) -> None:
     """Options of ``convert verify`` (shared with ``python -m nemo_factuality.convert.verify``, one per rank)."""
     v.add_argument("--hf", required=True, help="the HF model directory the checkpoint came from (the reference)")
     v.add_argument("--nemo", required=True, help="the .nemo archive or extracted checkpoint directory")
-    v.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel size to load it at (one process per rank)")
-    v.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size to load it at")
+    v.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to load it at (one process per rank)")
+    v.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size to load it at")
     v.add_argument("--tol", type=float, default=1e-5, help="largest allowed max |logit (or reward) difference|; exit 1 above")
 
 
@@ -46,10 +36,10 @@ def _parser() -> ArgumentParser:
     a.add_argument("--out", required=True, help="the .nemo tar to write (a directory with --extracted)")
     a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="dtype of the stored weights")
     a.add_argument("--extracted", action="store_true", help="write the extracted-directory form instead of a tar")
-    a.add_argument("--make-vocab-size-divisible-by", type=_positive_int, default=None,
+    a.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=None,
                    help="vocabulary padding multiple (default: NeMo's rule, the largest power of two <= 128 dividing it)")
-    a.add_argument("--tp", type=_positive_int, default=1, help="pre-shard for this tensor-parallel size (any TP can still load it)")
-    a.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel size written into model_config.yaml")
+    a.add_argument("--tp", type=positive_int, default=1, help="pre-shard for this tensor-parallel size (any TP can still load it)")
+    a.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size written into model_config.yaml")
     a.add_argument("--restart", action="store_true", help="discard an unfinished conversion instead of resuming it")
     b = sub.add_parser("nemo-to-hf", help=".nemo (ours or NeMo/Aligner-trained) -> HF directory",
                        description=".nemo (ours or NeMo/Aligner-trained) -> HF directory")

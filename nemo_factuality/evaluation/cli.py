@@ -28,7 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from nemo_factuality.cli import ArgumentParser, UsageError, split_overrides
+from nemo_factuality.cli import ArgumentParser, UsageError, positive_int, split_overrides
 from nemo_factuality.config import load_config
 from nemo_factuality.evaluation.render import render_markdown, render_plot
 from nemo_factuality.evaluation.report import (
@@ -178,16 +178,6 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p = ArgumentParser(prog="nemo-factuality eval",
                        description="Score responses with FActScore, SAFE F1@K, VeriScore and HalluLens. Records without "
@@ -202,7 +192,7 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--group-by", default=None, help="record field to group results by (each value gets its own block)")
     p.add_argument("--k", default="64,100,178", help="SAFE F1@K values (comma-separated positive integers)")
     p.add_argument("--gamma", default="0,10", help="FActScore length-penalty gammas (comma-separated, >= 0)")
-    p.add_argument("--hallulens-k", type=_positive_int, default=32, help="K of HalluLens LongWiki recall@K")
+    p.add_argument("--hallulens-k", type=positive_int, default=32, help="K of HalluLens LongWiki recall@K")
     p.add_argument("--config-name", default=None,
                    help="conf/eval/<name>.yaml: the fact-checking pipeline for records without labels (demo_kb, safe_vllm)")
     p.add_argument("--max-failed-fraction", type=float, default=0.0,

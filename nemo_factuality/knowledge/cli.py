@@ -12,30 +12,19 @@ A store is ``kb.sqlite`` (passages, facts) plus its BM25 index in ``kb.sqlite.bm
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from nemo_factuality.cli import ArgumentParser, UsageError
+from nemo_factuality.cli import ArgumentParser, UsageError, positive_int
 
 SCORE_NOTE = {
     "bm25": "# rank 1 = best match. score = BM25 relevance (higher is better; it only compares passages for the "
             "same query; words in more than 30% of passages are left out of the query on large stores)",
     "dense": "# rank 1 = best match. score = cosine similarity of the MiniLM embeddings (-1..1, higher is better)",
 }
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _parser() -> ArgumentParser:
@@ -49,8 +38,8 @@ def _parser() -> ArgumentParser:
     src.add_argument("--factscore-db", type=Path, help="a FActScore documents(title, text) SQLite DB")
     b.add_argument("--facts", type=Path, help='JSONL lines {"subject", "relation", "value", "text"}')
     b.add_argument("--out", type=Path, required=True, help="the store to write (SQLite file, replaced atomically)")
-    b.add_argument("--batch-size", type=_positive_int, default=10_000, help="passages inserted per transaction")
-    b.add_argument("--heap-mb", type=_positive_int, default=256,
+    b.add_argument("--batch-size", type=positive_int, default=10_000, help="passages inserted per transaction")
+    b.add_argument("--heap-mb", type=positive_int, default=256,
                    help="BM25 indexing memory budget in MB (bounds the build's memory)")
     b.add_argument("--dense", action="store_true", help="also embed passages into a FAISS index (retrieval extra)")
     q = sub.add_parser("query", help="search a store (BM25, or --dense)", description="search a store (BM25, or --dense); "
@@ -58,7 +47,7 @@ def _parser() -> ArgumentParser:
     q.add_argument("--kb", type=Path, required=True, help="the store built with 'kb build'")
     q.add_argument("text", help="the query (any text; quoting is handled)")
     q.add_argument("--title", help="only passages of this title (exact)")
-    q.add_argument("-k", type=_positive_int, default=5, help="how many passages to show")
+    q.add_argument("-k", type=positive_int, default=5, help="how many passages to show")
     q.add_argument("--dense", action="store_true", help="search the FAISS index instead of BM25")
     m = sub.add_parser("migrate", help="rewrite an old SQLite-FTS5 store in the current format (keeps ids and facts)",
                        description="rewrite an old SQLite-FTS5 store in place, atomically, in the current format "

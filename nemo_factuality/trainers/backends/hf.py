@@ -83,6 +83,21 @@ def _trim(mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _backward_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device: torch.device, loss_fn: LossFn,
+                            forward: Any) -> dict[str, float]:
+    """Forward + ``loss_fn`` + backward per micro batch (gradients add up); the loss metrics averaged over them."""
+    sums: dict[str, float] = {}
+    n_micro = 0
+    for mb in _micro_batches(batch, size):
+        mb = _trim(mb)
+        loss, metrics = loss_fn(forward(mb), {k: v.to(device) for k, v in mb.items()})
+        loss.backward()
+        n_micro += 1
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    return {k: v / max(n_micro, 1) for k, v in sums.items()}
+
+
 class HFActor:
     """``PolicyActor`` over ``AutoModelForCausalLM`` (see ``trainers/interfaces.py`` for the contract)."""
 
@@ -193,16 +208,9 @@ class HFActor:
                    need_entropy: bool = False) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        n_micro = 0
-        for mb in _micro_batches(batch, micro_batch_size):
-            mb = _trim(mb)
-            out = self._forward_logprobs(self.model, mb["tokens"], mb["response_lengths"], need_entropy)
-            loss, metrics = loss_fn(out, {k: v.to(self.device) for k, v in mb.items()})
-            loss.backward()
-            n_micro += 1
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+        metrics = _backward_micro_batches(
+            batch, micro_batch_size, self.device, loss_fn,
+            lambda mb: self._forward_logprobs(self.model, mb["tokens"], mb["response_lengths"], need_entropy))
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.gradient_clip_val if self.gradient_clip_val > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
@@ -212,7 +220,6 @@ class HFActor:
                                      "model.optim.lr or check the reward for inf values")
         self.optimizer.step()
         self.scheduler.step()
-        metrics = {k: v / max(n_micro, 1) for k, v in sums.items()}
         metrics.update(grad_norm=float(grad_norm), lr=self.scheduler.get_last_lr()[0])
         return metrics
 
@@ -292,21 +299,12 @@ class HFCritic:
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, float]:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        n_micro = 0
-        for mb in _micro_batches(batch, micro_batch_size):
-            mb = _trim(mb)
-            loss, metrics = loss_fn({"values": self._values(mb["tokens"], mb["response_lengths"])},
-                                    {k: v.to(self.device) for k, v in mb.items()})
-            loss.backward()
-            n_micro += 1
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+        metrics = _backward_micro_batches(batch, micro_batch_size, self.device, loss_fn,
+                                          lambda mb: {"values": self._values(mb["tokens"], mb["response_lengths"])})
         clip = self.gradient_clip_val if self.gradient_clip_val > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
         self.scheduler.step()
-        metrics = {k: v / max(n_micro, 1) for k, v in sums.items()}
         metrics["grad_norm"] = float(grad_norm)
         return metrics
 
