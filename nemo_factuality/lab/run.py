@@ -41,7 +41,7 @@ class LabConfig:
     n_heldout: tuple[int, int, int] = (40, 40, 40)
     policy: PolicyConfig = PolicyConfig()
     pretrain_budget_s: float = 600.0  # a cap on wall time; the step count is the setting
-    pretrain_steps: int = 800
+    pretrain_steps: int = 450  # enough to know popular people, not rare ones: RL has something to calibrate
     reward: dict[str, Any] = field(default_factory=lambda: {"name": "lab_slots", "wrong_penalty": 1.0, "mode": "dual"})
     grpo_preset: str = "grpo"  # conf/lab/<preset>.yaml: the GRPO stage's config
     grpo_overrides: tuple[str, ...] = ()  # key=value on top of it
