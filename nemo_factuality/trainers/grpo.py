@@ -102,23 +102,37 @@ class GRPOTrainer:
         return history
 
     def train_one_step(self) -> dict[str, float]:
+        """rollout → reward → experience → update, each phase timed; the algorithm lives in the three hooks below."""
         timer = PhaseTimer()
         with timer("step"):
-            n = self.cfg.grpo.num_rollouts_per_prompt
-            picked = self.sampler.take(self.cfg.grpo.num_prompts_per_step)
+            picked = self.sampler.take(self._prompts_per_step())
+            n = self._samples_per_prompt()
             records = records_for_rows([self.data[i] for i in picked], n)
             with timer("generate"):
                 rollout = self.actor.generate([self.prompt_ids[i] for i in picked for _ in range(n)], self.sampling)
             with timer("reward"):
                 rewards, _ = score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id)
             with timer("logprobs"):
-                experience, metrics = self.make_experience(rollout, rewards.scores, rewards.token_signs)
+                experience, metrics = self._experience(rollout, rewards)
             with timer("train"):
-                metrics.update(self.update(experience))
+                metrics.update(self._update(experience))
         metrics.update(rewards.log_dict("reward"))
         metrics.update(response_stats(rollout))
         metrics.update(timer.times)
         return metrics
+
+    # The stage's hooks (PPO overrides them): batch shape, reward → advantage, and the update.
+    def _prompts_per_step(self) -> int:
+        return self.cfg.grpo.num_prompts_per_step
+
+    def _samples_per_prompt(self) -> int:
+        return self.cfg.grpo.num_rollouts_per_prompt
+
+    def _experience(self, rollout: Rollout, rewards: Any) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return self.make_experience(rollout, rewards.scores, rewards.token_signs)
+
+    def _update(self, experience: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        return self.update(experience)
 
     # ------------------------------------------------------------------ reward → advantage
     def make_experience(self, rollout: Rollout, scores: np.ndarray,

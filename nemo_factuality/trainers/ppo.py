@@ -34,7 +34,7 @@ from nemo_factuality.trainers.config import PPOConfig
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.trainers.grpo import GRPOTrainer
 from nemo_factuality.trainers.interfaces import Critic, PolicyActor, Rollout
-from nemo_factuality.trainers.runtime import PhaseTimer, place_on_tokens, response_stats, score_rollout
+from nemo_factuality.trainers.runtime import place_on_tokens
 from nemo_factuality.types import RewardBatch
 
 log = logging.getLogger(__name__)
@@ -62,23 +62,17 @@ class PPOTrainer(GRPOTrainer):
         super().__init__(cfg, actor, reward, train_data, run_dir=run_dir, validate=validate, val_data=val_data)  # type: ignore[arg-type]
         self.critic = critic  # saved and restored with the actor by the shared checkpoint code
 
-    def train_one_step(self) -> dict[str, float]:
-        timer = PhaseTimer()
-        with timer("step"):
-            picked = self.sampler.take(self.cfg.ppo.num_prompts_per_step)
-            records = [self.data[i] for i in picked]
-            with timer("generate"):
-                rollout = self.actor.generate([self.prompt_ids[i] for i in picked], self.sampling)
-            with timer("reward"):
-                rewards, _ = score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id)
-            with timer("logprobs"):
-                experience, metrics = self.make_ppo_experience(rollout, rewards)
-            with timer("train"):
-                metrics.update(self.update_ppo(experience))
-        metrics.update(rewards.log_dict("reward"))
-        metrics.update(response_stats(rollout))
-        metrics.update(timer.times)
-        return metrics
+    def _prompts_per_step(self) -> int:
+        return self.cfg.ppo.num_prompts_per_step
+
+    def _samples_per_prompt(self) -> int:
+        return 1  # RLFH: one response per prompt; the critic is the baseline
+
+    def _experience(self, rollout: Rollout, rewards: RewardBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return self.make_ppo_experience(rollout, rewards)
+
+    def _update(self, experience: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        return self.update_ppo(experience)
 
     def make_ppo_experience(self, rollout: Rollout, rewards: RewardBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         p = self.cfg.ppo
