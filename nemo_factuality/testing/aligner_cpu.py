@@ -14,6 +14,7 @@ What it replaces, each a failure observed on CPU (shared/specs/aligner_actor_cpu
   uses (``FusedLayerNorm``, ``MixedFusedRMSNorm``, ``listify_model``, ``amp_C.multi_tensor_l2norm``).
 * ``nemo_aligner.utils.trt_llm`` imports tensorrt_llm → tensorrt → mpi4py (stubbing those breaks
   Lightning's MPI detection): the module is replaced by one whose ``GPTGenerateTRTLLM`` raises.
+* ``pin_memory=True`` host copies (the critic's CPU weight copy) need an accelerator: made unpinned.
 * gloo: ``all_gather`` of 0-dim tensors (NCCL accepts them, gloo does not) in ``rebalance_nd_tensor``.
 * Apex's distributed Adam classes that NeMo's checkpointing isinstance-checks; megatron-core 0.12's async
   checkpoint writer against torch 2.13's ``_write_item`` signature.
@@ -55,6 +56,8 @@ def _device_to_cpu(fn):
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = _cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):  # Aligner's CPU weight copies pin host memory, which needs an accelerator
+            kwargs["pin_memory"] = False
         return fn(*args, **kwargs)
 
     return wrapper
@@ -200,6 +203,15 @@ def _gloo_safe_all_gather() -> None:
         return original(tensor_list, tensor, *args, **kwargs)
 
     torch.distributed.all_gather = all_gather
+    original_into = torch.distributed.all_gather_into_tensor
+
+    @functools.wraps(original_into)
+    def all_gather_into_tensor(output, tensor, *args, **kwargs):  # rebalance_nd_tensor (the critic's inference)
+        if tensor.dim() == 0:
+            return original_into(output, tensor.view(1), *args, **kwargs)
+        return original_into(output, tensor, *args, **kwargs)
+
+    torch.distributed.all_gather_into_tensor = all_gather_into_tensor
 
 
 def _patch_checkpoint_writer() -> None:

@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -20,10 +20,10 @@ STAGES = {
 }
 
 
-def _parser(stage: str) -> argparse.ArgumentParser:
+def _parser(stage: str, prog: str | None = None) -> argparse.ArgumentParser:
     from nemo_factuality.cli import ArgumentParser
 
-    prog = f"nemo-factuality train {stage}"
+    prog = prog or f"nemo-factuality train {stage}"
     p = ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [key=value ...]", description=STAGES[stage][1],
                        epilog="key=value overrides change any config key, e.g. trainer.max_steps=10 model.optim.lr=1e-6")
     p.add_argument("--config-name", default=None,
@@ -32,24 +32,24 @@ def _parser(stage: str) -> argparse.ArgumentParser:
     return p
 
 
+def parse_stage_config(stage: str, argv: Sequence[str] | None, *, prog: str | None = None) -> Any:
+    """``--config-name NAME key=value …`` → the stage's validated typed config (``ConfigError`` names the key)."""
+    from nemo_factuality.cli import split_overrides
+    from nemo_factuality.trainers import config as schemas
+
+    parser = _parser(stage, prog)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    overrides = split_overrides(args.overrides, parser.prog)
+    return schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, overrides)
+
+
 def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     """Build everything from config and run ``stage``; returns the exit code."""
-    from nemo_factuality.trainers import config as schemas
     from nemo_factuality.trainers.backends import BACKENDS
     from nemo_factuality.trainers.data import load_pairs, load_prompts
     from nemo_factuality.trainers.runtime import build_reward, seed_everything
 
-    from nemo_factuality.cli import split_overrides
-
-    parser = _parser(stage)
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    overrides = split_overrides(args.overrides, parser.prog)
-    cfg = schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, overrides)
-    if stage == "ppo" and cfg.trainer.backend == "aligner":
-        from nemo_factuality.config import ConfigError
-
-        raise ConfigError("trainer.backend=aligner runs the grpo and kto stages; the ppo stage's critic on Aligner's "
-                          "critic server is not wired yet, so run RLFH with trainer.backend=hf")
+    cfg = parse_stage_config(stage, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -76,9 +76,10 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
             pairs = load_pairs(cfg.data.general_pairs) if cfg.data.general_pairs else []
             KTOTrainer(cfg, actor, reward, train, general_pairs=pairs, run_dir=run_dir).fit()
     finally:
-        close = getattr(reward, "close", None)
-        if callable(close):
-            close()
+        for client in (reward, critic):  # served rewards / the critic server: no client thread outlives the run
+            close = getattr(client, "close", None)
+            if callable(close):
+                close()
     return 0
 
 

@@ -201,10 +201,24 @@ class GRPOConfig:
 
 @dataclass
 class CriticModelConfig:
-    path: str | None = None  # None = initialise from the policy (RLFH/OpenRLHF), value head zero-initialised
+    """``critic.*``: the value model. On the hf backend it trains in the PPO process; on the aligner backend
+    it is NeMo-Aligner's critic server (``python -m nemo_factuality.trainers.critic_server``, same config
+    file) and the PPO stage reaches it at ``critic.url``."""
+
+    # hf: an HF directory; aligner: a .nemo. None = initialise from the policy (RLFH/OpenRLHF), value head zeroed
+    path: str | None = None
     micro_batch_size: int = 4
     loss_clip_val: float = 0.2  # Aligner's critic loss_clip_val / RLFH value_clip
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=9e-6))
+    # aligner backend only
+    url: str | None = None  # the PPO stage's critic server, e.g. http://critic-node:5556
+    port: int = 5556  # where critic_server listens (critic_infer / critic_train / critic_save / critic_state)
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    timeout_s: float = 600.0  # one critic request (a train request holds a whole PPO step's minibatch)
+    init_timeout_s: float = 60.0  # waiting for the server to be ready at start-up
+    # merged last onto the critic's NeMo model config (Aligner's ``++model.*``): recompute, sequence parallel, …
+    model_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -302,6 +316,9 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:
         problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
+    if isinstance(cfg, PPOConfig) and cfg.trainer.backend == "aligner" and not cfg.critic.url:
+        problems.append("critic.url must name the critic server (trainer.backend=aligner runs RLFH's critic as "
+                        "NeMo-Aligner's critic server: python -m nemo_factuality.trainers.critic_server)")
     if problems:
         raise ConfigError("invalid training config: " + "; ".join(problems))
 

@@ -9,6 +9,9 @@ Each rank writes ``<out>/rank<r>.json``. Scenarios:
   ``all_reduce_sum``), log-probs and reference log-probs after, then ``reset_reference``.
 * ``resume``: step, save, step → A; load the saved state, step again → B (B must equal A); export a ``.nemo``.
 * ``sample``: sampled (not greedy) rollouts, twice with the same seed.
+* ``ppo``: the RLFH PPO stage (``PPOTrainer``, dense toy reward) on this actor and the critic server the test
+  started (``RemoteCritic``), 2 steps then a resumed 3rd; ``--overrides FILE`` holds the stage config's
+  ``key=value`` list, the same the critic server was started with.
 """
 
 from __future__ import annotations
@@ -171,6 +174,60 @@ def learn(actor: AlignerActor, args) -> dict:
     return {"metrics": read_metrics(run_dir)}
 
 
+def ppo(actor: AlignerActor, args) -> dict:
+    """RLFH PPO for 2 steps, then a rerun to 3 that resumes (the critic server must be at the saved step); records
+    what each critic_train request held so the test can recompute Aligner's value loss."""
+    from nemo_factuality.testing.training import good_tokens_dense, prompts, read_metrics
+    from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic, RemoteCriticError
+    from nemo_factuality.trainers.config import PPOConfig
+    from nemo_factuality.trainers.ppo import PPOTrainer
+
+    calls: list[dict] = []
+
+    def run(max_steps: int) -> RemoteCritic:
+        cfg = load_train_config(PPOConfig, None, _ppo_overrides(args) + [f"trainer.max_steps={max_steps}"])
+        critic = RemoteCritic(cfg.critic)
+        send = critic.train_step
+
+        def recording(batch, loss_fn, *, micro_batch_size):
+            out = send(batch, loss_fn, micro_batch_size=micro_batch_size)
+            mask = batch["mask"].double()
+            calls.append({"server_loss": out["critic/server_loss"], "old_values_absmax": float(batch["old_values"].abs().max()),
+                          # Aligner's loss when every value is 0 (a zero value head): 0.5·masked_mean(R²)
+                          "loss_if_values_zero": float(0.5 * (mask * batch["returns"].double() ** 2).sum() / mask.sum())})
+            return out
+
+        critic.train_step = recording
+        PPOTrainer(cfg, actor, critic, good_tokens_dense, prompts(4), run_dir=Path(cfg.exp_manager.explicit_log_dir)).fit()
+        return critic
+
+    run(2)
+    critic = run(3)
+    run_dir = Path(_ppo_config(args).exp_manager.explicit_log_dir)
+    try:  # a checkpoint saved when the server was at another step must not resume silently
+        critic.load(run_dir / "checkpoints" / "step_000002")  # saved with the server at step 2; it is at 3
+        stale = None
+    except RemoteCriticError as err:
+        stale = str(err)
+    probe = actor.generate([actor.tokenizer.encode(p) for p in PROMPTS], SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    return {"metrics": read_metrics(run_dir), "critic_calls": calls, "stale_error": stale,
+            "server_step": critic.server_step(), "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()),
+            "probe": {"tokens": _rows(probe.tokens), "prompt_lengths": _rows(probe.prompt_lengths),
+                      "response_lengths": _rows(probe.response_lengths), "values": _rows(critic.values(probe))}}
+
+
+def _ppo_overrides(args) -> list[str]:
+    import json
+
+    return json.loads(Path(args.overrides).read_text())
+
+
+def _ppo_config(args):
+    from nemo_factuality.trainers.config import PPOConfig
+
+    return load_train_config(PPOConfig, None, _ppo_overrides(args))
+
+
 def _learn_overrides(args, run_dir: Path) -> list[str]:
     """The hf backend's learning-check settings (tests/trainers/test_grpo.py: grpo_cfg)."""
     return [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "trainer.max_steps=20",
@@ -201,18 +258,22 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")  # the learn scenario's optimiser
-    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "learn", "adamw_save"), default="core")
+    ap.add_argument("--overrides", default=None, help="JSON list of stage-config key=value (the ppo scenario)")
+    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "learn", "adamw_save", "ppo"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
     if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
         cfg = load_train_config(GRPOConfig, None, _learn_overrides(args, Path(args.out) / "learn"))
         actor = build_actor(cfg, max_steps=100, rollout_micro_batch_size=32,
                             model_overrides=dict(aligner_cpu.CPU_MODEL_OVERRIDES))
+    elif args.scenario == "ppo":  # the actor the PPO stage config describes
+        actor = build_actor(_ppo_config(args), max_steps=100, rollout_micro_batch_size=4,
+                            model_overrides=dict(aligner_cpu.CPU_MODEL_OVERRIDES))
     else:
         actor = _actor(args)
     setup_s = time.monotonic() - t0
     scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "learn": learn,
-                 "adamw_save": adamw_save}
+                 "adamw_save": adamw_save, "ppo": ppo}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

@@ -180,21 +180,6 @@ def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(venv, 
     assert "./model_config.yaml" in names and "./tokenizer/tokenizer_config.json" in names
 
 
-@pytest.fixture(scope="module")
-def stage_policy(tmp_path_factory):
-    """The training-stage tests' tiny policy (non-default rope_theta, head_dim 12, GQA) as a .nemo."""
-    from nemo_factuality.testing.training import build_policy
-
-    root = tmp_path_factory.mktemp("stage_policy")
-    build_policy(root / "hf")
-    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(root / "hf"),
-                          "--out", str(root / "policy"), "--extracted"],
-                         env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                         timeout=240)
-    assert res.returncode == 0, res.stderr[-2000:]
-    return root / "policy"
-
-
 def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(venv, stage_policy, tmp_path):
     """The hf backend's learning check (tests/trainers/test_grpo.py) on this backend: same policy, reward,
     batch shapes and criterion; SGD (lr 1.0) instead of AdamW, whose per-parameter 0-dim ``step`` NeMo 2.2's

@@ -448,7 +448,7 @@ def _restore(path: str, overrides: dict, runtime: AlignerRuntime):
     from omegaconf import OmegaConf
 
     model_cfg = load_and_override_model_config(path, OmegaConf.create(overrides))
-    trainer = _nemo_trainer(model_cfg, runtime)
+    trainer = nemo_trainer(model_cfg, runtime)
     model = load_from_nemo(_stage_actor_class(), model_cfg, trainer, strict=True, restore_path=path)
     init_peft(model, model_cfg)
     model.init_policy_state_dict = retrieve_model_state_dict_in_cpu(model, megatron_amp_O2=model.megatron_amp_O2)
@@ -467,8 +467,9 @@ def _restore(path: str, overrides: dict, runtime: AlignerRuntime):
     return model, trainer, optimizer, scheduler
 
 
-def _nemo_trainer(model_cfg: Any, runtime: AlignerRuntime):
-    """NeMo's Megatron trainer (NLPDDPStrategy, precision plugins) as Aligner's ``resolve_and_create_trainer`` builds it."""
+def nemo_trainer(model_cfg: Any, runtime: AlignerRuntime, section: str = "reinforce"):
+    """NeMo's Megatron trainer (NLPDDPStrategy, precision plugins) as Aligner's ``resolve_and_create_trainer`` builds
+    it; ``section`` is the algorithm's trainer block Aligner pops first (reinforce | ppo)."""
     from nemo_aligner.utils.train_script_utils import resolve_and_create_trainer
     from omegaconf import OmegaConf
 
@@ -477,18 +478,21 @@ def _nemo_trainer(model_cfg: Any, runtime: AlignerRuntime):
         "trainer": {"devices": runtime.devices, "num_nodes": runtime.num_nodes, "accelerator": accelerator,
                     "precision": model_cfg.precision, "logger": False, "enable_checkpointing": False,
                     "use_distributed_sampler": False, "max_steps": runtime.max_steps, "max_epochs": 1,
-                    "gradient_clip_val": runtime.gradient_clip_val, "reinforce": {}},
+                    "gradient_clip_val": runtime.gradient_clip_val, section: {}},
         "model": model_cfg,
     })
-    return resolve_and_create_trainer(cfg, "reinforce")
+    return resolve_and_create_trainer(cfg, section)
 
 
-def build_aligner(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[AlignerActor, None]:
-    """(actor, critic) for a stage config with ``trainer.backend=aligner`` (the ``BACKENDS`` builder shape)."""
-    if critic:
-        raise NotImplementedError("trainer.backend=aligner has no in-process critic: RLFH's PPO critic is meant to be "
-                                  "Aligner's critic server (serve_ppo_critic.py), not wired yet; use trainer.backend=hf")
-    return build_actor(cfg, **runtime), None
+def build_aligner(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[AlignerActor, Any]:
+    """(actor, critic) for a stage config with ``trainer.backend=aligner`` (the ``BACKENDS`` builder shape); the
+    PPO critic is NeMo-Aligner's critic server at ``critic.url`` (``trainers/critic_server.py``)."""
+    actor = build_actor(cfg, **runtime)
+    if not critic:
+        return actor, None
+    from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic
+
+    return actor, RemoteCritic(cfg.critic)
 
 
 def build_actor(cfg: Any, **runtime: Any) -> AlignerActor:

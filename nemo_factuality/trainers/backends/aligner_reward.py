@@ -40,8 +40,10 @@ def _what_to_check(url: str, model: str) -> str:
             f"remote_rm.reward_model.ip/port")
 
 
-def check_reward_server(url: str, model: str, *, timeout_s: float) -> None:
-    """Wait at most ``timeout_s`` for Triton's ``/v2/models/<model>/ready``; raise ``RemoteRewardError`` otherwise."""
+def check_reward_server(url: str, model: str, *, timeout_s: float, hint: str | None = None,
+                        error: type[Exception] = RemoteRewardError, what: str = "reward server") -> None:
+    """Wait at most ``timeout_s`` for Triton's ``/v2/models/<model>/ready``; raise ``error`` (naming the URL, the
+    model and ``hint``: what to check) otherwise."""
     start = time.monotonic()
     deadline = start + timeout_s
     last = "no answer"
@@ -58,8 +60,8 @@ def check_reward_server(url: str, model: str, *, timeout_s: float) -> None:
         if time.monotonic() >= deadline:
             break
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-    raise RemoteRewardError(f"reward server {url} is not ready after {time.monotonic() - start:.1f} s ({last}): "
-                            f"{_what_to_check(url, model)}")
+    raise error(f"{what} {url} is not ready after {time.monotonic() - start:.1f} s ({last}): "
+                f"{hint or _what_to_check(url, model)}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,196 @@
+"""``RemoteCritic``: the PPO stage's ``Critic`` on NeMo-Aligner's critic server (``trainers/critic_server.py``).
+
+    critic = RemoteCritic(cfg.critic)                     # checks critic_infer is ready within init_timeout_s
+    values = critic.values(rollout)                       # [B, S-1], the actor's log-prob layout
+    critic.train_step(minibatch, loss_fn, micro_batch_size=4)
+
+``values`` sends tokens and lengths to ``critic_infer`` and keeps Aligner's ``[:, :S-1]`` (the value of the
+state after ``tokens[:, :t+1]``, aligned with log-prob positions, as the hf critic). ``train_step`` sends
+one PPO minibatch (tokens, returns, old values, mask) to ``critic_train``: the server runs Aligner's
+clipped value loss ``0.5·masked_mean(max((clip(v, v_old ± c) − R)², (v − R)²))`` with
+``critic.loss_clip_val`` — the stage's ``loss_fn`` is not sent. Aligner averages that per micro batch; the
+stage's own value loss divides by the minibatch's token count, so the two agree when micro batches hold
+equal token counts and weight tokens slightly differently otherwise.
+
+Under data parallelism each rank asks for its own values (the model-parallel source rank sends; the result
+is broadcast in the model-parallel group) and a minibatch is gathered onto rank 0, which sends it once:
+one ``critic_train`` request is one critic optimiser step over the global minibatch.
+
+Every failure names the URL and what to check, within ``critic.timeout_s`` / ``init_timeout_s``.
+Importing this module imports neither NeMo nor PyTriton.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from nemo_factuality.trainers.interfaces import LossFn, Rollout
+
+log = logging.getLogger(__name__)
+
+INFER, TRAIN, SAVE, STATE = "critic_infer", "critic_train", "critic_save", "critic_state"
+
+
+class RemoteCriticError(RuntimeError):
+    """The critic server could not be reached, refused a request, or holds another step than the checkpoint."""
+
+
+def _what_to_check(url: str) -> str:
+    return (f"check that `python -m nemo_factuality.trainers.critic_server` is running and reachable at {url} "
+            "(critic.url; it listens on critic.port) and its log for errors")
+
+
+class RemoteCritic:
+    """``Critic`` whose weights, optimiser and checkpoints live in the critic server."""
+
+    def __init__(self, cfg: Any, *, check: bool = True) -> None:
+        if not cfg.url:
+            raise RemoteCriticError("critic.url is not set: the aligner backend's PPO critic is the critic server")
+        self.url = cfg.url.rstrip("/")
+        self.timeout_s, self.init_timeout_s = float(cfg.timeout_s), float(cfg.init_timeout_s)
+        self.micro_batch_size = int(cfg.micro_batch_size)
+        if check:
+            from nemo_factuality.trainers.backends.aligner_reward import check_reward_server
+
+            check_reward_server(self.url, INFER, timeout_s=self.init_timeout_s, hint=_what_to_check(self.url),
+                                error=RemoteCriticError, what="critic server")
+
+    # ---- requests ------------------------------------------------------------------------------
+    def _request(self, model: str, inputs: Mapping[str, np.ndarray], *, batched: bool) -> dict[str, np.ndarray]:
+        import warnings
+
+        from pytriton.client import ModelClient
+
+        try:
+            with warnings.catch_warnings():
+                # PyTriton warns on every request that its connect wait is shorter than the request timeout: by design
+                warnings.filterwarnings("ignore", message="Client network and/or connection timeout")
+                with ModelClient(self.url, model, init_timeout_s=self.init_timeout_s,
+                                 inference_timeout_s=self.timeout_s) as client:
+                    return client.infer_batch(**inputs) if batched else client.infer_sample(**inputs)
+        except Exception as err:  # PyTriton raises several client error types; all end the step the same way
+            raise RemoteCriticError(f"critic server {self.url} failed {model} ({_last_error_line(err)}): "
+                                    f"{_what_to_check(self.url)}") from err
+
+    # ---- Critic --------------------------------------------------------------------------------
+    def values(self, rollout: Rollout) -> torch.Tensor:
+        """``[B, S-1]`` values of this rank's rollout (no grad)."""
+        tokens = rollout.tokens.long()
+        width = tokens.shape[1]
+        inputs = {"tokens": tokens.numpy().astype(np.int64),
+                  "sequence_lengths": rollout.response_lengths.long().unsqueeze(1).numpy().astype(np.int64)}
+        out = _on_model_parallel_source(lambda: self._request(INFER, inputs, batched=True)["values"])
+        values = torch.as_tensor(np.asarray(out), dtype=torch.float32)
+        assert values.shape[0] == tokens.shape[0] and values.shape[1] >= width - 1, (values.shape, tokens.shape)
+        return values[:, : width - 1].contiguous()
+
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, float]:
+        """One critic optimiser step on the server over the global minibatch (``loss_fn`` stays here: the server
+        runs Aligner's value loss). ``loss/value`` is reported per micro batch, as every backend's train_step."""
+        del loss_fn
+        rows = {"tokens": batch["tokens"].long(), "returns": batch["returns"].float(),
+                "prev_values": batch["old_values"].float(), "mask": batch["mask"].float()}
+        gathered = _gather_to_rank0({k: v.numpy() for k, v in rows.items()})
+        loss = None
+        if gathered is not None:
+            sent = _pad_and_concat(gathered)
+            loss = float(self._request(TRAIN, sent, batched=False)["loss_mean"].reshape(-1)[0])
+        loss = _broadcast_from_rank0(loss)
+        n_micro = max(1, -(-int(batch["tokens"].shape[0]) // micro_batch_size))
+        return {"loss/value": loss / n_micro, "critic/server_loss": loss}
+
+    def server_step(self) -> int:
+        return int(_broadcast_from_rank0(_if_rank0(lambda: int(
+            self._request(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)["step"].reshape(-1)[0]))))
+
+    def save(self, path: Path) -> None:
+        """The server writes its own checkpoint; ``critic.json`` records which server step belongs to this one."""
+        _if_rank0(lambda: self._request(SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False))
+        step = self.server_step()
+        if _rank() == 0:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            (Path(path) / "critic.json").write_text(json.dumps({"url": self.url, "server_step": step}), encoding="utf-8")
+
+    def load(self, path: Path) -> None:
+        """The server resumed from its own latest checkpoint at start-up: check it is this checkpoint's step."""
+        info = json.loads((Path(path) / "critic.json").read_text(encoding="utf-8"))
+        now = self.server_step()
+        if now != int(info["server_step"]):
+            raise RemoteCriticError(
+                f"the critic server at {self.url} is at optimiser step {now} but the checkpoint {path} was saved with "
+                f"it at step {info['server_step']}: restart the critic server so it resumes from its latest checkpoint "
+                "(<exp_manager.explicit_log_dir>/critic/checkpoints), saved together with this one")
+
+    def close(self) -> None:
+        """Nothing is held between requests (each opens and closes its client)."""
+
+
+def _last_error_line(err: Exception) -> str:
+    """The server's own error (its traceback's last ``…Error: …`` line) rather than the whole relayed traceback."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln.split(":", 1)[0] or "Exception" in ln.split(":", 1)[0]]
+    line = errors[-1] if errors else (lines[-1] if lines else "")
+    return f"{type(err).__name__}: {line[:300]}"
+
+
+# ---- the few collectives it needs (no-ops without torch.distributed) --------------------------------
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _if_rank0(fn: Callable[[], Any]) -> Any:
+    return fn() if _rank() == 0 else None
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    if not torch.distributed.is_initialized():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _on_model_parallel_source(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on the model-parallel group's source rank, its result broadcast to the group's other ranks."""
+    if not torch.distributed.is_initialized():
+        return fn()
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_model_parallel_group()
+    src = torch.distributed.get_process_group_ranks(group)[0]
+    box = [fn() if torch.distributed.get_rank() == src else None]
+    torch.distributed.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def _gather_to_rank0(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]] | None:
+    """Every data-parallel rank's minibatch shard on global rank 0 (None elsewhere). Model-parallel peers hold
+    the same shard, so only the data-parallel group of rank 0 is gathered."""
+    if not torch.distributed.is_initialized():
+        return [arrays]
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_data_parallel_group()
+    ranks = torch.distributed.get_process_group_ranks(group)
+    if 0 not in ranks:
+        return None
+    out: list[Any] | None = [None] * len(ranks) if torch.distributed.get_rank() == 0 else None
+    torch.distributed.gather_object(arrays, out, dst=0, group=group)
+    return out
+
+
+def _pad_and_concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Shards right-padded to one width (tokens with 0, the rest with 0: masked out) and stacked."""
+    out = {}
+    for key in parts[0]:
+        width = max(p[key].shape[1] for p in parts)
+        dtype = np.int64 if key == "tokens" else np.float32
+        out[key] = np.concatenate([np.pad(p[key], ((0, 0), (0, width - p[key].shape[1]))) for p in parts]).astype(dtype)
+    return out

@@ -1,0 +1,138 @@
+"""RLFH's dense-reward PPO on the aligner backend: NeMo-Aligner's Megatron actor + Aligner's critic server.
+
+The critic server (``nemo_factuality.trainers.critic_server``, Aligner's ``CriticServerTrainer`` on a
+``MegatronGPTCriticModel`` initialised from the policy .nemo with a zero value head) runs in the Aligner
+venv on loopback; the PPO stage (``PPOTrainer``) drives the actor in a second process and reaches the
+critic through ``RemoteCritic``. Checked: the first critic step's loss is Aligner's clipped value loss for
+values that are all 0, the critic learns, the stage checkpoints and resumes with the server at the saved
+step (and refuses a checkpoint from another step), and a restarted server resumes its own latest
+checkpoint with the same weights. Skips with the reason when the venv is absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nemo_factuality.testing.aligner_cpu import CPU_MODEL_OVERRIDES
+from nemo_factuality.testing.aligner_env import aligner_env, aligner_venv, run_in_aligner_venv, skip_reason
+from nemo_factuality.testing.paths import REPO_ROOT
+from nemo_factuality.testing.ports import free_ports
+from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic, RemoteCriticError
+from nemo_factuality.trainers.interfaces import Rollout
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def venv():
+    found = aligner_venv()
+    if found is None:
+        pytest.skip(skip_reason())
+    return found
+
+
+def ppo_overrides(nemo: Path, run_dir: Path, port: int) -> list[str]:
+    """One stage config for both processes (as a Slurm job passes the same file to both)."""
+    cpu = [f"critic.model_overrides.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in CPU_MODEL_OVERRIDES.items()]
+    return [f"model.restore_from_path={nemo}", "trainer.backend=aligner", "trainer.save_interval=1",
+            "trainer.progress_bar=false", "ppo.num_prompts_per_step=4", "ppo.critic_warmup_steps=0",
+            "model.micro_batch_size=2", "model.global_batch_size=4", "model.forward_micro_batch_size=4",
+            "model.length_params.max_length=6", "model.dtype=float32", "model.optim.name=sgd", "model.optim.lr=0.05",
+            "critic.micro_batch_size=4", "critic.optim.name=sgd", "critic.optim.lr=0.05",
+            f"critic.url=http://127.0.0.1:{port}", f"critic.port={port}", "critic.init_timeout_s=30",
+            "remote_rm.url=http://127.0.0.1:5555",  # satisfies the schema; the test passes the reward in
+            f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false", *cpu]
+
+
+@contextmanager
+def critic_server(venv: Path, overrides: list[str], port: int, log: Path) -> Iterator[subprocess.Popen]:
+    """The critic server in its own process group, ready within 240 s; that group (and only it) killed after."""
+    # a short PYTRITON_HOME: Triton's Python backend puts Unix sockets under it (108-byte path limit)
+    home = tempfile.mkdtemp(prefix="pyt_")
+    env = aligner_env(CRITIC_BIND_ADDRESS="127.0.0.1", PYTRITON_HOME=home)
+    with log.open("a") as out:
+        proc = subprocess.Popen([str(venv / "bin" / "python"), "tests/trainers/critic_server_driver.py", *overrides],
+                                env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                RemoteCritic(SimpleNamespace(url=f"http://127.0.0.1:{port}", timeout_s=30, init_timeout_s=2,
+                                             micro_batch_size=4))
+                break
+            except RemoteCriticError:
+                assert proc.poll() is None, f"critic server exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+                assert time.monotonic() < deadline, f"critic server not ready in 240 s:\n{log.read_text()[-4000:]}"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        try:  # Triton's own children share the group; none may outlive the test
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_rlfh_ppo_on_the_aligner_actor_with_aligners_critic_server(venv, stage_policy, tmp_path):
+    port = free_ports(1)[0]
+    run_dir = tmp_path / "run"
+    overrides = ppo_overrides(stage_policy, run_dir, port)
+    (tmp_path / "overrides.json").write_text(json.dumps(overrides))
+    log = tmp_path / "critic_server.log"
+    with critic_server(venv, overrides, port, log):
+        res = run_in_aligner_venv(venv, ["tests/trainers/aligner_driver.py", f"--nemo={stage_policy}", f"--out={tmp_path}",
+                                         "--scenario=ppo", f"--overrides={tmp_path / 'overrides.json'}"], timeout=420)
+        assert res.returncode == 0, res.stdout[-6000:] + "\n--- critic server ---\n" + log.read_text()[-3000:]
+    result = json.loads((tmp_path / "rank0.json").read_text())
+
+    metrics, calls = result["metrics"], result["critic_calls"]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and len(calls) == 3  # one minibatch per step, 1 epoch
+    # step 1: the value head is zero, so Aligner's clipped loss is 0.5·masked_mean(R²) of the sent returns
+    assert calls[0]["old_values_absmax"] == 0.0 and metrics[0]["values/mean"] == 0.0
+    assert calls[0]["server_loss"] == pytest.approx(calls[0]["loss_if_values_zero"], rel=1e-5)
+    assert metrics[2]["values/mean"] != 0.0 and calls[2]["old_values_absmax"] > 0  # the critic trained
+    for m in metrics:
+        assert m["grad_norm"] > 0 and m["actor_trained"] == 1.0
+    assert result["server_step"] == 3 and {"step_000002", "step_000003"} <= set(result["checkpoints"])
+    assert "restart the critic server" in result["stale_error"]
+    critic_rows = (run_dir / "critic" / "metrics.jsonl").read_text().splitlines()
+    assert len(critic_rows) == 3 and all("train/loss" in json.loads(r) for r in critic_rows)
+
+    # a requeued job: the restarted server resumes its latest checkpoint, weights and step included
+    with critic_server(venv, overrides, port, log):
+        critic = RemoteCritic(SimpleNamespace(url=f"http://127.0.0.1:{port}", timeout_s=60, init_timeout_s=10,
+                                              micro_batch_size=4))
+        assert critic.server_step() == 3
+        probe = result["probe"]
+        rollout = Rollout(torch.tensor(probe["tokens"]), torch.tensor(probe["prompt_lengths"]),
+                          torch.tensor(probe["response_lengths"]), torch.ones(len(probe["tokens"]), dtype=torch.bool))
+        assert torch.allclose(critic.values(rollout), torch.tensor(probe["values"]), atol=1e-6)
+        critic.load(run_dir / "checkpoints" / "step_000003")  # the stage's latest checkpoint matches the server
+
+
+def test_a_critic_server_that_is_not_there_fails_at_start_naming_the_url():
+    port = free_ports(1)[0]
+    t0 = time.monotonic()
+    with pytest.raises(RemoteCriticError) as err:
+        RemoteCritic(SimpleNamespace(url=f"http://127.0.0.1:{port}", timeout_s=5, init_timeout_s=1.5, micro_batch_size=4))
+    assert time.monotonic() - t0 < 6
+    assert f"http://127.0.0.1:{port}" in str(err.value) and "critic_server" in str(err.value)
