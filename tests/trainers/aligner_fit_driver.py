@@ -229,7 +229,7 @@ def run(args) -> dict:
             "consumed_samples": reinforce.consumed_samples, "records": logger.records, "calls": recorder.calls,
             "actor_class": f"{type(model).__module__}.{type(model).__qualname__}",
             "trainer_class": f"{type(reinforce).__module__}.{type(reinforce).__qualname__}",
-            "rm_class": type(rm).__mro__[1].__module__ + "." + type(rm).__mro__[1].__qualname__,
+            "rm_classes": [f"{c.__module__}.{c.__qualname__}" for c in type(rm).__mro__],
             "eos_id": int(model.tokenizer.eos_id), "fit_s": time.monotonic() - t_fit,
             "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file())}
 
