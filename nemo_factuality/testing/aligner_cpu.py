@@ -15,7 +15,8 @@ What it replaces, each a failure observed on CPU (shared/specs/aligner_actor_cpu
 * ``nemo_aligner.utils.trt_llm`` imports tensorrt_llm → tensorrt → mpi4py (stubbing those breaks
   Lightning's MPI detection): the module is replaced by one whose ``GPTGenerateTRTLLM`` raises.
 * ``pin_memory=True`` host copies (the critic's CPU weight copy) need an accelerator: made unpinned.
-* gloo: ``all_gather`` of 0-dim tensors (NCCL accepts them, gloo does not) in ``rebalance_nd_tensor``.
+* gloo: ``all_gather`` / ``all_gather_into_tensor`` of 0-dim tensors (NCCL accepts them, gloo does not), e.g.
+  ``rebalance_nd_tensor`` in ``ReinforceTrainer`` and the critic server's inference.
 * Apex's distributed Adam classes that NeMo's checkpointing isinstance-checks; megatron-core 0.12's async
   checkpoint writer against torch 2.13's ``_write_item`` signature.
 """
@@ -192,7 +193,8 @@ def _patch_nemo_model_building() -> None:
 
 
 def _gloo_safe_all_gather() -> None:
-    """gloo rejects 0-dim tensors in all_gather (NCCL takes them): gather them as 1-element tensors."""
+    """gloo rejects 0-dim tensors in all_gather / all_gather_into_tensor (NCCL takes them): gather them as
+    1-element tensors."""
     original = torch.distributed.all_gather
 
     @functools.wraps(original)
@@ -206,10 +208,11 @@ def _gloo_safe_all_gather() -> None:
     original_into = torch.distributed.all_gather_into_tensor
 
     @functools.wraps(original_into)
-    def all_gather_into_tensor(output, tensor, *args, **kwargs):  # rebalance_nd_tensor (the critic's inference)
-        if tensor.dim() == 0:
-            return original_into(output, tensor.view(1), *args, **kwargs)
-        return original_into(output, tensor, *args, **kwargs)
+    def all_gather_into_tensor(output_tensor, input_tensor, *args, **kwargs):
+        # ReinforceTrainer's rebalance_nd_tensor gathers each rank's 0-dim sample count this way
+        if input_tensor.dim() == 0:
+            input_tensor = input_tensor.view(1)
+        return original_into(output_tensor, input_tensor, *args, **kwargs)
 
     torch.distributed.all_gather_into_tensor = all_gather_into_tensor
 
