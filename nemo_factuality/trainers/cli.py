@@ -1,4 +1,5 @@
-"""``nemo-factuality train {grpo,ppo,kto} --config-name NAME [key=value ...]`` and the stages' ``python -m`` entry.
+"""``nemo-factuality train {grpo,ppo,kto} --config-name NAME [--preset PRESET] [key=value ...]`` and the stages'
+``python -m`` entry.
 
 parse config → build actor (and critic), reward, data → run the stage's trainer → clean up.
 """
@@ -24,10 +25,14 @@ def _parser(stage: str) -> argparse.ArgumentParser:
     from nemo_factuality.cli import ArgumentParser
 
     prog = f"nemo-factuality train {stage}"
-    p = ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [key=value ...]", description=STAGES[stage][1],
+    p = ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [--preset PRESET] [key=value ...]",
+                       description=STAGES[stage][1],
                        epilog="key=value overrides change any config key, e.g. trainer.max_steps=10 model.optim.lr=1e-6")
     p.add_argument("--config-name", default=None,
                    help="conf/train/<name>.yaml (klcf, fspo, knowrl -> grpo; rlfh -> ppo; factalign -> kto) or a YAML path")
+    p.add_argument("--preset", default=None,
+                   help="trainer.backend=aligner: a model preset, conf/train/aligner/<name>.yaml (its layout, batch "
+                        "sizes and NeMo model settings for this stage; key=value overrides still win)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
 
@@ -44,7 +49,12 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     parser = _parser(stage)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     overrides = split_overrides(args.overrides, parser.prog)
-    cfg = schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, overrides)
+    preset_overrides, runtime = _preset(args.preset, stage)
+    cfg = schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, [*preset_overrides, *overrides])
+    if args.preset and cfg.trainer.backend != "aligner":
+        from nemo_factuality.config import ConfigError
+
+        raise ConfigError(f"--preset {args.preset} is an aligner-backend preset; drop trainer.backend={cfg.trainer.backend}")
     if stage == "ppo" and cfg.trainer.backend == "aligner":
         from nemo_factuality.config import ConfigError
 
@@ -59,7 +69,7 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     train = load_prompts(cfg.data.train, cfg.data.format)
     val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
     seed_everything(cfg.trainer.seed)
-    actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo")
+    actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo", **runtime)
     reward = build_reward(cfg, actor.tokenizer)
     try:
         if stage == "grpo":
@@ -82,13 +92,28 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     return 0
 
 
+def _preset(name: str | None, stage: str) -> tuple[list[str], dict]:
+    """A preset's stage overrides (applied before the command line's) and its ``AlignerRuntime`` fields: the NeMo
+    model settings the stage schema does not carry and the node layout, which must match the launcher's srun."""
+    if not name:
+        return [], {}
+    from nemo_factuality.config import ConfigError
+    from nemo_factuality.trainers.backends.aligner import load_preset
+
+    try:
+        return load_preset(name, stage)
+    except (FileNotFoundError, KeyError) as err:
+        raise ConfigError(f"--preset {name}: {err}") from err
+
+
 def main(argv: Sequence[str]) -> int:
     """``nemo-factuality train <stage> ...``."""
     from nemo_factuality.cli import UsageError
 
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        lines = ["usage: nemo-factuality train {grpo,ppo,kto} --config-name NAME [key=value ...]", "", "stages:"]
+        lines = ["usage: nemo-factuality train {grpo,ppo,kto} --config-name NAME [--preset PRESET] [key=value ...]", "",
+                 "stages:"]
         lines += [f"  {k:<6} {v[1]}" for k, v in STAGES.items()]
         print("\n".join(lines))
         return 0
