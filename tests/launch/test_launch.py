@@ -160,7 +160,8 @@ def test_aligner_stage_starts_one_task_per_gpu_of_its_preset(stage_name, monkeyp
     text = _rendered(stage_name)
     assert _het_headers(text)[0].startswith(f"#SBATCH --nodes={nodes} --ntasks-per-node={tasks} --gpus-per-node=8 ")
     srun, command = _srun(text, 0)
-    assert srun.startswith(f"srun --het-group=0 --nodes={nodes} --ntasks-per-node={tasks} --kill-on-bad-exit=1 ")
+    assert srun.startswith(f"srun --het-group=0 --nodes={nodes} --ntasks-per-node={tasks} --kill-on-bad-exit=1 "
+                           f"--export=ALL,LOCAL_WORLD_SIZE={tasks} ")  # build_actor's devices without a preset
     assert (nodes * tasks) % (tp * pp) == 0 and tasks <= 8
     words = command.split()
     assert words[words.index("--preset") + 1] == stage.preset and "trainer.backend=aligner" in words
@@ -172,7 +173,8 @@ def test_aligner_stage_starts_one_task_per_gpu_of_its_preset(stage_name, monkeyp
         c = stage.critic
         assert _het_headers(text)[group].startswith(f"#SBATCH --nodes={c.nodes} --ntasks-per-node={c.gpus} --gpus-per-node={c.gpus}")
         srun, critic_command = _srun(text, group)
-        assert srun.startswith(f"srun --het-group={group} --nodes={c.nodes} --ntasks-per-node={c.gpus} --kill-on-bad-exit=1 ")
+        assert srun.startswith(f"srun --het-group={group} --nodes={c.nodes} --ntasks-per-node={c.gpus} --kill-on-bad-exit=1 "
+                               f"--export=ALL,LOCAL_WORLD_SIZE={c.gpus} ")
         assert f"critic.port={c.port}" in critic_command and "critic.url=$CRITIC_URL" in words
         assert f'export CRITIC_URL="http://${{CRITIC_HOST}}:{c.port}"' in text
         assert f"${{SLURM_JOB_NODELIST_HET_GROUP_{group}}}" in text
@@ -213,7 +215,7 @@ def test_hf_stage_runs_one_trainer_process(stage_name):
     text = _rendered(stage_name, "local_cpu" if stage_name == "cpu_standin" else "h100_pyxis")
     assert re.match(rf"#SBATCH --nodes={stage.actor_nodes} --ntasks-per-node=1( |$)", _het_headers(text)[0])
     assert _srun(text, 0)[0].startswith(f"srun --het-group=0 --nodes={stage.actor_nodes} --ntasks-per-node=1 --open-mode=append")
-    assert "--kill-on-bad-exit" not in text and "--preset" not in text
+    assert "--kill-on-bad-exit" not in text and "--preset" not in text and "LOCAL_WORLD_SIZE" not in text
     assert text.count("_HOST=$(node_addr") == 1 + bool(stage.judges)  # reward servers (+ judges), no critic group
 
 
