@@ -42,15 +42,22 @@ class LaunchConfig:
     """``conf/launch/<stage>.yaml``: the het-job topology of one training stage."""
 
     job_name: str = "factuality"
-    # group 0: the policy actor (trainer)
-    actor_nodes: int = 1
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    # group 0: the policy actor (trainer). An aligner-backend stage names a model preset
+    # (conf/train/aligner/<preset>.yaml): the job then takes its nodes, TP and PP from the preset and
+    # starts one trainer task per GPU (Megatron ranks), and the trainer command passes `--preset {preset}`
+    # so the trainer builds NeMo's trainer with the same layout. Without a preset: one task per node.
+    preset: str | None = None
+    actor_nodes: int | None = None  # None: the preset's nodes, else 1
+    tensor_parallel: int | None = None  # None: the preset's TP, else 1
+    pipeline_parallel: int | None = None  # None: the preset's PP, else 1
     trainer_command: str = "python -m nemo_factuality.launch.standins trainer --ckpt-dir {ckpt_dir} --steps 100"
     ckpt_dir: str = "checkpoints/{job_name}"
-    # group 1: factuality reward server(s) and critic; group 2: vLLM judges (omitted when empty)
+    # group 1: factuality reward server(s); group 2: vLLM judges (omitted when empty)
     reward_servers: list[ServerSpec] = field(default_factory=list)
     judges: list[ServerSpec] = field(default_factory=list)
+    # its own group (last): NeMo-Aligner's PPO critic server, one task per GPU (`gpus` per node) on `nodes`
+    # nodes; its URL reaches the trainer as $<NAME>_URL, like the reward servers'
+    critic: ServerSpec | None = None
     # preemption: SIGUSR1 this many seconds before the time limit -> checkpoint -> requeue
     signal_before_end_s: int = 300
     max_restarts: int = 3

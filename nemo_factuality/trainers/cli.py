@@ -1,4 +1,5 @@
-"""``nemo-factuality train {grpo,ppo,kto} --config-name NAME [key=value ...]`` and the stages' ``python -m`` entry.
+"""``nemo-factuality train {grpo,ppo,kto} --config-name NAME [--preset PRESET] [key=value ...]`` and the stages'
+``python -m`` entry.
 
 parse config → build actor (and critic), reward, data → run the stage's trainer → clean up.
 """
@@ -24,23 +25,33 @@ def _parser(stage: str, prog: str | None = None) -> argparse.ArgumentParser:
     from nemo_factuality.cli import ArgumentParser
 
     prog = prog or f"nemo-factuality train {stage}"
-    p = ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [key=value ...]", description=STAGES[stage][1],
+    p = ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [--preset PRESET] [key=value ...]",
+                       description=STAGES[stage][1],
                        epilog="key=value overrides change any config key, e.g. trainer.max_steps=10 model.optim.lr=1e-6")
     p.add_argument("--config-name", default=None,
                    help="conf/train/<name>.yaml (klcf, fspo, knowrl -> grpo; rlfh -> ppo; factalign -> kto) or a YAML path")
+    p.add_argument("--preset", default=None,
+                   help="trainer.backend=aligner: a model preset, conf/train/aligner/<name>.yaml (its layout, batch "
+                        "sizes and NeMo model settings for this stage; key=value overrides still win)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p
 
 
-def parse_stage_config(stage: str, argv: Sequence[str] | None, *, prog: str | None = None) -> Any:
-    """``--config-name NAME key=value …`` → the stage's validated typed config (``ConfigError`` names the key)."""
+def parse_stage_config(stage: str, argv: Sequence[str] | None, *, prog: str | None = None) -> tuple[Any, dict]:
+    """``--config-name NAME [--preset P] key=value …`` → (the stage's validated typed config, the preset's
+    ``AlignerRuntime`` fields); ``ConfigError`` names the key."""
     from nemo_factuality.cli import split_overrides
+    from nemo_factuality.config import ConfigError
     from nemo_factuality.trainers import config as schemas
 
     parser = _parser(stage, prog)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     overrides = split_overrides(args.overrides, parser.prog)
-    return schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, overrides)
+    preset_overrides, runtime = _preset(args.preset, stage)
+    cfg = schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, [*preset_overrides, *overrides])
+    if args.preset and cfg.trainer.backend != "aligner":
+        raise ConfigError(f"--preset {args.preset} is an aligner-backend preset; drop trainer.backend={cfg.trainer.backend}")
+    return cfg, runtime
 
 
 def run_stage(stage: str, argv: Sequence[str] | None) -> int:
@@ -49,7 +60,7 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     from nemo_factuality.trainers.data import load_pairs, load_prompts
     from nemo_factuality.trainers.runtime import build_reward, seed_everything
 
-    cfg = parse_stage_config(stage, argv)
+    cfg, runtime = parse_stage_config(stage, argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -59,7 +70,7 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     train = load_prompts(cfg.data.train, cfg.data.format)
     val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
     seed_everything(cfg.trainer.seed)
-    actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo")
+    actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo", **runtime)
     reward = build_reward(cfg, actor.tokenizer)
     try:
         if stage == "grpo":
@@ -83,13 +94,28 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     return 0
 
 
+def _preset(name: str | None, stage: str) -> tuple[list[str], dict]:
+    """A preset's stage overrides (applied before the command line's) and its ``AlignerRuntime`` fields: the NeMo
+    model settings the stage schema does not carry and the node layout, which must match the launcher's srun."""
+    if not name:
+        return [], {}
+    from nemo_factuality.config import ConfigError
+    from nemo_factuality.trainers.backends.aligner import load_preset
+
+    try:
+        return load_preset(name, stage)
+    except (FileNotFoundError, KeyError) as err:
+        raise ConfigError(f"--preset {name}: {err}") from err
+
+
 def main(argv: Sequence[str]) -> int:
     """``nemo-factuality train <stage> ...``."""
     from nemo_factuality.cli import UsageError
 
     argv = list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        lines = ["usage: nemo-factuality train {grpo,ppo,kto} --config-name NAME [key=value ...]", "", "stages:"]
+        lines = ["usage: nemo-factuality train {grpo,ppo,kto} --config-name NAME [--preset PRESET] [key=value ...]", "",
+                 "stages:"]
         lines += [f"  {k:<6} {v[1]}" for k, v in STAGES.items()]
         print("\n".join(lines))
         return 0

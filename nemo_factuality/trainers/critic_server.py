@@ -261,7 +261,7 @@ def serve(argv: Sequence[str] | None) -> int:
     from nemo_factuality.config import ConfigError
     from nemo_factuality.trainers.cli import parse_stage_config
 
-    cfg = parse_stage_config("ppo", argv, prog="python -m nemo_factuality.trainers.critic_server")
+    cfg, _ = parse_stage_config("ppo", argv, prog="python -m nemo_factuality.trainers.critic_server")
     if cfg.trainer.backend != "aligner":
         raise ConfigError("the critic server is the aligner backend's critic: set trainer.backend=aligner "
                           "(the hf backend trains its critic inside the PPO process)")

@@ -8,8 +8,9 @@ from nemo_factuality.trainers.backends import BACKENDS
 
 
 @BACKENDS.register("hf")
-def build_hf(cfg: Any, *, critic: bool = False) -> tuple[Any, Any]:
-    """(actor, critic or None) for a stage config with ``trainer.backend=hf``."""
+def build_hf(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Any, Any]:
+    """(actor, critic or None) for a stage config with ``trainer.backend=hf`` (``runtime`` is the aligner
+    presets'; the CLI refuses a preset on this backend, so it is always empty here)."""
     from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
 
     t = cfg.trainer
@@ -22,11 +23,12 @@ def build_hf(cfg: Any, *, critic: bool = False) -> tuple[Any, Any]:
 
 
 @BACKENDS.register("aligner")
-def build_aligner_backend(cfg: Any, *, critic: bool = False) -> tuple[Any, Any]:
-    """(actor, None) on NeMo-Aligner's Megatron REINFORCE actor (TP/PP/DP from ``model.*`` and the launcher)."""
+def build_aligner_backend(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Any, Any]:
+    """(actor, None) on NeMo-Aligner's Megatron REINFORCE actor (TP/PP/DP from ``model.*`` and the launcher);
+    ``runtime``: ``AlignerRuntime`` fields from ``--preset`` (devices, num_nodes, model_overrides, ...)."""
     from nemo_factuality.trainers.backends.aligner import build_aligner
 
-    return build_aligner(cfg, critic=critic, max_steps=_optimizer_steps(cfg))
+    return build_aligner(cfg, critic=critic, max_steps=_optimizer_steps(cfg), **runtime)
 
 
 def _optimizer_steps(cfg: Any) -> int:
