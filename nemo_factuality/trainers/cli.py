@@ -61,6 +61,11 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     from nemo_factuality.trainers.runtime import build_reward, seed_everything
 
     cfg, runtime = parse_stage_config(stage, argv)
+    if stage == "ppo" and cfg.trainer.backend == "aligner" and not cfg.critic.url:
+        from nemo_factuality.config import ConfigError
+
+        raise ConfigError("critic.url must name the critic server: trainer.backend=aligner runs RLFH's critic as "
+                          "NeMo-Aligner's critic server (python -m nemo_factuality.trainers.critic_server, same config)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

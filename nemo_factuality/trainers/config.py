@@ -316,9 +316,6 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:
         problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
-    if isinstance(cfg, PPOConfig) and cfg.trainer.backend == "aligner" and not cfg.critic.url:
-        problems.append("critic.url must name the critic server (trainer.backend=aligner runs RLFH's critic as "
-                        "NeMo-Aligner's critic server: python -m nemo_factuality.trainers.critic_server)")
     if problems:
         raise ConfigError("invalid training config: " + "; ".join(problems))
 

@@ -33,16 +33,7 @@ def _stage_modules(name: str) -> list[str]:
             for m in python_modules(c) if m.startswith("nemo_factuality.")]
 
 
-def _not_yet_on_main(name: str) -> list:
-    """xfail (not skip) a stage naming a module that has not landed yet; it starts passing by itself when it does."""
-    missing = missing_modules(load_config(LaunchConfig, name, group="launch"))
-    return [pytest.mark.xfail(reason=f"{missing} not in this tree yet (trainer modules are landing on main); "
-                                     "rendering refuses stages whose modules do not exist", strict=True)] if missing else []
-
-
-# on a GPU-less profile a GPU stage must fail anyway, so only GPU profiles wait for missing modules
-RENDER_PARAMS = [pytest.param(s, c, marks=_not_yet_on_main(s) if load_config(ClusterProfile, c, group="cluster").gpus_per_node
-                              else []) for s in STAGES for c in CLUSTERS]
+RENDER_PARAMS = [(s, c) for s in STAGES for c in CLUSTERS]
 # one import per module (each costs a process start and the module's imports), named with a stage that runs it
 MODULE_PARAMS = sorted({m: s for s in STAGES for m in _stage_modules(s)}.items())
 
@@ -132,7 +123,7 @@ def _srun(text: str, group: int) -> tuple[str, str]:
     return lines[i], shlex.split(lines[i + 1].strip().removesuffix("&"))[-1]
 
 
-@pytest.mark.parametrize("stage_name", [pytest.param(s, marks=_not_yet_on_main(s)) for s in STAGES])
+@pytest.mark.parametrize("stage_name", STAGES)
 def test_every_module_a_rendered_script_runs_exists(stage_name):
     """Generic over every ``python -m X`` in the rendered script (trainer, servers, critic), whatever X is."""
     text = _rendered(stage_name, "local_cpu" if stage_name == "cpu_standin" else "h100_pyxis")
@@ -181,16 +172,7 @@ def test_aligner_stage_starts_one_task_per_gpu_of_its_preset(stage_name, monkeyp
         assert re.search(rf'wait_ready critic "http://\$\{{CRITIC_HOST\}}:{c.port}/v2/models/critic_infer/ready"', text)
 
 
-def _critic_url_in_schema() -> bool:
-    from nemo_factuality.trainers.config import CriticModelConfig
-
-    return hasattr(CriticModelConfig(), "url")
-
-
-@pytest.mark.parametrize("stage_name", [
-    pytest.param(s, marks=[] if _critic_url_in_schema() or not load_config(LaunchConfig, s, group="launch").critic else
-                 pytest.mark.xfail(reason="critic.url arrives with the critic server (trainers.critic_server)", strict=True))
-    for s in PRESET_STAGES])
+@pytest.mark.parametrize("stage_name", PRESET_STAGES)
 def test_aligner_trainer_command_is_a_complete_valid_stage_config(stage_name, monkeypatch):
     """The rendered command plus its preset's overrides load into the stage schema and pass its validation."""
     from nemo_factuality.trainers import config as schemas
@@ -207,6 +189,30 @@ def test_aligner_trainer_command_is_a_complete_valid_stage_config(stage_name, mo
                                     [*preset_overrides, *(w for w in words if "=" in w and not w.startswith("-"))])
     assert cfg.trainer.backend == "aligner" and cfg.remote_rm.resolved_url() == "http://reward:5555"
     assert cfg.exp_manager.explicit_log_dir == stage.ckpt_dir and cfg.data.train
+
+
+def _stage_config(words: list[str]):
+    """A rendered ``python -m nemo_factuality.trainers.X --config-name N [--preset P] k=v …`` as its typed config."""
+    from nemo_factuality.trainers.cli import parse_stage_config
+
+    method = "ppo" if words[words.index("-m") + 1].endswith("critic_server") else words[words.index("-m") + 1].rsplit(".", 1)[-1]
+    return parse_stage_config(method, words[words.index("-m") + 2:])[0]
+
+
+def test_the_critic_server_runs_the_trainers_config(monkeypatch):
+    """RLFH on the aligner backend: the critic server's command is the trainer's config (same preset, batch, log
+    dir), so one critic_train request is one minibatch and its checkpoints sit beside the trainer's."""
+    monkeypatch.setattr(render_module, "missing_modules", lambda stage: [])
+    name = next(s for s in PRESET_STAGES if load_config(LaunchConfig, s, group="launch").critic)
+    text = _rendered(name).replace("$FACTUALITY_REWARD_URL", "http://reward:5555").replace("$CRITIC_URL", "http://critic:5567")
+    trainer = _stage_config(_srun(text, 0)[1].split())
+    critic_line = next(line for line in text.splitlines() if "nemo_factuality.trainers.critic_server" in line)
+    critic = _stage_config(shlex.split(critic_line.strip().removesuffix("&"))[-1].split())
+    assert trainer.critic.url == "http://critic:5567" and critic.critic.port == 5567
+    assert critic.model.global_batch_size == trainer.model.global_batch_size
+    assert critic.critic.micro_batch_size == trainer.critic.micro_batch_size
+    assert critic.exp_manager.explicit_log_dir == trainer.exp_manager.explicit_log_dir
+    assert critic.model.restore_from_path == trainer.model.restore_from_path
 
 
 @pytest.mark.parametrize("stage_name", HF_STAGES)
@@ -271,9 +277,7 @@ def test_trainer_preset_gives_the_backend_the_layout_srun_starts(tmp_path, monke
         run_stage("grpo", [*args, "trainer.backend=hf", "model.path=/hf"])
 
 
-@pytest.mark.parametrize("module,stage_name", [
-    pytest.param(m, s, marks=_not_yet_on_main(s) if m in missing_modules(load_config(LaunchConfig, s, group="launch")) else [],
-                 id=m) for m, s in MODULE_PARAMS])
+@pytest.mark.parametrize("module,stage_name", [pytest.param(m, s, id=m) for m, s in MODULE_PARAMS])
 def test_every_stage_module_imports(module, stage_name):
     """Rendering only checks that the module exists (a login node may lack the GPU stack); here it must import."""
     subprocess.run([sys.executable, "-c", f"import {module}"], check=True, timeout=120,
