@@ -210,8 +210,10 @@ def stage_dp(actor: AlignerActor, args) -> dict:
 def kto_dp(actor: AlignerActor, args) -> dict:
     """``KTOTrainer`` under data parallelism: 4 prompts × 2 samples per iteration, each rank samples and labels
     its 2 prompts (the toy labeller leaves one sample unlabelled, so the ranks label 4 and 3), the examples
-    are gathered and each minibatch of 4 is split over the ranks (the 3-row one padded). Records per rank:
-    the prompts it labelled, every metrics dict it logged, the gathered data, a weight checksum."""
+    are gathered and each minibatch of 4 is split over the ranks (the 3-row one padded). Greedy sampling
+    (KTO needs no diversity), so world 1 collects the same examples and must train to the same policy.
+    Records per rank: the prompts it labelled, every metrics dict it logged, the gathered data, a weight
+    checksum and the trained policy's log-probs of the data."""
     from nemo_factuality.testing.training import half_good_labeller, prompts, read_metrics
     from nemo_factuality.trainers.config import KTOConfig
     from nemo_factuality.trainers.kto import KTOTrainer
@@ -223,7 +225,8 @@ def kto_dp(actor: AlignerActor, args) -> dict:
                  "kto.prompts_per_iteration=4", "kto.samples_per_prompt=2", "kto.epochs_per_iteration=1",
                  "model.micro_batch_size=1", "model.global_batch_size=4", "model.forward_micro_batch_size=4",
                  "model.length_params.max_length=6", "model.dtype=float32", "model.optim.name=sgd", "model.optim.lr=0.05",
-                 "remote_rm.url=http://127.0.0.1:5555", f"exp_manager.explicit_log_dir={run_dir}",
+                 "model.sampling_params.use_greedy=true", "remote_rm.url=http://127.0.0.1:5555",
+                 f"exp_manager.explicit_log_dir={run_dir}",
                  "exp_manager.create_tensorboard_logger=false"]
     labelled: list[str] = []
     logged: list[dict] = []
@@ -240,6 +243,9 @@ def kto_dp(actor: AlignerActor, args) -> dict:
     data = trainer.last_data
     return {"labelled": labelled, "logged": logged, "metrics": read_metrics(run_dir), "seed": trainer.cfg.trainer.seed,
             "data_tokens": _rows(data["tokens"]), "desirable": _rows(data["desirable"]),
+            "prompt_lengths": _rows(data["prompt_lengths"]), "response_lengths": _rows(data["response_lengths"]),
+            "lp": _rows(actor.logprobs(Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
+                                               torch.ones(len(data["tokens"]), dtype=torch.bool)))),
             "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters()))}
 
 

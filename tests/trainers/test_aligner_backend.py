@@ -250,10 +250,12 @@ def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_
     """``KTOTrainer`` at DP=2: each rank samples and labels its half of the iteration's prompts (one sample
     left unlabelled: 4 + 3 examples), every rank then holds the same 7 gathered examples, 2 optimiser steps
     (minibatches of 4 and 3, the second padded for the split) with the same reduced metrics on both ranks,
-    logged once, and identical weights on both replicas."""
+    logged once, and identical weights on both replicas. Sampling is greedy, so world 1 collects the same
+    7 examples: its trained policy, losses and z0 must equal DP=2's."""
     from nemo_factuality.trainers.data import PromptSampler
 
-    r0, r1 = sorted(drive(venv, policy[1], tmp_path, nproc=2, scenario="kto_dp", timeout=420), key=lambda r: r["dp_rank"])
+    r0, r1 = sorted(drive(venv, policy[1], tmp_path / "dp2", nproc=2, scenario="kto_dp", timeout=420),
+                    key=lambda r: r["dp_rank"])
     drawn = [f"question {i}" for i in PromptSampler(4, r0["seed"]).take(4)]
     assert sorted(set(r0["labelled"])) == sorted(drawn[:2]) and sorted(set(r1["labelled"])) == sorted(drawn[2:])
     assert r0["data_tokens"] == r1["data_tokens"] and len(r0["data_tokens"]) == 7
@@ -262,4 +264,10 @@ def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_
     assert first["kto/labelled"] == 7 and first["kto/dropped_unlabelled"] == 1
     for m in r0["metrics"]:
         assert m["grad_norm"] > 0 and m["loss/kto"] is not None and m["kto/z0"] is not None
-    assert r0["weight_sum"] == r1["weight_sum"]
+    assert r0["weight_sum"] == r1["weight_sum"] and r0["lp"] == r1["lp"]
+    world1 = drive(venv, policy[1], tmp_path / "world1", scenario="kto_dp", timeout=300)[0]
+    assert world1["data_tokens"] == r0["data_tokens"]
+    for ours, theirs in zip(r0["metrics"], world1["metrics"], strict=True):
+        for key in ("loss/kto", "loss/fkto", "kto/z0", "kto/z0_f", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert_close(action_values(r0, "lp"), action_values(world1, "lp"), atol=2e-5)
