@@ -44,6 +44,18 @@ def good_tokens_dense(prompts, completions, completion_ids, **_):
     return RewardBatch(np.array([x.sum() for x in tr]), token_rewards=tr)
 
 
+def half_good_labeller(prompts, completions, completion_ids, **_):
+    """FactAlign-shaped toy labels: desirable when a third of the tokens are GOOD; one sentence = the whole
+    completion. The first sample of "question 1" in each call is left unlabelled (NaN), as a judge failure."""
+    from nemo_factuality.types import Span
+
+    label = np.array([float(sum(t in GOOD for t in ids) * 3 >= len(ids)) for ids in completion_ids])
+    if "question 1" in prompts:
+        label[list(prompts).index("question 1")] = np.nan
+    spans = [[Span(0, len(c))] if c.strip() else [] for c in completions]
+    return RewardBatch(label, {"label": label}, sentence_labels=[[x == 1.0] for x in label], sentence_spans=spans)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

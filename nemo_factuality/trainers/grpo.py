@@ -33,9 +33,11 @@ from tqdm import tqdm
 from nemo_factuality.algorithms import (
     expand_to_tokens, fspo_flip, grpo_advantages, kl_loss, kl_penalty, masked_mean, ppo_policy_loss, response_mask,
 )
+from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.data import PromptRecord, PromptSampler
 from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams
+from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
 from nemo_factuality.trainers.runtime import (
     Checkpointer, EarlyStopping, PhaseTimer, PreemptionFlag, RunLogger, encode_prompts, place_on_tokens,
     records_for_rows, response_stats, score_rollout,
@@ -59,11 +61,17 @@ class GRPOTrainer:
         self.prompt_ids = encode_prompts(self.data, actor.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_tokens)
         self.val_data = list(val_data or [])
         self.validate = validate or (self._validate_reward if self.val_data else None)
-        self.sampler = PromptSampler(len(self.data), cfg.trainer.seed)
-        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k)
+        self.sampler = PromptSampler(len(self.data), cfg.trainer.seed)  # the same global draw on every rank
+        self.parallel = DataParallel(actor)
+        problems = data_parallel_problems(self.parallel.size, f"{self.stage}.num_prompts_per_step", self._prompts_per_step(),
+                                          self._samples_per_prompt(), cfg.model.global_batch_size, cfg.model.micro_batch_size)
+        if problems:
+            raise ConfigError("invalid training config for data parallelism: " + "; ".join(problems))
+        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k, self.parallel)
         self.early = EarlyStopping(cfg.trainer.early_stopping)
-        self.logger = RunLogger(self.run_dir, cfg.exp_manager, cfg)
+        self.logger = RunLogger(self.run_dir, cfg.exp_manager, cfg, enabled=self.parallel.is_writer)
         self.step = 0
+        self.step_prompts: list[int] = []  # this rank's prompt indices in the last step (its slice of the draw)
         m = cfg.model
         self.sampling = SamplingParams(m.length_params.max_length, m.sampling_params.temperature, m.sampling_params.top_p,
                                        m.sampling_params.top_k, m.sampling_params.use_greedy)
@@ -74,7 +82,7 @@ class GRPOTrainer:
         self._maybe_resume()
         history: list[dict[str, float]] = []
         bar = tqdm(total=self.cfg.trainer.max_steps, initial=self.step, desc=self.stage, unit="step",
-                   disable=not self.cfg.trainer.progress_bar)
+                   disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer))
         stop_reason = "max_steps"
         with PreemptionFlag() as preempted:
             while self.step < self.cfg.trainer.max_steps:
@@ -102,10 +110,14 @@ class GRPOTrainer:
         return history
 
     def train_one_step(self) -> dict[str, float]:
-        """rollout → reward → experience → update, each phase timed; the algorithm lives in the three hooks below."""
+        """rollout → reward → experience → update, each phase timed; the algorithm lives in the three hooks below.
+
+        Under data parallelism each rank runs this on its slice of the step's prompts and returns the
+        step's global metrics (reduced over ranks, the same on every rank)."""
         timer = PhaseTimer()
         with timer("step"):
-            picked = self.sampler.take(self._prompts_per_step())
+            picked = self.parallel.shard(self.sampler.take(self._prompts_per_step()))
+            self.step_prompts = picked
             n = self._samples_per_prompt()
             records = records_for_rows([self.data[i] for i in picked], n)
             with timer("generate"):
@@ -119,7 +131,7 @@ class GRPOTrainer:
         metrics.update(rewards.log_dict("reward"))
         metrics.update(response_stats(rollout))
         metrics.update(timer.times)
-        return metrics
+        return self.parallel.reduce_metrics(metrics)
 
     # The stage's hooks (PPO overrides them): batch shape, reward → advantage, and the update.
     def _prompts_per_step(self) -> int:
@@ -191,21 +203,19 @@ class GRPOTrainer:
         return loss, metrics
 
     def update(self, exp: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """``grpo.num_epochs`` passes over the rollout in minibatches of ``model.global_batch_size``."""
+        """``grpo.num_epochs`` passes over the rollout in minibatches of ``model.global_batch_size`` sequences
+        (over all data-parallel ranks: each rank contributes ``global_batch_size / dp`` of its rows)."""
         m = self.cfg.model
-        b = exp["tokens"].shape[0]
+        b, size = exp["tokens"].shape[0], m.global_batch_size // self.parallel.size
         totals: dict[str, float] = {}
         steps = skipped = 0
         for _ in range(self.cfg.grpo.num_epochs):
             order = torch.randperm(b)
-            for start in range(0, b, m.global_batch_size):
-                idx = order[start : start + m.global_batch_size]
+            for start in range(0, b, size):
+                idx = order[start : start + size]
                 mb = {k: v[idx] for k, v in exp.items()}
-                global_tokens = float(mb["mask"].sum())
-                global_seqs = float((mb["mask"].sum(-1) > 0).sum())
-                reducer = getattr(self.actor, "global_sum", None)  # data-parallel backends sum over ranks
-                if reducer is not None:
-                    global_tokens, global_seqs = reducer(global_tokens), reducer(global_seqs)
+                global_tokens = self.parallel.global_sum(float(mb["mask"].sum()))
+                global_seqs = self.parallel.global_sum(float((mb["mask"].sum(-1) > 0).sum()))
                 if global_tokens == 0:
                     skipped += 1  # every sample abstained/truncated: nothing to learn, no optimiser step
                     continue
@@ -213,9 +223,10 @@ class GRPOTrainer:
                 result = self.actor.train_step(mb, fn, micro_batch_size=m.micro_batch_size,
                                                need_entropy=m.entropy_bonus > 0)
                 steps += 1
-                n_micro = math.ceil(len(idx) / m.micro_batch_size)
+                n_micro = math.ceil(len(idx) / m.micro_batch_size) * self.parallel.size
                 for k, v in result.items():
-                    # loss shares were averaged over micro batches by the backend; undo that to get the step's loss
+                    # loss shares were averaged over micro batches (and data-parallel ranks) by the backend;
+                    # undo that to get the step's loss
                     scale = n_micro if k.startswith("loss/") else 1
                     totals[k] = totals.get(k, 0.0) + v * scale
         out = {k: v / max(steps, 1) for k, v in totals.items()}
@@ -238,7 +249,7 @@ class GRPOTrainer:
         t = self.cfg.trainer
         stop = False
         if self.validate is not None and t.val_check_interval and self.step % t.val_check_interval == 0:
-            val = dict(self.validate(self.step))
+            val = self.parallel.reduce_metrics(self.validate(self.step))  # one early-stopping decision on every rank
             metrics.update(val)
             improved, stop = self.early.update(self.step, val)
             if improved:
@@ -258,7 +269,7 @@ class GRPOTrainer:
         latest = self.checkpointer.latest() if self.cfg.exp_manager.resume_if_exists else None
         if latest is None:
             return
-        state = Checkpointer.load(latest, self.actor, self.critic)
+        state = self.checkpointer.load(latest, self.actor, self.critic)
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
         self.early.load_state_dict(state["early_stopping"])

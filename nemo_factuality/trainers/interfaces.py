@@ -75,7 +75,12 @@ class Rollout:
 
 @runtime_checkable
 class PolicyActor(Protocol):
-    """The trained policy plus its frozen reference (initial policy) for KL."""
+    """The trained policy plus its frozen reference (initial policy) for KL.
+
+    A data-parallel backend also has ``data_parallel_rank``, ``data_parallel_size``, ``global_rank``,
+    ``all_reduce_sum(tensor)``, ``global_sum(float)`` and ``barrier()``; the stages reach them only
+    through ``trainers.parallel.DataParallel``, which treats an actor without them as world 1.
+    """
 
     tokenizer: Any
     eos_id: int

@@ -19,6 +19,13 @@ Each of ``kto.num_iterations`` iterations:
    global example / sentence counts.
 
 Checkpoints hold the iteration's labelled data, so a resumed run continues mid-iteration.
+
+Data parallelism: each rank samples and labels its slice of the iteration's prompts; the labelled
+examples are gathered so every rank holds the same set (what the labeller dropped differs per rank),
+every rank draws the same global minibatch and trains on its share of it (padded with weight-0 rows to
+equal shares, so the ranks' optimiser steps line up), and z0 / z0_f are the global minibatch's
+(all-reduced sums over the mismatched pairs). Every rank computes the reference log-probs of the whole
+gathered set (simple; a sharded version would save (DP−1)/DP of that forward pass).
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from nemo_factuality.algorithms import kto_losses, reference_point, response_mask
+from nemo_factuality.algorithms import kto_losses, response_mask
+from nemo_factuality.config import ConfigError
 from nemo_factuality.text.alignment import align_tokens
 from nemo_factuality.trainers.config import KTOConfig
 from nemo_factuality.trainers.data import PreferencePair, PromptRecord, PromptSampler
 from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams
+from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
 from nemo_factuality.trainers.runtime import (
     Checkpointer, PhaseTimer, PreemptionFlag, RunLogger, completions_of, encode_prompts,
 )
@@ -78,6 +87,20 @@ def pack_examples(rows: list[list[int]], prompt_lens: list[int], desirable: list
     return out
 
 
+def rank_rows(n: int, rank: int, size: int, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of an ``n``-row global minibatch: ``positions [L]`` into it and ``weight [L]`` (1 or 0).
+
+    Under data parallelism the minibatch is padded to a multiple of ``size × micro_batch_size`` with
+    weight-0 copies of row 0, so every rank runs the same number of micro batches (the collective steps
+    line up) whatever the labeller dropped, and the padding adds nothing to the loss or to z0."""
+    if size <= 1:
+        return torch.arange(n), torch.ones(n)
+    per = math.ceil(n / (size * micro_batch_size)) * micro_batch_size
+    positions = torch.cat([torch.arange(n), torch.zeros(per * size - n, dtype=torch.long)])
+    weight = torch.cat([torch.ones(n), torch.zeros(per * size - n)])
+    return positions[rank * per : (rank + 1) * per], weight[rank * per : (rank + 1) * per]
+
+
 def sentence_sums(diff: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
     """``Σ_{t ∈ [start, end)} diff[i, t]`` for every ``(i, k)``: ``[b, T]``, ``[b, K]`` → ``[b, K]`` (prefix sums)."""
     prefix = torch.nn.functional.pad(diff.cumsum(-1), (1, 0))
@@ -115,8 +138,13 @@ class KTOTrainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.prompt_ids = encode_prompts(self.prompts, actor.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_tokens)
         self.sampler = PromptSampler(len(self.prompts), cfg.trainer.seed)
-        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k)
-        self.logger = RunLogger(self.run_dir, cfg.exp_manager, cfg)
+        self.parallel = DataParallel(actor)
+        problems = data_parallel_problems(self.parallel.size, "kto.prompts_per_iteration", cfg.kto.prompts_per_iteration,
+                                          None, cfg.model.global_batch_size, cfg.model.micro_batch_size)
+        if problems:
+            raise ConfigError("invalid training config for data parallelism: " + "; ".join(problems))
+        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k, self.parallel)
+        self.logger = RunLogger(self.run_dir, cfg.exp_manager, cfg, enabled=self.parallel.is_writer)
         self.step = self.iteration = self.position = 0  # optimiser steps; iteration; minibatch index in the iteration
         self.data: dict[str, torch.Tensor] | None = None
         self._pending: dict[str, float] = {}
@@ -127,14 +155,17 @@ class KTOTrainer:
 
     # ------------------------------------------------------------------ sample → label
     def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Generate, label and pack this iteration's examples (labelled samples + general pairs)."""
+        """Generate, label and pack this iteration's examples (labelled samples + general pairs).
+
+        Under data parallelism each rank samples and labels its slice of the iteration's prompts; the
+        labelled examples are then gathered, so every rank holds the same global set (and counts)."""
         k = self.cfg.kto
-        picked = self.sampler.take(k.prompts_per_iteration)
+        picked = self.parallel.shard(self.sampler.take(k.prompts_per_iteration))
         prompt_rows = [i for i in picked for _ in range(k.samples_per_prompt)]
         rows, plens, desirable, sentences = [], [], [], []
         n_labelled = n_dropped = n_good = 0
         for start in tqdm(range(0, len(prompt_rows), _GEN_CHUNK), desc=f"kto iter {self.iteration}: sample+label",
-                          disable=not self.cfg.trainer.progress_bar):
+                          disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer)):
             chunk = prompt_rows[start : start + _GEN_CHUNK]
             rollout = self.actor.generate([self.prompt_ids[i] for i in chunk], self.sampling)
             completions, ids = completions_of(rollout, self.actor.tokenizer, self.actor.eos_id)
@@ -158,6 +189,10 @@ class KTOTrainer:
                 sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i]) if e > s])
                 n_labelled += 1
                 n_good += bool(label[i])
+        if self.parallel.size > 1:  # ranks' lists in rank order: the same global set on every rank
+            parts = self.parallel.gather((rows, plens, desirable, sentences, n_labelled, n_dropped, n_good))
+            rows, plens, desirable, sentences = ([x for part in parts for x in part[j]] for j in range(4))
+            n_labelled, n_dropped, n_good = (sum(part[j] for part in parts) for j in (4, 5, 6))
         n_pairs = min(len(self.pairs), int(round(k.general_data_ratio * n_labelled / 2))) if self.pairs else 0
         if n_pairs:
             order = np.random.default_rng([self.cfg.trainer.seed, self.iteration]).permutation(len(self.pairs))[:n_pairs]
@@ -173,7 +208,7 @@ class KTOTrainer:
                     sentences.append([])
         if not rows:
             raise FactualityInputError(f"iteration {self.iteration}: the labeller could not label any of the "
-                                       f"{len(prompt_rows)} samples; check the reward server / judge health")
+                                       f"{len(prompt_rows) * self.parallel.size} samples; check the reward server / judge health")
         stats = {"kto/labelled": float(n_labelled), "kto/dropped_unlabelled": float(n_dropped),
                  "kto/desirable_frac": n_good / max(n_labelled, 1), "kto/general_pairs": float(n_pairs),
                  "kto/sentences": float(sum(len(s) for s in sentences))}
@@ -189,26 +224,38 @@ class KTOTrainer:
         mask = response_mask(mb["prompt_lengths"], mb["response_lengths"], diff.shape[1])
         resp = (diff * mask).sum(-1)
         z0_t = diff.new_tensor(z0)
-        l_kto = kto_losses(resp, mb["desirable"], z0_t, beta=k.beta, w_desirable=k.w_desirable,
-                           w_undesirable=k.w_undesirable).sum() / n_examples
+        terms = kto_losses(resp, mb["desirable"], z0_t, beta=k.beta, w_desirable=k.w_desirable, w_undesirable=k.w_undesirable)
+        if "weight" in mb:  # data-parallel padding rows (weight 0) add nothing
+            terms = terms * mb["weight"].to(terms.dtype)
+        l_kto = terms.sum() / n_examples
         sent = sentence_sums(diff, mb["sent_start"], mb["sent_end"])[mb["sent_valid"]]
         loss = l_kto
         metrics = {"loss/kto": l_kto.item()}
-        if n_sentences > 0 and sent.numel():
+        # every micro batch (and rank) reports the same keys, even one without sentences of its own
+        if n_sentences > 0:
             l_f = kto_losses(sent, mb["sent_label"][mb["sent_valid"]], diff.new_tensor(z0_f), beta=k.beta_f,
                              w_desirable=k.w_f_desirable, w_undesirable=k.w_f_undesirable).sum() / n_sentences
             loss = loss + k.lam * l_f
             metrics["loss/fkto"] = l_f.item()
         return loss, metrics
 
-    def _reference_points(self, mb: Mapping[str, torch.Tensor]) -> tuple[float, float]:
-        """``z0`` and ``z0_f``: detached mean log-ratios of mismatched prompt/completion pairs, clamped at 0."""
-        rollout, starts, ends = mismatched(mb, self.actor.pad_id)
+    def _reference_points(self, mb: Mapping[str, torch.Tensor], positions: torch.Tensor,
+                          weight: torch.Tensor) -> tuple[float, float]:
+        """``z0`` and ``z0_f``: detached mean log-ratios of mismatched prompt/completion pairs of the global
+        minibatch ``mb``, clamped at 0. Each rank computes the pairs at its ``positions`` ``[L]`` (weight 0:
+        padding); the sums and counts are all-reduced, so z0 is the global minibatch's on every rank."""
+        pairs, starts, ends = mismatched(mb, self.actor.pad_id)
+        sent_valid = mb["sent_valid"][(torch.arange(len(pairs)) + 1) % len(pairs)][positions] & (weight > 0).unsqueeze(1)
+        rollout = Rollout(pairs.tokens[positions], pairs.prompt_lengths[positions], pairs.response_lengths[positions],
+                          pairs.is_end[positions])
         diff = self.actor.logprobs(rollout) - self.actor.reference_logprobs(rollout)
         mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, diff.shape[1])
-        z0 = reference_point((diff * mask).sum(-1)).item()
-        sent = sentence_sums(diff, starts, ends)[mb["sent_valid"][(torch.arange(len(rollout)) + 1) % len(rollout)]]
-        return z0, reference_point(sent).item()
+        resp = (diff * mask).sum(-1).double()
+        sent = sentence_sums(diff, starts[positions], ends[positions])[sent_valid].double()
+        w = weight.double()
+        sums = self.parallel.sum_tensor(torch.stack([(resp * w).sum(), w.sum(), sent.sum(), sent_valid.sum().double()]))
+        z0 = max(float(sums[0] / sums[1]), 0.0) if sums[1] > 0 else 0.0  # reference_point over the global pairs
+        return z0, max(float(sums[2] / sums[3]), 0.0) if sums[3] > 0 else 0.0
 
     # ------------------------------------------------------------------ the loop
     def train_iteration_batches(self, preempted: PreemptionFlag) -> bool:
@@ -223,18 +270,26 @@ class KTOTrainer:
             epoch, index = divmod(self.position, per_epoch)
             order = torch.from_numpy(np.random.default_rng([self.cfg.trainer.seed, self.iteration, epoch]).permutation(n))
             idx = order[index * m.global_batch_size : (index + 1) * m.global_batch_size]
-            mb = {key: v[idx] for key, v in self.data.items()}
+            # every rank holds the same data and draws the same global minibatch, then trains on its rows of it
+            global_mb = {key: v[idx] for key, v in self.data.items()}
+            positions, weight = rank_rows(len(idx), self.parallel.rank, self.parallel.size, m.micro_batch_size)
+            mb = {key: v[positions] for key, v in global_mb.items()}
+            if self.parallel.size > 1:
+                mb["weight"] = weight
+                mb["sent_valid"] = mb["sent_valid"] & (weight > 0).unsqueeze(1)
             timer = PhaseTimer()
             with timer("reference_points"):
-                z0, z0_f = self._reference_points(mb) if len(idx) > 1 else (0.0, 0.0)
-            n_sent = float(mb["sent_valid"].sum())
+                z0, z0_f = self._reference_points(global_mb, positions, weight) if len(idx) > 1 else (0.0, 0.0)
+            n_sent = float(global_mb["sent_valid"].sum())  # global counts: the global minibatch is on every rank
             fn = partial(self.loss_fn, z0=z0, z0_f=z0_f, n_examples=float(len(idx)), n_sentences=n_sent)
             with timer("train"):
                 result = self.actor.train_step(mb, fn, micro_batch_size=m.micro_batch_size)
-            n_micro = math.ceil(len(idx) / m.micro_batch_size)
+            # the backends average loss shares over micro batches and data-parallel ranks: sum them back
+            n_micro = math.ceil(len(positions) / m.micro_batch_size) * self.parallel.size
             metrics = {key: v * (n_micro if key.startswith("loss/") else 1) for key, v in result.items()}
             metrics.update({"kto/z0": z0, "kto/z0_f": z0_f, "iteration": float(self.iteration), **timer.times})
             metrics.update(self._pending)
+            metrics = self.parallel.reduce_metrics(metrics)  # the collect stats are global already; times are means
             self._pending = {}
             self.step += 1
             self.position += 1
@@ -275,19 +330,21 @@ class KTOTrainer:
                 "sampler": self.sampler.state_dict(), "has_data": self.data is not None}
 
     def _save(self) -> Path:
-        path = self.checkpointer.save(self.step, self.actor, None, self._state())
+        return self.checkpointer.save(self.step, self.actor, None, self._state(), extra=self._save_data)
+
+    def _save_data(self, path: Path) -> None:
+        """The iteration's examples (gathered over data-parallel ranks: the same on every rank, written once)."""
         if self.data is not None:
             from safetensors.torch import save_file
 
             save_file({k: (v.to(torch.uint8) if v.dtype == torch.bool else v).contiguous() for k, v in self.data.items()},
                       path / "iteration_data.safetensors")
-        return path
 
     def _maybe_resume(self) -> None:
         latest = self.checkpointer.latest() if self.cfg.exp_manager.resume_if_exists else None
         if latest is None:
             return
-        state = Checkpointer.load(latest, self.actor, None)
+        state = self.checkpointer.load(latest, self.actor, None)
         self.step, self.iteration, self.position = state["step"], state["iteration"], state["position"]
         self.sampler.load_state_dict(state["sampler"])
         if state["has_data"]:

@@ -10,8 +10,8 @@ One step:
    ``r_info`` at each sentence end, the missing-EOS penalty on the last token); a reward without token
    rewards puts its scalar on the last action, as NeMo-Aligner does (index ``response_length − 2``).
 3. **advantage** — ``r_t − β·KL_t`` (k3, in the reward: RLFH/OpenRLHF), GAE(γ, λ) against the critic's
-   values, returns = advantages + values; advantages whitened over the batch with the unbiased
-   variance (verl). A NaN score (abstention, failed judge) removes the sample from both losses.
+   values, returns = advantages + values; advantages whitened over the batch (all data-parallel
+   ranks' rows) with the unbiased variance (verl). A NaN score (abstention, failed judge) removes the sample from both losses.
 4. **loss** — actor: PPO clip (+ dual clip) − entropy bonus; critic: clipped value loss
    ``0.5·max((clip(v, v_old ± c) − R)², (v − R)²)``. The first ``ppo.critic_warmup_steps`` steps train
    only the critic, so the actor does not follow the advantages of an untrained value model.
@@ -34,6 +34,7 @@ from nemo_factuality.trainers.config import PPOConfig
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.trainers.grpo import GRPOTrainer
 from nemo_factuality.trainers.interfaces import Critic, PolicyActor, Rollout
+from nemo_factuality.trainers.parallel import masked_whiten_global
 from nemo_factuality.trainers.runtime import place_on_tokens
 from nemo_factuality.types import RewardBatch
 
@@ -90,7 +91,9 @@ class PPOTrainer(GRPOTrainer):
             kl = kl_penalty(old_logprobs, self.actor.reference_logprobs(rollout), p.kl_estimator)
         shaped = dense_rewards_with_kl(token_rewards, kl, mask, p.initial_policy_kl_penalty)
         advantages, returns = gae(shaped, values, mask, p.discount_factor, p.gae_lambda)
-        if p.normalize_advantages and mask.sum() > 1:
+        if p.normalize_advantages and self.parallel.size > 1:  # the batch's statistics span every rank's rows
+            advantages = masked_whiten_global(advantages, mask, self.parallel.sum_tensor, unbiased=True)
+        elif p.normalize_advantages and mask.sum() > 1:
             advantages = masked_whiten(advantages, mask, unbiased=True)
         exp = {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
                "old_logprobs": old_logprobs, "old_values": values * mask, "returns": returns * mask,
@@ -119,20 +122,21 @@ class PPOTrainer(GRPOTrainer):
 
     def update_ppo(self, exp: Mapping[str, torch.Tensor]) -> dict[str, float]:
         m = self.cfg.model
-        b = exp["tokens"].shape[0]
+        b, size = exp["tokens"].shape[0], m.global_batch_size // self.parallel.size  # this rank's share of a minibatch
         train_actor = self.step >= self.cfg.ppo.critic_warmup_steps
         totals: dict[str, float] = {}
         steps = 0
         for _ in range(self.cfg.ppo.num_epochs):
             order = torch.randperm(b)
-            for start in range(0, b, m.global_batch_size):
-                idx = order[start : start + m.global_batch_size]
+            for start in range(0, b, size):
+                idx = order[start : start + size]
                 mb = {k: v[idx] for k, v in exp.items()}
-                global_tokens = float(mb["mask"].sum())
+                global_tokens = self.parallel.global_sum(float(mb["mask"].sum()))
                 if global_tokens == 0:
                     continue
-                global_seqs = float((mb["mask"].sum(-1) > 0).sum())
-                n_micro = math.ceil(len(idx) / self.cfg.critic.micro_batch_size)
+                global_seqs = self.parallel.global_sum(float((mb["mask"].sum(-1) > 0).sum()))
+                # the backends average loss shares over micro batches and data-parallel ranks: sum them back
+                n_micro = math.ceil(len(idx) / self.cfg.critic.micro_batch_size) * self.parallel.size
                 result = self.critic.train_step(mb, partial(self.critic_loss, global_tokens=global_tokens),
                                                 micro_batch_size=self.cfg.critic.micro_batch_size)
                 _accumulate(totals, {f"critic/{k}" if k == "grad_norm" else k: v for k, v in result.items()}, n_micro)
@@ -140,7 +144,7 @@ class PPOTrainer(GRPOTrainer):
                     fn = partial(self.actor_loss, global_tokens=global_tokens, global_seqs=global_seqs)
                     result = self.actor.train_step(mb, fn, micro_batch_size=m.micro_batch_size,
                                                    need_entropy=m.entropy_bonus > 0)
-                    _accumulate(totals, result, math.ceil(len(idx) / m.micro_batch_size))
+                    _accumulate(totals, result, math.ceil(len(idx) / m.micro_batch_size) * self.parallel.size)
                 steps += 1
         out = {k: v / max(steps, 1) for k, v in totals.items()}
         out["actor_trained"] = float(train_actor)

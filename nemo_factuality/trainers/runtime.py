@@ -22,13 +22,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.trainers.interfaces import Rollout
+from nemo_factuality.trainers.parallel import DataParallel
 from nemo_factuality.types import FactualityInputError, RewardBatch
 
 log = logging.getLogger(__name__)
@@ -70,9 +71,12 @@ def seed_everything(seed: int) -> None:
 class RunLogger:
     """One JSON object per step in ``metrics.jsonl``; the same scalars to TensorBoard (and wandb when enabled)."""
 
-    def __init__(self, run_dir: Path, exp: Any, config: Any) -> None:
+    def __init__(self, run_dir: Path, exp: Any, config: Any, *, enabled: bool = True) -> None:
         self.path = run_dir / "metrics.jsonl"
         self._tb = self._wandb = None
+        self.enabled = enabled  # data parallelism: global rank 0 writes, the other ranks' loggers do nothing
+        if not enabled:
+            return
         if exp.create_tensorboard_logger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -87,6 +91,8 @@ class RunLogger:
                                      config=asdict(config) if is_dataclass(config) else None)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
         record = {"step": step, **{k: _jsonable(v) for k, v in metrics.items()}}
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
@@ -99,7 +105,7 @@ class RunLogger:
 
     def truncate_after(self, step: int) -> None:
         """On resume, drop lines of steps after the checkpoint (they will be redone)."""
-        if not self.path.exists():
+        if not self.enabled or not self.path.exists():
             return
         kept = [ln for ln in self.path.read_text(encoding="utf-8").splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
         self.path.write_text("".join(ln + "\n" for ln in kept), encoding="utf-8")
@@ -136,8 +142,17 @@ class PhaseTimer:
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 class Checkpointer:
-    def __init__(self, run_dir: Path, keep: int) -> None:
+    """``step_XXXXXX/`` checkpoints, complete or absent.
+
+    With data parallelism every rank writes into the same temporary directory (the actor's ``save`` is
+    collective: NeMo's distributed checkpoint), plus its own RNG state; global rank 0 alone writes the
+    trainer state and finalises (rename, ``latest``, pruning) once every rank has written, and a barrier
+    after that keeps every rank from going on (or resuming) before the checkpoint is complete.
+    """
+
+    def __init__(self, run_dir: Path, keep: int, parallel: DataParallel | None = None) -> None:
         self.root, self.keep = run_dir / "checkpoints", max(1, keep)
+        self.parallel = parallel or DataParallel(None)
         self.best: str | None = None  # a checkpoint early stopping wants kept
 
     def latest(self) -> Path | None:
@@ -150,24 +165,37 @@ class Checkpointer:
                                        "or point exp_manager.explicit_log_dir at a new directory")
         return path
 
-    def save(self, step: int, actor: Any, critic: Any, state: Mapping[str, Any]) -> Path:
-        name = f"step_{step:06d}"
+    def save(self, step: int, actor: Any, critic: Any, state: Mapping[str, Any],
+             extra: Callable[[Path], None] | None = None) -> Path:
+        """Write ``step_XXXXXX``; ``extra(tmp)`` adds the stage's own files (called on global rank 0 only)."""
+        name, par = f"step_{step:06d}", self.parallel
         final, tmp = self.root / name, self.root / f".{name}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        if par.is_writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        par.barrier()  # the temporary directory exists, and is empty, before any rank writes into it
         actor.save(tmp)
         if critic is not None:
             critic.save(tmp)
         rng = rng_state()
-        torch.save({k: v for k, v in rng.items() if k in ("torch", "cuda")}, tmp / "rng.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "rng": _rng_to_json(rng)}), encoding="utf-8")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer_tmp = self.root / ".latest.tmp"
-        pointer_tmp.write_text(name)
-        os.replace(pointer_tmp, self.root / "latest")
-        self._prune()
-        log.info("checkpoint saved: %s", final)
+        tensors = {k: v for k, v in rng.items() if k in ("torch", "cuda")}
+        if not par.is_writer:  # each rank resumes its own random streams
+            torch.save({**tensors, "json": _rng_to_json(rng)}, tmp / f"rng.rank{par.global_rank}.pt")
+        else:
+            torch.save(tensors, tmp / "rng.pt")
+            if extra is not None:
+                extra(tmp)
+        par.barrier()  # every rank's files are in tmp
+        if par.is_writer:
+            (tmp / "trainer_state.json").write_text(json.dumps({**state, "rng": _rng_to_json(rng)}), encoding="utf-8")
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            pointer_tmp = self.root / ".latest.tmp"
+            pointer_tmp.write_text(name)
+            os.replace(pointer_tmp, self.root / "latest")
+            self._prune()
+            log.info("checkpoint saved: %s", final)
+        par.barrier()  # no rank reads (or resumes from) a checkpoint rank 0 is still finalising
         return final
 
     def _prune(self) -> None:
@@ -176,13 +204,19 @@ class Checkpointer:
             if old.name != self.best:
                 shutil.rmtree(old, ignore_errors=True)
 
-    @staticmethod
-    def load(path: Path, actor: Any, critic: Any) -> dict[str, Any]:
+    def load(self, path: Path, actor: Any, critic: Any) -> dict[str, Any]:
+        """Every rank restores the actor (collective), the trainer state and its own RNG state."""
         actor.load(path)
         if critic is not None:
             critic.load(path)
         state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
-        set_rng_state(torch.load(path / "rng.pt", weights_only=True), state.pop("rng"))
+        rng_json = state.pop("rng")
+        own = path / f"rng.rank{self.parallel.global_rank}.pt"
+        if self.parallel.global_rank and own.exists():
+            saved = torch.load(own, weights_only=True)
+            set_rng_state(saved, saved["json"])
+        else:  # rank 0, or a checkpoint written by a smaller world
+            set_rng_state(torch.load(path / "rng.pt", weights_only=True), rng_json)
         return state
 
 

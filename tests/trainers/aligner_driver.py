@@ -9,6 +9,9 @@ Each rank writes ``<out>/rank<r>.json``. Scenarios:
   ``all_reduce_sum``), log-probs and reference log-probs after, then ``reset_reference``.
 * ``resume``: step, save, step → A; load the saved state, step again → B (B must equal A); export a ``.nemo``.
 * ``sample``: sampled (not greedy) rollouts, twice with the same seed.
+* ``stage`` / ``stage_dp``: the GRPO stage itself, 2 steps then a resumed 3rd (``stage_dp``: prompts
+  sharded over data-parallel ranks).
+* ``kto_dp``: the KTO stage at DP=2 (each rank labels its prompts; the examples are gathered).
 * ``ppo``: the RLFH PPO stage (``PPOTrainer``, dense toy reward) on this actor and the critic server the test
   started (``RemoteCritic``), 2 steps then a resumed 3rd; ``--overrides FILE`` holds the stage config's
   ``key=value`` list, the same the critic server was started with.
@@ -34,7 +37,7 @@ from nemo_factuality.algorithms.advantages import response_mask  # noqa: E402
 from nemo_factuality.algorithms.losses import ppo_policy_loss  # noqa: E402
 from nemo_factuality.trainers.backends.aligner import AlignerActor, build_actor  # noqa: E402
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
-from nemo_factuality.trainers.interfaces import SamplingParams  # noqa: E402
+from nemo_factuality.trainers.interfaces import Rollout, SamplingParams  # noqa: E402
 
 PROMPTS = ["The Eiffel Tower is", "Marie Curie won", "Water boils at 100 degrees", "Albert Einstein was born in Ulm"]
 ADVANTAGES = [1.0, -1.0, 0.5, -0.5]
@@ -162,6 +165,93 @@ def stage(actor: AlignerActor, args) -> dict:
             "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.iterdir())}
 
 
+def stage_dp(actor: AlignerActor, args) -> dict:
+    """``GRPOTrainer`` under data parallelism (torchrun, TP=1: DP = world size): 4 prompts per step sharded
+    over the ranks, 2 steps, then a rerun to 3 that resumes. Records, per rank: its prompt indices per
+    step, the metrics its ``fit`` returned, and after training a weight checksum and the log-probs of fixed
+    sequences (data-parallel replicas must hold the same policy)."""
+    from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.trainers.runtime import _jsonable
+
+    run_dir = Path(args.out) / "run"
+    shards: list[list[int]] = []
+    history: list[dict] = []
+    seeds: list[int] = []
+
+    def fit(max_steps: int) -> None:
+        overrides = _stage_overrides(args, run_dir, max_steps=max_steps, prompts_per_step=4, global_batch_size=16)
+        trainer = GRPOTrainer(load_train_config(GRPOConfig, None, overrides), actor, good_fraction, prompts(8), run_dir=run_dir)
+        step = trainer.train_one_step
+
+        def recording_step() -> dict:
+            metrics = step()
+            shards.append(list(trainer.step_prompts))
+            return metrics
+
+        trainer.train_one_step = recording_step
+        seeds.append(trainer.cfg.trainer.seed)
+        start = len(history)  # the rerun resumes where the first run's history ends
+        for i, m in enumerate(trainer.fit()):
+            history.append({"step": start + i + 1, **{k: _jsonable(v) for k, v in m.items()}})
+
+    fit(2)
+    first_run_lines = len(read_metrics(run_dir))
+    fit(3)  # resumes from step 2's checkpoint
+    ckpt = run_dir / "checkpoints"
+    fixed = [actor.tokenizer.encode(p) for p in PROMPTS[:2]]
+    width = max(len(x) for x in fixed)
+    rollout = Rollout(torch.tensor([x + [actor.pad_id] * (width - len(x)) for x in fixed]), torch.tensor([1, 1]),
+                      torch.tensor([len(x) for x in fixed]), torch.ones(2, dtype=torch.bool))
+    return {"shards": shards, "history": history, "first_run_lines": first_run_lines, "metrics": read_metrics(run_dir),
+            "checkpoints": sorted(p.name for p in ckpt.iterdir()),
+            "step3_files": sorted(p.name for p in (ckpt / "step_000003").iterdir()),
+            "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters())),
+            "fixed_logprobs": _rows(actor.logprobs(rollout)), "seed": seeds[0]}
+
+
+def kto_dp(actor: AlignerActor, args) -> dict:
+    """``KTOTrainer`` under data parallelism: 4 prompts × 2 samples per iteration, each rank samples and labels
+    its 2 prompts (the toy labeller leaves one sample unlabelled, so the ranks label 4 and 3), the examples
+    are gathered and each minibatch of 4 is split over the ranks (the 3-row one padded). Greedy sampling
+    (KTO needs no diversity), so world 1 collects the same examples and must train to the same policy.
+    Records per rank: the prompts it labelled, every metrics dict it logged, the gathered data, a weight
+    checksum and the trained policy's log-probs of the data."""
+    from nemo_factuality.testing.training import half_good_labeller, prompts, read_metrics
+    from nemo_factuality.trainers.config import KTOConfig
+    from nemo_factuality.trainers.kto import KTOTrainer
+    from nemo_factuality.trainers.runtime import _jsonable
+
+    run_dir = Path(args.out) / "kto"
+    overrides = [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "trainer.max_steps=10",
+                 "trainer.save_interval=0", "trainer.progress_bar=false", "kto.num_iterations=1",
+                 "kto.prompts_per_iteration=4", "kto.samples_per_prompt=2", "kto.epochs_per_iteration=1",
+                 "model.micro_batch_size=1", "model.global_batch_size=4", "model.forward_micro_batch_size=4",
+                 "model.length_params.max_length=6", "model.dtype=float32", "model.optim.name=sgd", "model.optim.lr=0.05",
+                 "model.sampling_params.use_greedy=true", "remote_rm.url=http://127.0.0.1:5555",
+                 f"exp_manager.explicit_log_dir={run_dir}",
+                 "exp_manager.create_tensorboard_logger=false"]
+    labelled: list[str] = []
+    logged: list[dict] = []
+
+    def labeller(prompts_, completions, **kw):
+        labelled.extend(prompts_)
+        return half_good_labeller(prompts_, completions, **kw)
+
+    trainer = KTOTrainer(load_train_config(KTOConfig, None, overrides), actor, labeller, prompts(4), run_dir=run_dir)
+    log_step = trainer.logger.log
+    trainer.logger.log = lambda step, m: (logged.append({"step": step, **{k: _jsonable(v) for k, v in m.items()}}),
+                                          log_step(step, m))[-1]
+    trainer.fit()
+    data = trainer.last_data
+    return {"labelled": labelled, "logged": logged, "metrics": read_metrics(run_dir), "seed": trainer.cfg.trainer.seed,
+            "data_tokens": _rows(data["tokens"]), "desirable": _rows(data["desirable"]),
+            "prompt_lengths": _rows(data["prompt_lengths"]), "response_lengths": _rows(data["response_lengths"]),
+            "lp": _rows(actor.logprobs(Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
+                                               torch.ones(len(data["tokens"]), dtype=torch.bool)))),
+            "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters()))}
+
+
 def learn(actor: AlignerActor, args) -> dict:
     """The training-stages issue's learning check on this backend: GRPO, the toy reward, 20 steps."""
     from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
@@ -238,10 +328,11 @@ def _learn_overrides(args, run_dir: Path) -> list[str]:
             f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false"]
 
 
-def _stage_overrides(args, run_dir: Path, *, max_steps: int) -> list[str]:
+def _stage_overrides(args, run_dir: Path, *, max_steps: int, prompts_per_step: int = 2, global_batch_size: int = 8) -> list[str]:
     return [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", f"trainer.max_steps={max_steps}",
-            "trainer.save_interval=1", "trainer.progress_bar=false", "grpo.num_prompts_per_step=2",
-            "grpo.num_rollouts_per_prompt=4", "grpo.truncated=keep", "model.micro_batch_size=4", "model.global_batch_size=8",
+            "trainer.save_interval=1", "trainer.progress_bar=false", f"grpo.num_prompts_per_step={prompts_per_step}",
+            "grpo.num_rollouts_per_prompt=4", "grpo.truncated=keep", "model.micro_batch_size=4",
+            f"model.global_batch_size={global_batch_size}",
             "model.forward_micro_batch_size=4", "model.length_params.max_length=6", "model.dtype=float32",
             "model.optim.name=sgd", "model.optim.lr=0.05", "remote_rm.url=http://127.0.0.1:5555", f"exp_manager.explicit_log_dir={run_dir}",
             "exp_manager.create_tensorboard_logger=false"]
@@ -259,7 +350,8 @@ def main() -> int:
     ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")  # the learn scenario's optimiser
     ap.add_argument("--overrides", default=None, help="JSON list of stage-config key=value (the ppo scenario)")
-    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "learn", "adamw_save", "ppo"), default="core")
+    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "stage_dp", "kto_dp", "learn", "adamw_save",
+                                           "ppo"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
     if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
@@ -272,8 +364,8 @@ def main() -> int:
     else:
         actor = _actor(args)
     setup_s = time.monotonic() - t0
-    scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "learn": learn,
-                 "adamw_save": adamw_save, "ppo": ppo}
+    scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "stage_dp": stage_dp, "kto_dp": kto_dp,
+                 "learn": learn, "adamw_save": adamw_save, "ppo": ppo}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

@@ -199,3 +199,60 @@ def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(venv
 def test_saving_torch_adamw_state_fails_naming_what_to_change(venv, policy, tmp_path):
     result = drive(venv, policy[1], tmp_path, scenario="adamw_save", optim="adamw", lr=1e-3)[0]
     assert "distributed_fused_adam" in result["error"] and "model.optim.name=sgd" in result["error"]
+
+
+def test_the_grpo_stage_shards_prompts_over_data_parallel_ranks_and_rank_0_writes(venv, policy, tmp_path):
+    """``GRPOTrainer`` at DP=2 (torchrun, TP=1): 4 prompts per step, 2 per rank; 2 steps, then a rerun to 3
+    resumes from step 2's checkpoint. Each rank trains on its contiguous half of the step's global draw,
+    both ranks return the same (all-reduced) metrics and ``metrics.jsonl`` holds them once, the checkpoints
+    are complete (every rank's files, no leftovers) and the two replicas end with identical weights."""
+    from nemo_factuality.trainers.data import PromptSampler
+
+    ranks = drive(venv, policy[1], tmp_path, nproc=2, scenario="stage_dp", timeout=420)
+    r0, r1 = sorted(ranks, key=lambda r: r["dp_rank"])
+    assert (r0["dp_size"], r1["dp_size"]) == (2, 2)
+    sampler = PromptSampler(8, r0["seed"])
+    for step, (mine0, mine1) in enumerate(zip(r0["shards"], r1["shards"], strict=True)):
+        drawn = sampler.take(4)  # the step's global draw, the same on every rank
+        assert (mine0, mine1) == (drawn[:2], drawn[2:]), step
+    assert len(r0["shards"]) == 3  # steps 1, 2 and (after the resume) 3
+    lines = r0["metrics"]
+    assert r0["first_run_lines"] == 2 and [m["step"] for m in lines] == [1, 2, 3]  # written once, not per rank
+    assert r0["history"] == r1["history"] == lines
+    for m in lines:
+        assert m["grad_norm"] > 0 and m["optimizer_steps"] == 1 and 0.0 <= m["reward/score"] <= 1.0
+        # the loss terms are the global step's (summed over micro batches and ranks), as the backend's total
+        assert m["loss"] == pytest.approx(m["loss/policy"] + 0.001 * m["loss/kl"], rel=1e-4, abs=1e-6)
+    assert not [n for n in r0["checkpoints"] if n.startswith(".")] and {"step_000003", "latest"} <= set(r0["checkpoints"])
+    assert {"trainer_state.json", "rng.pt", "rng.rank1.pt", "reference.rank0.pt", "reference.rank1.pt", "state"} <= set(
+        r0["step3_files"])
+    assert r0["weight_sum"] == r1["weight_sum"]
+    assert r0["fixed_logprobs"] == r1["fixed_logprobs"]
+    assert (tmp_path / "run" / "final").is_file()
+
+
+def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_examples(venv, policy, tmp_path):
+    """``KTOTrainer`` at DP=2: each rank samples and labels its half of the iteration's prompts (one sample
+    left unlabelled: 4 + 3 examples), every rank then holds the same 7 gathered examples, 2 optimiser steps
+    (minibatches of 4 and 3, the second padded for the split) with the same reduced metrics on both ranks,
+    logged once, and identical weights on both replicas. Sampling is greedy, so world 1 collects the same
+    7 examples: its trained policy, losses and z0 must equal DP=2's."""
+    from nemo_factuality.trainers.data import PromptSampler
+
+    r0, r1 = sorted(drive(venv, policy[1], tmp_path / "dp2", nproc=2, scenario="kto_dp", timeout=420),
+                    key=lambda r: r["dp_rank"])
+    drawn = [f"question {i}" for i in PromptSampler(4, r0["seed"]).take(4)]
+    assert sorted(set(r0["labelled"])) == sorted(drawn[:2]) and sorted(set(r1["labelled"])) == sorted(drawn[2:])
+    assert r0["data_tokens"] == r1["data_tokens"] and len(r0["data_tokens"]) == 7
+    assert r0["logged"] == r1["logged"] == r0["metrics"] and [m["step"] for m in r0["metrics"]] == [1, 2]
+    first = r0["metrics"][0]
+    assert first["kto/labelled"] == 7 and first["kto/dropped_unlabelled"] == 1
+    for m in r0["metrics"]:
+        assert m["grad_norm"] > 0 and m["loss/kto"] is not None and m["kto/z0"] is not None
+    assert r0["weight_sum"] == r1["weight_sum"] and r0["lp"] == r1["lp"]
+    world1 = drive(venv, policy[1], tmp_path / "world1", scenario="kto_dp", timeout=300)[0]
+    assert world1["data_tokens"] == r0["data_tokens"]
+    for ours, theirs in zip(r0["metrics"], world1["metrics"], strict=True):
+        for key in ("loss/kto", "loss/fkto", "kto/z0", "kto/z0_f", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    assert_close(action_values(r0, "lp"), action_values(world1, "lp"), atol=2e-5)

@@ -252,6 +252,15 @@ class AlignerActor:
 
         return mpu.get_data_parallel_world_size()
 
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole job (the stages write their run files on rank 0 only)."""
+        return torch.distributed.get_rank()
+
+    def barrier(self) -> None:
+        """Wait for every rank of the job (the stages' checkpoint finalisation)."""
+        torch.distributed.barrier()
+
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over data-parallel ranks (the stage's global token/sequence counts); returns a new CPU tensor."""
         from megatron.core import parallel_state as mpu
@@ -259,6 +268,14 @@ class AlignerActor:
         out = value.detach().clone().to(self._device())
         torch.distributed.all_reduce(out, group=mpu.get_data_parallel_group())
         return out.cpu()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every data-parallel rank's ``obj`` in rank order (KTO gathers its ranks' labelled examples)."""
+        from megatron.core import parallel_state as mpu
+
+        out: list[Any] = [None] * self.data_parallel_size
+        torch.distributed.all_gather_object(out, obj, group=mpu.get_data_parallel_group())
+        return out
 
     def global_sum(self, value: float) -> float:
         """The stages' hook for global token/sequence counts (sum over data-parallel ranks)."""
