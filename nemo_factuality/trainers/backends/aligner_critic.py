@@ -93,7 +93,8 @@ class RemoteCritic:
 
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int) -> dict[str, float]:
         """One critic optimiser step on the server over the global minibatch (``loss_fn`` stays here: the server
-        runs Aligner's value loss). ``loss/value`` is reported per micro batch, as every backend's train_step."""
+        runs Aligner's value loss). ``loss/value`` is the mean share per micro batch and data-parallel rank, as every
+        backend's train_step reports it; ``critic/server_loss`` is the server's minibatch loss."""
         del loss_fn
         rows = {"tokens": batch["tokens"].long(), "returns": batch["returns"].float(),
                 "prev_values": batch["old_values"].float(), "mask": batch["mask"].float()}
@@ -103,8 +104,9 @@ class RemoteCritic:
             sent = _pad_and_concat(gathered)
             loss = float(self._request(TRAIN, sent, batched=False)["loss_mean"].reshape(-1)[0])
         loss = _broadcast_from_rank0(loss)
-        n_micro = max(1, -(-int(batch["tokens"].shape[0]) // micro_batch_size))
-        return {"loss/value": loss / n_micro, "critic/server_loss": loss}
+        # the stages sum ``loss/*`` back over micro batches and data-parallel ranks (each backend reports its mean share)
+        shares = max(1, -(-int(batch["tokens"].shape[0]) // micro_batch_size)) * _data_parallel_size()
+        return {"loss/value": loss / shares, "critic/server_loss": loss}
 
     def server_step(self) -> int:
         return int(_broadcast_from_rank0(_if_rank0(lambda: int(
@@ -143,6 +145,14 @@ def _last_error_line(err: Exception) -> str:
 # ---- the few collectives it needs (no-ops without torch.distributed) --------------------------------
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _data_parallel_size() -> int:
+    if not torch.distributed.is_initialized():
+        return 1
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_world_size()
 
 
 def _if_rank0(fn: Callable[[], Any]) -> Any:
