@@ -282,9 +282,10 @@ def ppo(actor: AlignerActor, args) -> dict:
         def recording(batch, loss_fn, *, micro_batch_size):
             out = send(batch, loss_fn, micro_batch_size=micro_batch_size)
             mask = batch["mask"].double()
+            # Aligner's loss when every value is 0 (a zero value head) is 0.5·Σ mask·R² / Σ mask over the minibatch
+            # of all data-parallel ranks: this rank's two sums
             calls.append({"server_loss": out["critic/server_loss"], "old_values_absmax": float(batch["old_values"].abs().max()),
-                          # Aligner's loss when every value is 0 (a zero value head): 0.5·masked_mean(R²)
-                          "loss_if_values_zero": float(0.5 * (mask * batch["returns"].double() ** 2).sum() / mask.sum())})
+                          "sum_mask_r2": float((mask * batch["returns"].double() ** 2).sum()), "sum_mask": float(mask.sum())})
             return out
 
         critic.train_step = recording

@@ -92,30 +92,43 @@ def critic_server(venv: Path, overrides: list[str], port: int, log: Path) -> Ite
         shutil.rmtree(home, ignore_errors=True)
 
 
-def test_rlfh_ppo_on_the_aligner_actor_with_aligners_critic_server(venv, stage_policy, tmp_path):
-    port = free_ports(1)[0]
+def run_ppo(venv: Path, nemo: Path, tmp_path: Path, port: int, *, nproc: int = 1) -> list[dict]:
+    """The critic server, then the PPO scenario (2 steps + a resumed 3rd) on ``nproc`` data-parallel ranks;
+    every rank's result, and the checks every layout must pass."""
     run_dir = tmp_path / "run"
-    overrides = ppo_overrides(stage_policy, run_dir, port)
+    overrides = ppo_overrides(nemo, run_dir, port)
     (tmp_path / "overrides.json").write_text(json.dumps(overrides))
     log = tmp_path / "critic_server.log"
     with critic_server(venv, overrides, port, log):
-        res = run_in_aligner_venv(venv, ["tests/trainers/aligner_driver.py", f"--nemo={stage_policy}", f"--out={tmp_path}",
-                                         "--scenario=ppo", f"--overrides={tmp_path / 'overrides.json'}"], timeout=420)
+        res = run_in_aligner_venv(venv, ["tests/trainers/aligner_driver.py", f"--nemo={nemo}", f"--out={tmp_path}",
+                                         "--scenario=ppo", f"--overrides={tmp_path / 'overrides.json'}"], nproc=nproc,
+                                  timeout=420)
         assert res.returncode == 0, res.stdout[-6000:] + "\n--- critic server ---\n" + log.read_text()[-3000:]
-    result = json.loads((tmp_path / "rank0.json").read_text())
-
-    metrics, calls = result["metrics"], result["critic_calls"]
-    assert [m["step"] for m in metrics] == [1, 2, 3] and len(calls) == 3  # one minibatch per step, 1 epoch
-    # step 1: the value head is zero, so Aligner's clipped loss is 0.5·masked_mean(R²) of the sent returns
-    assert calls[0]["old_values_absmax"] == 0.0 and metrics[0]["values/mean"] == 0.0
-    assert calls[0]["server_loss"] == pytest.approx(calls[0]["loss_if_values_zero"], rel=1e-5)
-    assert metrics[2]["values/mean"] != 0.0 and calls[2]["old_values_absmax"] > 0  # the critic trained
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+    metrics = ranks[0]["metrics"]
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for result in ranks:  # one minibatch per step and 1 epoch: one critic_train request (one server step) per step
+        assert result["metrics"] == metrics and len(result["critic_calls"]) == 3 and result["server_step"] == 3
+    # step 1: the value head is zero, so Aligner's clipped loss is 0.5·Σ mask·R² / Σ mask over the whole minibatch
+    first = [r["critic_calls"][0] for r in ranks]
+    assert all(c["old_values_absmax"] == 0.0 for c in first) and metrics[0]["values/mean"] == 0.0
+    expected = 0.5 * sum(c["sum_mask_r2"] for c in first) / sum(c["sum_mask"] for c in first)
+    assert first[0]["server_loss"] == pytest.approx(expected, rel=1e-5)
+    assert metrics[2]["values/mean"] != 0.0 and ranks[0]["critic_calls"][2]["old_values_absmax"] > 0  # it trained
     for m in metrics:
         assert m["grad_norm"] > 0 and m["actor_trained"] == 1.0
-    assert result["server_step"] == 3 and {"step_000002", "step_000003"} <= set(result["checkpoints"])
-    assert "restart the critic server" in result["stale_error"]
+    assert {"step_000002", "step_000003"} <= set(ranks[0]["checkpoints"])
+    assert "restart the critic server" in ranks[0]["stale_error"]
     critic_rows = (run_dir / "critic" / "metrics.jsonl").read_text().splitlines()
     assert len(critic_rows) == 3 and all("train/loss" in json.loads(r) for r in critic_rows)
+    return ranks
+
+
+def test_rlfh_ppo_on_the_aligner_actor_with_aligners_critic_server(venv, stage_policy, tmp_path):
+    port = free_ports(1)[0]
+    result = run_ppo(venv, stage_policy, tmp_path, port)[0]
+    overrides = json.loads((tmp_path / "overrides.json").read_text())
+    run_dir, log = tmp_path / "run", tmp_path / "critic_server.log"
 
     # a requeued job: the restarted server resumes its latest checkpoint, weights and step included
     with critic_server(venv, overrides, port, log):
@@ -127,6 +140,13 @@ def test_rlfh_ppo_on_the_aligner_actor_with_aligners_critic_server(venv, stage_p
                           torch.tensor(probe["response_lengths"]), torch.ones(len(probe["tokens"]), dtype=torch.bool))
         assert torch.allclose(critic.values(rollout), torch.tensor(probe["values"]), atol=1e-6)
         critic.load(run_dir / "checkpoints" / "step_000003")  # the stage's latest checkpoint matches the server
+
+
+def test_rlfh_ppo_at_data_parallel_2_gathers_each_minibatch_into_one_critic_step(venv, stage_policy, tmp_path):
+    """Two data-parallel ranks, each with half of a minibatch: the critic sees the whole minibatch once per step."""
+    ranks = run_ppo(venv, stage_policy, tmp_path, free_ports(1)[0], nproc=2)
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and all(r["dp_size"] == 2 for r in ranks)
+    assert all(r["critic_calls"][0]["sum_mask"] > 0 for r in ranks)  # both halves carried tokens into the step
 
 
 def test_a_critic_server_that_is_not_there_fails_at_start_naming_the_url():
