@@ -154,13 +154,24 @@ def stage(actor: AlignerActor, args) -> dict:
     from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
     from nemo_factuality.trainers.grpo import GRPOTrainer
 
+    from nemo_factuality.trainers.runtime import seed_everything
+
+    # SGD without momentum: the weights are the whole training state (extra states such as TE fp8 may be None)
+    initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
     run_dir = Path(args.out) / "run"
+    seed_everything(args.seed)
     cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=2))
     GRPOTrainer(cfg, actor, good_fraction, prompts(4), run_dir=run_dir).fit()
     first = read_metrics(run_dir)
     cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=3))
     GRPOTrainer(cfg, actor, good_fraction, prompts(4), run_dir=run_dir).fit()  # resumes from step 2
-    return {"metrics": read_metrics(run_dir), "first_run_steps": len(first),
+    # the same 3 steps uninterrupted, from the same weights and seed
+    actor.model.load_state_dict(initial)
+    seed_everything(args.seed)
+    full_dir = Path(args.out) / "uninterrupted"
+    cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, full_dir, max_steps=3))
+    GRPOTrainer(cfg, actor, good_fraction, prompts(4), run_dir=full_dir).fit()
+    return {"metrics": read_metrics(run_dir), "uninterrupted": read_metrics(full_dir), "first_run_steps": len(first),
             "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir()) if (run_dir / "checkpoints").is_dir() else [],
             "files": sorted(str(p.relative_to(run_dir)) for p in run_dir.iterdir())}
 

@@ -167,7 +167,8 @@ def test_save_load_resumes_exactly_and_the_trained_policy_converts_back_to_huggi
 
 def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(venv, policy, tmp_path):
     """``GRPOTrainer`` (the stage itself, toy reward) for 2 steps, then a rerun to 3 resumes from step 2's
-    NeMo checkpoint; the run ends with an exported ``.nemo``."""
+    NeMo checkpoint and equals 3 uninterrupted steps from the same weights and seed; the run ends with an
+    exported ``.nemo``."""
     import tarfile
 
     result = drive(venv, policy[1], tmp_path, scenario="stage", timeout=300)[0]
@@ -176,6 +177,9 @@ def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(venv, 
     for m in result["metrics"]:
         assert m["grad_norm"] > 0 and m["optimizer_steps"] >= 1 and 0.0 <= m["reward/score"] <= 1.0
     assert result["metrics"][1]["kl"] > 0  # the policy moved away from the reference after step 1
+    # resumed = uninterrupted: the same samples, rewards, losses and gradients at every step
+    keys = ("reward/score", "loss/policy", "kl", "grad_norm", "response_length/mean")
+    assert [{k: m[k] for k in keys} for m in result["metrics"]] == [{k: m[k] for k in keys} for m in result["uninterrupted"]]
     names = tarfile.open(tmp_path / "run" / "final").getnames()
     assert "./model_config.yaml" in names and "./tokenizer/tokenizer_config.json" in names
 
