@@ -17,7 +17,8 @@ import importlib
 import logging
 import os
 import sys
-from typing import Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 DEBUG_ENV = "NEMO_FACTUALITY_DEBUG"
 COMMANDS: dict[str, tuple[str, str]] = {

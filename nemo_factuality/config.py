@@ -9,9 +9,10 @@ never runs silently with a default.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import is_dataclass
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException

@@ -10,8 +10,9 @@ Data flow: ``Segmenter`` → ``ClaimExtractor`` → ``EvidenceProvider`` → ``V
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from nemo_factuality.types import Claim, RewardBatch, Sentence, Verdict
 

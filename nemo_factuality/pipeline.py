@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from nemo_factuality.interfaces import ClaimExtractor, EvidenceProvider, EvidenceQuery, Segmenter, Verifier, VerifyItem
 from nemo_factuality.registry import EVIDENCE, EXTRACTORS, SEGMENTERS, VERIFIERS, Registry

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable, Generic, Iterator, Mapping, TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 

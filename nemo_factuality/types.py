@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -51,7 +52,7 @@ class Span:
             raise FactualityInputError(f"Span [{self.start}, {self.end}) exceeds text length {len(text)}")
         return text[self.start : self.end]
 
-    def shift(self, offset: int) -> "Span":
+    def shift(self, offset: int) -> Span:
         return Span(self.start + offset, self.end + offset)
 
 
@@ -102,7 +103,7 @@ class Label(str, enum.Enum):
     UNPARSEABLE = "unparseable"
 
     @classmethod
-    def parse(cls, value: "str | Label") -> "Label":
+    def parse(cls, value: str | Label) -> Label:
         """Parse a canonical label name; unknown names raise with the accepted set."""
         if isinstance(value, Label):
             return value
@@ -247,7 +248,7 @@ class RewardBatch:
         return out
 
     @staticmethod
-    def concat(batches: Sequence["RewardBatch"]) -> "RewardBatch":
+    def concat(batches: Sequence[RewardBatch]) -> RewardBatch:
         """Concatenate batches along the sample axis (components must have the same names)."""
         if not batches:
             raise FactualityInputError("RewardBatch.concat needs at least one batch")

@@ -1,4 +1,6 @@
 """Claim extractors (registered in ``nemo_factuality.registry.EXTRACTORS``)."""
 
-from nemo_factuality.claims import identity  # noqa: F401  (registers "identity")
-from nemo_factuality.claims import llm  # noqa: F401  (registers "rlfh", "factscore", "safe", "klcf")
+from nemo_factuality.claims import (
+    identity,  # noqa: F401  (registers "identity")
+    llm,  # noqa: F401  (registers "rlfh", "factscore", "safe", "klcf")
+)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from nemo_factuality.registry import EXTRACTORS
 from nemo_factuality.types import Claim, FactualityInputError, Sentence

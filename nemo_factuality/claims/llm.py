@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from nemo_factuality.interfaces import ChatRequest, JudgeClient
 from nemo_factuality.judge.guard import judge_request

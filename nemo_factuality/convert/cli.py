@@ -11,8 +11,8 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from nemo_factuality.cli import ArgumentParser, UsageError, positive_int
 

@@ -16,7 +16,7 @@ Chunking only decides which bytes a rank reads; any TP/PP can load any layout (D
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -14,9 +14,9 @@ Transforms (why they exist):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Iterator
 
 import torch
 

@@ -25,9 +25,9 @@ import os
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import yaml

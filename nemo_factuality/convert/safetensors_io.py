@@ -17,8 +17,9 @@ import logging
 import math
 import os
 import struct
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO
 
 import torch
 

@@ -24,10 +24,10 @@ import logging
 import os
 import pickle
 import uuid
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 from unittest.mock import patch
 
 import torch

@@ -19,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import re
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from nemo_factuality.interfaces import ChatRequest
 

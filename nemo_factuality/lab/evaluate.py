@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from nemo_factuality.evaluation.cli import EvalConfig, label_with_pipeline
 from nemo_factuality.lab.policy import Sample, sample

@@ -29,8 +29,9 @@ of the sentence, as FSPO does for reasoning steps.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 ABSTAIN_VALUE = "unknown"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from nemo_factuality.cli import ArgumentParser, split_overrides
 from nemo_factuality.config import REPO_ROOT, load_config

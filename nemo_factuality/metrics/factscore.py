@@ -16,8 +16,8 @@ FActScore's own pipeline does when it extracts zero facts; the public aggregate 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ the pandas median (mean of the two middle values for an even count).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 DEFAULT_K = 32
 

@@ -9,8 +9,8 @@ Conventions (google-deepmind/long-form-factuality ``eval/metric_utils.py``):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 DEFAULT_K = 100
 

@@ -11,8 +11,8 @@ Input per domain and model: ``[S, total_claims, n_sentences]`` triplets, one per
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 Triplet = Sequence[int]
 

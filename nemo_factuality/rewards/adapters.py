@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 

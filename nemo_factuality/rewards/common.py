@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from nemo_factuality.pipeline import FactualityPipeline, build_judge, build_pipeline
 from nemo_factuality.rewards.base import GuardConfig, dedup_claims, is_blank, neutralize_injection

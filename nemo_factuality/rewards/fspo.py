@@ -20,8 +20,9 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

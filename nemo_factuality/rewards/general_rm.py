@@ -16,8 +16,9 @@ A failure raises ``GeneralRMError`` (the KLCF reward turns it into per-sample Na
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

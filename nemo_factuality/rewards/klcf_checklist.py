@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from tqdm import tqdm
 

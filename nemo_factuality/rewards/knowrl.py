@@ -19,8 +19,9 @@ import copy
 import dataclasses
 import itertools
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Sequence
 
 from nemo_factuality.cli import ArgumentParser, split_overrides
 from nemo_factuality.config import load_config, to_yaml

@@ -9,7 +9,8 @@ Errors name the URL, the model and the config key to change; nothing is retried 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -205,7 +205,7 @@ class FactualityRewardServer:
         except Exception as err:  # a health probe must answer, and say why it could not check
             return {"reward": f"health check raised {type(err).__name__}: {err}"}
 
-    def start(self) -> "FactualityRewardServer":
+    def start(self) -> FactualityRewardServer:
         from pytriton.decorators import batch
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
         from pytriton.triton import Triton, TritonConfig
@@ -261,7 +261,7 @@ class FactualityRewardServer:
             self._workspace.cleanup()
             self._workspace = None
 
-    def __enter__(self) -> "FactualityRewardServer":
+    def __enter__(self) -> FactualityRewardServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

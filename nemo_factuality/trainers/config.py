@@ -13,8 +13,9 @@ and signs).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
 
 from nemo_factuality.config import ConfigError, load_config
 

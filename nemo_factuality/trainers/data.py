@@ -22,9 +22,10 @@ chat template over ``messages`` when ``data.apply_chat_template``, else the raw 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 

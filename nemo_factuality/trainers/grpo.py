@@ -22,16 +22,24 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from nemo_factuality.algorithms import (
-    expand_to_tokens, fspo_flip, grpo_advantages, kl_loss, kl_penalty, masked_mean, ppo_policy_loss, response_mask,
+    expand_to_tokens,
+    fspo_flip,
+    grpo_advantages,
+    kl_loss,
+    kl_penalty,
+    masked_mean,
+    ppo_policy_loss,
+    response_mask,
 )
 from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.config import GRPOConfig
@@ -39,8 +47,16 @@ from nemo_factuality.trainers.data import PromptRecord, PromptSampler
 from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams
 from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
 from nemo_factuality.trainers.runtime import (
-    Checkpointer, EarlyStopping, PhaseTimer, PreemptionFlag, RunLogger, encode_prompts, place_on_tokens,
-    records_for_rows, response_stats, score_rollout,
+    Checkpointer,
+    EarlyStopping,
+    PhaseTimer,
+    PreemptionFlag,
+    RunLogger,
+    encode_prompts,
+    place_on_tokens,
+    records_for_rows,
+    response_stats,
+    score_rollout,
 )
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +49,12 @@ from nemo_factuality.trainers.data import PreferencePair, PromptRecord, PromptSa
 from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams
 from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
 from nemo_factuality.trainers.runtime import (
-    Checkpointer, PhaseTimer, PreemptionFlag, RunLogger, completions_of, encode_prompts,
+    Checkpointer,
+    PhaseTimer,
+    PreemptionFlag,
+    RunLogger,
+    completions_of,
+    encode_prompts,
 )
 from nemo_factuality.types import FactualityInputError
 

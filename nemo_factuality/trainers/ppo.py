@@ -21,14 +21,22 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from nemo_factuality.algorithms import (
-    dense_rewards_with_kl, gae, kl_penalty, masked_mean, masked_whiten, ppo_policy_loss, response_mask, value_loss,
+    dense_rewards_with_kl,
+    gae,
+    kl_penalty,
+    masked_mean,
+    masked_whiten,
+    ppo_policy_loss,
+    response_mask,
+    value_loss,
 )
 from nemo_factuality.trainers.config import PPOConfig
 from nemo_factuality.trainers.data import PromptRecord

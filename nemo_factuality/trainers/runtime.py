@@ -19,10 +19,11 @@ import random
 import shutil
 import signal
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -227,7 +228,7 @@ class PreemptionFlag:
         self.signal: str | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "PreemptionFlag":
+    def __enter__(self) -> PreemptionFlag:
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

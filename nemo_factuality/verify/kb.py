@@ -10,7 +10,7 @@ of that shape. Matching ignores case, whitespace and punctuation.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from nemo_factuality.interfaces import VerifyItem
 from nemo_factuality.knowledge.store import KnowledgeStore, normalize

@@ -9,7 +9,8 @@ untrusted (neutralised), questions, gold answers, checklist items and evidence a
 from __future__ import annotations
 
 import logging
-from typing import Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from nemo_factuality.interfaces import ChatRequest, JudgeClient, JudgeReply, VerifyItem
 from nemo_factuality.judge import parsers

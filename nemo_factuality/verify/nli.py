@@ -15,8 +15,8 @@ explicit opt-in for models that ship their own modelling code.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from nemo_factuality.interfaces import VerifyItem
 from nemo_factuality.registry import VERIFIERS

@@ -13,8 +13,9 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
