@@ -128,3 +128,14 @@ EXTRACTORS: Registry[Any] = Registry("claim extractor", lazy_modules=("nemo_fact
 EVIDENCE: Registry[Any] = Registry("evidence provider", lazy_modules=("nemo_factuality.knowledge.evidence",))
 VERIFIERS: Registry[Any] = Registry("verifier", lazy_modules=("nemo_factuality.verify",))
 REWARDS: Registry[Any] = Registry("reward", lazy_modules=("nemo_factuality.rewards", "nemo_factuality.lab.reward"))
+
+
+def build_reward(spec: Mapping[str, Any], tokenizer: Any = None) -> Any:
+    """A method reward from its config block, handed the policy's ``tokenizer`` (an object or a local path) when
+    its factory takes one and the block names none: without it RLFH has no token rewards and FSPO no token signs,
+    and a stage would silently train on the scalar alone (in-process and served rewards alike)."""
+    spec = dict(spec)
+    factory = REWARDS.get(spec["name"])
+    if tokenizer is not None and spec.get("tokenizer") is None and "tokenizer" in inspect.signature(factory).parameters:
+        spec["tokenizer"] = tokenizer
+    return REWARDS.build(spec)

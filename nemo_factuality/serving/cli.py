@@ -15,8 +15,8 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str]) -> int:
-    from nemo_factuality.registry import REWARDS
-    from nemo_factuality.serving.config import ServeConfig
+    from nemo_factuality.registry import build_reward
+    from nemo_factuality.serving.config import DEFAULT_REWARD, ServeConfig
     from nemo_factuality.serving.server import FactualityRewardServer
 
     parser = ArgumentParser(prog="nemo-factuality serve",
@@ -39,7 +39,8 @@ def main(argv: Sequence[str]) -> int:
         overrides = [*overrides, "fail_fast=true"]
     cfg = load_config(ServeConfig, args.config_name, overrides, group="serve")
     log.info("serve config:\n%s", to_yaml(cfg))
-    reward = REWARDS.build(dict(asdict(cfg)["reward"]))
+    # token-level rewards (RLFH, FSPO's signs) place their values with the policy's tokenizer, as in-process
+    reward = build_reward(asdict(cfg)["reward"] or DEFAULT_REWARD, cfg.policy_tokenizer)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

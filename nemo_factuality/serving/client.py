@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_factuality.types import FactualityInputError, RewardBatch
+from nemo_factuality.types import FactualityInputError, RewardBatch, Span
 
 
 class RemoteRewardError(RuntimeError):
@@ -80,5 +80,14 @@ def _to_batch(out: dict[str, np.ndarray]) -> RewardBatch:
     offsets = [d["response_offset"] for d in details]
     token_rewards = [out["token_rewards"][i, o : o + n] for i, (o, n) in enumerate(zip(offsets, lengths))]
     token_signs = [out["token_signs"][i, o : o + n] for i, (o, n) in enumerate(zip(offsets, lengths))]
+    present = details[0].get("token_outputs") if details else None
+    if present is not None:  # the reward has no such output: the zeros on the wire are padding, not values
+        token_rewards = token_rewards if "token_rewards" in present else None
+        token_signs = token_signs if "token_signs" in present else None
+    sentence_labels = sentence_spans = None
+    if details and all("sentence_labels" in d and "sentence_spans" in d for d in details):  # a labeller (FactAlign)
+        sentence_labels = [[bool(x) for x in d["sentence_labels"]] for d in details]
+        sentence_spans = [[Span(int(a), int(b)) for a, b in d["sentence_spans"]] for d in details]
     return RewardBatch(out["rewards"].reshape(-1).astype(np.float64), components, token_rewards=token_rewards,
-                       token_signs=token_signs, details=[d.get("details", {}) for d in details])
+                       token_signs=token_signs, details=[d.get("details", {}) for d in details],
+                       sentence_labels=sentence_labels, sentence_spans=sentence_spans)

@@ -5,11 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+DEFAULT_REWARD: dict[str, Any] = {"name": "factalign", "pipeline": {}}
+
 
 @dataclass
 class ServeConfig:
-    # The method reward, built by name from nemo_factuality.registry.REWARDS: {name: klcf, ...kwargs}.
-    reward: dict[str, Any] = field(default_factory=lambda: {"name": "factalign", "pipeline": {}})
+    # The method reward, built by name from nemo_factuality.registry.REWARDS: {name: klcf, ...kwargs}; None:
+    # DEFAULT_REWARD. (A dict default would be merged key by key under a config file's block, giving e.g. FSPO a
+    # `pipeline` key it does not take.)
+    reward: dict[str, Any] | None = None
     # Local path of the POLICY's tokenizer: NeMo-Aligner sends policy token ids, never text.
     policy_tokenizer: str | None = None
     # Text that starts the response in a rendered chat (None: derived from the tokenizer's chat template).

@@ -159,7 +159,8 @@ class FactualityRewardServer:
         self.metrics.samples.labels(model).inc(len(completions))
         self.metrics.latency.labels(model).observe(elapsed)
         log.info("batch %d (%s): %d samples in %.3f s", batch_id, model, len(completions), elapsed)
-        width = inputs["tokens"].shape[1] if "tokens" in inputs else max([len(t) for t in (result.token_rewards or [])] or [0])
+        token_level = result.token_rewards if result.token_rewards is not None else result.token_signs
+        width = inputs["tokens"].shape[1] if "tokens" in inputs else max([len(t) for t in (token_level or [])] or [0])
         return result, ids, offsets, width
 
     # ------------------------------------------------------------------ infer functions
@@ -183,16 +184,22 @@ class FactualityRewardServer:
         token_rewards = pad_rows(result.token_rewards or [np.zeros(0)] * n, offsets, width, np.float32)
         token_signs = pad_rows(result.token_signs or [np.zeros(0)] * n, offsets, width, np.int8)
         details = []
+        # text requests: the response's token count is that of the token-level output (FSPO has only signs)
+        token_level = result.token_rewards if result.token_rewards is not None else result.token_signs
         for i in range(n):
             d = {"components": {k: (None if math.isnan(v) else v) for k, v in result.sample_dict(i).items() if k != "score"},
-                 "n_response_tokens": len(ids[i]) if ids is not None else len((result.token_rewards or [[]] * n)[i]),
-                 "response_offset": offsets[i]}
+                 "n_response_tokens": len(ids[i]) if ids is not None else len((token_level or [[]] * n)[i]),
+                 "response_offset": offsets[i],
+                 # which token-level outputs the reward has (the other is sent as zeros the client must not use)
+                 "token_outputs": [k for k in ("token_rewards", "token_signs") if getattr(result, k) is not None]}
             if result.details is not None:
                 d["details"] = result.details[i]
                 if result.details[i].get("error"):
                     d["error"] = result.details[i]["error"]
             if result.sentence_labels is not None:
                 d["sentence_labels"] = result.sentence_labels[i]
+            if result.sentence_spans is not None:  # FactAlign's fKTO needs the sentences its labels are about
+                d["sentence_spans"] = [[span.start, span.end] for span in result.sentence_spans[i]]
             details.append(json.dumps(d, default=str).encode("utf-8"))
         return {"rewards": result.scores.astype(np.float32).reshape(-1, 1), "token_rewards": token_rewards,
                 "token_signs": token_signs, "details": np.array(details, dtype=object).reshape(-1, 1)}

@@ -139,7 +139,8 @@ class GRPOTrainer:
             with timer("generate"):
                 rollout = self.actor.generate([self.prompt_ids[i] for i in picked for _ in range(n)], self.sampling)
             with timer("reward"):
-                rewards, _ = score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id)
+                rewards, _ = self.parallel.on_model_parallel_source(
+                    lambda: score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id))
             with timer("logprobs"):
                 experience, metrics = self._experience(rollout, rewards)
             with timer("train"):
@@ -257,7 +258,8 @@ class GRPOTrainer:
                              self.cfg.data.max_prompt_tokens)
         greedy = SamplingParams(self.sampling.max_new_tokens, use_greedy=True)
         rollout = self.actor.generate(ids, greedy)
-        batch, _ = score_rollout(self.reward, rollout, self.val_data, self.actor.tokenizer, self.actor.eos_id)
+        batch, _ = self.parallel.on_model_parallel_source(
+            lambda: score_rollout(self.reward, rollout, self.val_data, self.actor.tokenizer, self.actor.eos_id))
         return {k.replace("reward/", "val/reward/"): v for k, v in batch.log_dict("reward").items()} | {
             "val/reward": batch.log_dict("reward")["reward/score"]}
 

@@ -177,8 +177,9 @@ class KTOTrainer:
             completions, ids = completions_of(rollout, self.actor.tokenizer, self.actor.eos_id)
             records = [self.prompts[i] for i in chunk]
             names = sorted({c for r in records for c in r.columns})
-            labels = self.labeller([r.prompt for r in records], completions, completion_ids=ids,
-                                   **{c: [r.columns.get(c) for r in records] for c in names})
+            labels = self.parallel.on_model_parallel_source(partial(
+                self.labeller, [r.prompt for r in records], completions, completion_ids=ids,
+                **{c: [r.columns.get(c) for r in records] for c in names}))
             label = labels.components.get("label")
             if label is None or labels.sentence_labels is None or labels.sentence_spans is None:
                 raise FactualityInputError("the KTO stage needs a labeller that returns `label`, sentence_labels and "

@@ -118,6 +118,13 @@ class DataParallel:
         """Every data-parallel rank's ``obj`` (picklable), in rank order; ``[obj]`` on world 1."""
         return list(self.actor.all_gather_object(obj)) if self.size > 1 else [obj]
 
+    def on_model_parallel_source(self, fn: Callable[[], T]) -> T:
+        """``fn()`` once per model replica, its result on every rank of the replica (the actor's model-parallel
+        ranks hold the same rollout: scoring it on each would multiply the judge load and, with a sampling
+        judge, give the ranks of one replica different rewards to train on)."""
+        runner = getattr(self.actor, "on_model_parallel_source", None)
+        return runner(fn) if runner is not None else fn()
+
     def barrier(self) -> None:
         fn = getattr(self.actor, "barrier", None)
         if fn is not None:

@@ -358,16 +358,9 @@ def build_reward(cfg: Any, tokenizer: Any) -> Any:
             raise FactualityInputError(f"remote_rm: the reward server is not ready: {'; '.join(down.values())} "
                                        "(check remote_rm.url / remote_rm.reward_model.ip and that `nemo-factuality serve` runs)")
         return reward
-    import inspect
+    from nemo_factuality.registry import build_reward as build_method_reward
 
-    from nemo_factuality.registry import REWARDS
-
-    spec = dict(cfg.reward)
-    factory = REWARDS.get(spec["name"])
-    # Token-level rewards need the policy's tokenizer: hand it over unless the config names one.
-    if "tokenizer" in inspect.signature(factory).parameters and spec.get("tokenizer") is None:
-        spec["tokenizer"] = tokenizer
-    return REWARDS.build(spec)
+    return build_method_reward(cfg.reward, tokenizer)
 
 
 def records_for_rows(records: Sequence[PromptRecord], repeats: int) -> list[PromptRecord]:

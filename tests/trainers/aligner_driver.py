@@ -15,6 +15,10 @@ Each rank writes ``<out>/rank<r>.json``. Scenarios:
 * ``ppo``: the RLFH PPO stage (``PPOTrainer``, dense toy reward) on this actor and the critic server the test
   started (``RemoteCritic``), 2 steps then a resumed 3rd; ``--overrides FILE`` holds the stage config's
   ``key=value`` list, the same the critic server was started with.
+* ``methods``: every method's reward, served by ``nemo-factuality serve`` (``remote_rm.url``), through its stage on
+  one actor, one stage after another: ``--plan FILE`` lists ``{name, stage, config, overrides}`` (KLCF, FSPO,
+  KnowRL → GRPO; FactAlign → KTO; RLFH → PPO with the critic server). Records per stage what ``fit`` logged,
+  what each reward call returned (the stage's own client) and what it wrote.
 """
 
 from __future__ import annotations
@@ -318,6 +322,83 @@ def ppo(actor: AlignerActor, args) -> dict:
                       "response_lengths": _rows(probe.response_lengths), "values": _rows(critic.values(probe))}}
 
 
+class _RecordingReward:
+    """The stage's reward client, recording what each call returned (scores, components, token outputs)."""
+
+    def __init__(self, reward) -> None:
+        self.reward, self.calls = reward, []
+
+    def __call__(self, prompts, completions, **columns):
+        import numpy as np
+
+        batch = self.reward(prompts, completions, **columns)
+        as_list = lambda a: [None if np.isnan(x) else float(x) for x in np.asarray(a, dtype=float)]  # noqa: E731
+        self.calls.append({"n": len(batch), "scores": as_list(batch.scores),
+                           "components": {k: as_list(v) for k, v in batch.components.items()},
+                           "n_ids": [len(x) for x in columns["completion_ids"]],
+                           "token_rewards": None if batch.token_rewards is None else [as_list(t) for t in batch.token_rewards],
+                           "token_signs": None if batch.token_signs is None else [as_list(t) for t in batch.token_signs],
+                           "sentence_labels": batch.sentence_labels})
+        return batch
+
+    def close(self) -> None:
+        close = getattr(self.reward, "close", None)
+        if callable(close):
+            close()
+
+
+def _method_stage(actor: AlignerActor, step: dict) -> dict:
+    """One method's stage as ``trainers.cli.run_stage`` runs it (typed config, data, served reward), on this actor."""
+    from nemo_factuality.testing.training import read_metrics
+    from nemo_factuality.trainers import config as schemas
+    from nemo_factuality.trainers.data import load_pairs, load_prompts
+    from nemo_factuality.trainers.runtime import _jsonable, build_reward
+
+    stage = step["stage"]
+    schema = {"grpo": schemas.GRPOConfig, "kto": schemas.KTOConfig, "ppo": schemas.PPOConfig}[stage]
+    cfg = load_train_config(schema, step["config"], step["overrides"])
+    run_dir = Path(cfg.exp_manager.explicit_log_dir)
+    data = load_prompts(cfg.data.train, cfg.data.format)
+    reward = _RecordingReward(build_reward(cfg, actor.tokenizer))
+    out: dict = {"logged": []}
+    t0 = time.monotonic()
+    try:
+        if stage == "grpo":
+            from nemo_factuality.trainers.grpo import GRPOTrainer
+
+            trainer = GRPOTrainer(cfg, actor, reward, data, run_dir=run_dir)
+        elif stage == "kto":
+            from nemo_factuality.trainers.kto import KTOTrainer
+
+            pairs = load_pairs(cfg.data.general_pairs) if cfg.data.general_pairs else []
+            trainer = KTOTrainer(cfg, actor, reward, data, general_pairs=pairs, run_dir=run_dir)
+        else:
+            from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic
+            from nemo_factuality.trainers.ppo import PPOTrainer
+
+            critic = RemoteCritic(cfg.critic)
+            out["server_step_before"] = critic.server_step()
+            trainer = PPOTrainer(cfg, actor, critic, reward, data, run_dir=run_dir)
+        log_step = trainer.logger.log  # every rank's metrics (only the writer rank writes metrics.jsonl)
+        trainer.logger.log = lambda n, m: (out["logged"].append({"step": n, **{k: _jsonable(v) for k, v in m.items()}}),
+                                           log_step(n, m))[-1]
+        trainer.fit()
+        if stage == "ppo":
+            out["server_step_after"] = critic.server_step()
+            critic.close()
+    finally:
+        reward.close()
+    ckpt = run_dir / "checkpoints"
+    return {**out, "wall_s": time.monotonic() - t0, "metrics": read_metrics(run_dir), "calls": reward.calls,
+            "checkpoints": sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else [],
+            "final": (run_dir / "final").exists()}
+
+
+def methods(actor: AlignerActor, args) -> dict:
+    """Each planned method's stage in turn on this one actor (``--plan``), each in its own run directory."""
+    return {"stages": {step["name"]: _method_stage(actor, step) for step in json.loads(Path(args.plan).read_text())}}
+
+
 def _ppo_overrides(args) -> list[str]:
     import json
 
@@ -362,8 +443,9 @@ def main() -> int:
     ap.add_argument("--momentum", type=float, default=0.0)
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")  # the learn scenario's optimiser
     ap.add_argument("--overrides", default=None, help="JSON list of stage-config key=value (the ppo scenario)")
+    ap.add_argument("--plan", default=None, help="JSON list of the methods scenario's stages")
     ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "stage_dp", "kto_dp", "learn", "adamw_save",
-                                           "ppo"), default="core")
+                                           "ppo", "methods"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
     if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
@@ -377,7 +459,7 @@ def main() -> int:
         actor = _actor(args)
     setup_s = time.monotonic() - t0
     scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "stage_dp": stage_dp, "kto_dp": kto_dp,
-                 "learn": learn, "adamw_save": adamw_save, "ppo": ppo}
+                 "learn": learn, "adamw_save": adamw_save, "ppo": ppo, "methods": methods}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

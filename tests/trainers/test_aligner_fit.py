@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nemo_factuality.testing import servers
 from nemo_factuality.testing.aligner_env import aligner_venv, run_in_aligner_venv, skip_reason
-from nemo_factuality.testing.ports import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = "tests/trainers/aligner_fit_driver.py"
@@ -43,11 +43,6 @@ ANSWERS = {
     "Boris Tanaka": {"Boris Tanaka was born in 1963.": 2 / 11, "Boris Tanaka was born in 1917.": 0.0},
 }
 KNOWN = {text: value for answers in ANSWERS.values() for text, value in answers.items()}
-
-
-def _subprocess_env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                TOKENIZERS_PARALLELISM="false", **extra)
 
 
 def _prompt(tokenizer, person: str) -> str:
@@ -73,85 +68,12 @@ def build_answering_policy(out: Path):
     return tokenizer
 
 
-def _proc_stat(pid: int | str) -> list[str] | None:
-    """``/proc/<pid>/stat`` fields after the command name: [state, ppid, pgrp, ...]; None when gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _group_members(pgid: int) -> dict[int, str]:
-    """Live (not zombie) processes in process group ``pgid``, with their command lines."""
-    members = {}
-    for entry in Path("/proc").iterdir():
-        stat = _proc_stat(entry.name) if entry.name.isdigit() else None
-        if stat and stat[0] != "Z" and int(stat[2]) == pgid:
-            try:
-                members[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
-            except OSError:
-                continue
-    return members
-
-
-def _wait_group_empty(pgid: int, timeout_s: float) -> dict[int, str]:
-    deadline = time.monotonic() + timeout_s
-    while (members := _group_members(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return members
-
-
-def _wait_ready(proc: subprocess.Popen, ports: dict[str, int], log: Path, timeout_s: float = 150.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    urls = [f"http://127.0.0.1:{ports['http_port']}/v2/models/reward_model/ready",
-            f"http://127.0.0.1:{ports['health_port']}/health/ready"]
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the reward server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if all(httpx.get(url, timeout=2.0).status_code == 200 for url in urls):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the reward server was not ready within {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
-
-
 @contextmanager
 def reward_server(tokenizer_dir: Path, kb: Path, workdir: Path, stopped: dict):
-    """``nemo-factuality serve --config-name demo`` on loopback in its own process group. On exit: SIGTERM (the
-    server stops Triton itself), then SIGKILL to that group only if something in it outlived the stop;
-    ``stopped`` gets the exit code and what was left in the group after the stop and after the kill."""
-    ports = dict(zip(("http_port", "grpc_port", "triton_metrics_port", "health_port", "metrics_port"), free_ports(5),
-                     strict=True))
-    cmd = [sys.executable, "-m", "nemo_factuality.cli", "serve", "--config-name", "demo", "host=127.0.0.1",
-           *(f"{k}={v}" for k, v in ports.items()), f"policy_tokenizer={tokenizer_dir}",
-           f"reward.pipeline.verifier.store_path={kb}"]
-    log = workdir / "serve.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=_subprocess_env(PYTRITON_HOME=str(workdir / "pytriton_home")), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield {"proc": proc, "ports": ports, "log": log, "url": f"http://127.0.0.1:{ports['http_port']}",
-               "wait_ready": lambda: _wait_ready(proc, ports, log)}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        stopped["exit_code"] = proc.poll()
-        # Triton, its Python-backend stubs and multiprocessing helpers share the group; after a clean stop
-        # they exit on their own within moments
-        stopped["left_after_stop"] = _wait_group_empty(proc.pid, 10)
-        if stopped["left_after_stop"] or proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        stopped["left_after_kill"] = _wait_group_empty(proc.pid, 5)
-        stopped["log"] = log.read_text()[-4000:]
+    """``nemo-factuality serve --config-name demo`` on the demo store (``servers.reward_server``)."""
+    with servers.reward_server("demo", [f"policy_tokenizer={tokenizer_dir}", f"reward.pipeline.verifier.store_path={kb}"],
+                               workdir, stopped) as server:
+        yield server
 
 
 def _served_rewards(url: str, calls: list[dict]) -> list[list[float]]:
@@ -198,14 +120,14 @@ def fit(tmp_path_factory):
     tokenizer = build_answering_policy(root / "hf")
     kb = root / "demo_kb.sqlite"
     subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "kb", "build", "--demo", "--out", str(kb)],
-                   env=_subprocess_env(), check=True, capture_output=True, timeout=120)
+                   env=servers.subprocess_env(), check=True, capture_output=True, timeout=120)
     for split, people in (("train", ["Ada Varga", "Boris Tanaka"] * 2), ("val", ["Ada Varga", "Boris Tanaka"])):
         (root / f"{split}.jsonl").write_text("".join(json.dumps({"text": _prompt(tokenizer, p)}) + "\n" for p in people))
     stopped: dict = {}
     with reward_server(root / "hf", kb, root, stopped) as server:
         # the server starts (~15 s) while the policy is converted
         res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(root / "hf"),
-                              "--out", str(root / "policy"), "--extracted"], env=_subprocess_env(), capture_output=True,
+                              "--out", str(root / "policy"), "--extracted"], env=servers.subprocess_env(), capture_output=True,
                              text=True, timeout=240)
         assert res.returncode == 0, res.stderr[-2000:]
         server["wait_ready"]()
@@ -217,7 +139,7 @@ def fit(tmp_path_factory):
         result = json.loads((out / "result.json").read_text())
         # run_bounded started the driver in its own session (pgid = its pid): anything still in that group
         # (e.g. the checkpoint writer's spawned helper) was left behind; note it, then stop it
-        result["driver_left"] = _wait_group_empty(result["pid"], 5)
+        result["driver_left"] = servers.wait_group_empty(result["pid"], 5)
         if result["driver_left"]:
             os.killpg(result["pid"], signal.SIGKILL)
         served = _served_rewards(server["url"], result["calls"])

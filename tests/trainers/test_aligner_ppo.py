@@ -12,24 +12,16 @@ checkpoint with the same weights. Skips with the reason when the venv is absent.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from nemo_factuality.testing.aligner_cpu import CPU_MODEL_OVERRIDES
-from nemo_factuality.testing.aligner_env import aligner_env, aligner_venv, run_in_aligner_venv, skip_reason
-from nemo_factuality.testing.paths import REPO_ROOT
+from nemo_factuality.testing.aligner_env import aligner_venv, run_in_aligner_venv, skip_reason
 from nemo_factuality.testing.ports import free_ports
+from nemo_factuality.testing.servers import critic_server, ppo_overrides
 from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic, RemoteCriticError
 from nemo_factuality.trainers.interfaces import Rollout
 
@@ -42,54 +34,6 @@ def venv():
     if found is None:
         pytest.skip(skip_reason())
     return found
-
-
-def ppo_overrides(nemo: Path, run_dir: Path, port: int) -> list[str]:
-    """One stage config for both processes (as a Slurm job passes the same file to both)."""
-    cpu = [f"critic.model_overrides.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in CPU_MODEL_OVERRIDES.items()]
-    return [f"model.restore_from_path={nemo}", "trainer.backend=aligner", "trainer.save_interval=1",
-            "trainer.progress_bar=false", "ppo.num_prompts_per_step=4", "ppo.critic_warmup_steps=0",
-            "model.micro_batch_size=2", "model.global_batch_size=4", "model.forward_micro_batch_size=4",
-            "model.length_params.max_length=6", "model.dtype=float32", "model.optim.name=sgd", "model.optim.lr=0.05",
-            "critic.micro_batch_size=4", "critic.optim.name=sgd", "critic.optim.lr=0.05",
-            f"critic.url=http://127.0.0.1:{port}", f"critic.port={port}", "critic.init_timeout_s=30",
-            "remote_rm.url=http://127.0.0.1:5555",  # satisfies the schema; the test passes the reward in
-            f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false", *cpu]
-
-
-@contextmanager
-def critic_server(venv: Path, overrides: list[str], port: int, log: Path) -> Iterator[subprocess.Popen]:
-    """The critic server in its own process group, ready within 240 s; that group (and only it) killed after."""
-    # a short PYTRITON_HOME: Triton's Python backend puts Unix sockets under it (108-byte path limit)
-    home = tempfile.mkdtemp(prefix="pyt_")
-    env = aligner_env(CRITIC_BIND_ADDRESS="127.0.0.1", PYTRITON_HOME=home)
-    with log.open("a") as out:
-        proc = subprocess.Popen([str(venv / "bin" / "python"), "tests/trainers/critic_server_driver.py", *overrides],
-                                env=env, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            try:
-                RemoteCritic(SimpleNamespace(url=f"http://127.0.0.1:{port}", timeout_s=30, init_timeout_s=2,
-                                             micro_batch_size=4))
-                break
-            except RemoteCriticError:
-                assert proc.poll() is None, f"critic server exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
-                assert time.monotonic() < deadline, f"critic server not ready in 240 s:\n{log.read_text()[-4000:]}"
-        yield proc
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        try:  # Triton's own children share the group; none may outlive the test
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def run_ppo(venv: Path, nemo: Path, tmp_path: Path, port: int, *, nproc: int = 1) -> list[dict]:

@@ -18,50 +18,21 @@ from pathlib import Path
 
 import pytest
 
-from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
+from nemo_factuality.testing.fake_openai import ScriptedOpenAIServer
+from nemo_factuality.testing.methods import FACTS, build_kb, method_judge
 from nemo_factuality.testing.training import read_metrics, write_jsonl
 from nemo_factuality.trainers.cli import main as train_main
-
-FACTS = [("Ada Varga", "born_year", "1917", "Ada Varga was born in 1917."),
-         ("Lev Novak", "occupation", "chemist", "Lev Novak worked as a chemist.")]
-
-
-def _judge(req: dict) -> Reply:
-    content = req["messages"][-1]["content"]
-    if "atomic statements" in content:  # RLFH extraction
-        return Reply(">> Sentence 1: Ada Varga was born in 1917.\n* Ada Varga was born in 1917")
-    if "Choose from" in content:
-        return Reply("Correct")
-    if "helpful the statement" in content:
-        return Reply("4")
-    if "Extract every verifiable factual claim" in content or "independent atomic facts" in content \
-            or "list of atomic facts" in content:
-        return Reply("- Ada Varga was born in 1917.")
-    if "Is the following claim true" in content:
-        return Reply("True")
-    if "Covered" in content:
-        return Reply("Covered")
-    if "Grade the predicted answer" in content:
-        return Reply("A")
-    if "[Supported]" in content:
-        return Reply("The knowledge says so. [Supported]")
-    return Reply("unscripted", status=400)
 
 
 @pytest.fixture(scope="module")
 def judge():
-    with ScriptedOpenAIServer(_judge) as server:
+    with ScriptedOpenAIServer(method_judge) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def kb(tmp_path_factory):
-    from nemo_factuality.knowledge.store import build_store
-
-    d = tmp_path_factory.mktemp("train_kb")
-    write_jsonl(d / "p.jsonl", [{"title": s, "text": t} for s, _, _, t in FACTS])
-    write_jsonl(d / "f.jsonl", [{"subject": s, "relation": r, "value": v, "text": t} for s, r, v, t in FACTS])
-    return str(build_store(d / "p.jsonl", d / "kb.sqlite", facts_jsonl=d / "f.jsonl", progress=False))
+    return str(build_kb(tmp_path_factory.mktemp("train_kb")))
 
 
 def _common(policy: Path, run_dir: Path) -> list[str]:

@@ -165,11 +165,13 @@ def _stage_actor_class():
             batch = dict(batch, attention_mask=attention_mask, position_ids=position_ids)
             data_iter = iter(split_micro_batches(batch, get_num_microbatches()))
             set_sync_funcs(self, forward_only)
+            # the micro batch train_step configured, not the model config's: pipeline stages size the activations
+            # they send and receive by it (a mismatch is a gloo/NCCL size error or a hang at PP>1)
             reduced = get_forward_backward_func()(
                 forward_step_func=self.get_actor_forward_output_and_loss_func(),
                 data_iterator=self._make_data_iterator_list(data_iter), model=self.model,
                 num_microbatches=get_num_microbatches(), forward_only=forward_only, seq_length=tokens.size(1),
-                micro_batch_size=self.cfg.micro_batch_size)
+                micro_batch_size=tokens.size(0) // get_num_microbatches())
             return _step_metrics(reduced)
 
     return StageReinforceActor
@@ -276,6 +278,11 @@ class AlignerActor:
         out: list[Any] = [None] * self.data_parallel_size
         torch.distributed.all_gather_object(out, obj, group=mpu.get_data_parallel_group())
         return out
+
+    def on_model_parallel_source(self, fn: Any) -> Any:
+        """``fn()`` once per model replica (its model-parallel source rank), the result broadcast to the replica's
+        other ranks: the stages score a rollout, which every rank of a replica holds, through this."""
+        return on_model_parallel_source(fn)
 
     def global_sum(self, value: float) -> float:
         """The stages' hook for global token/sequence counts (sum over data-parallel ranks)."""
@@ -558,3 +565,32 @@ def _dotlist(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
         else:
             out.append(f"{prefix}{key}={json.dumps(value) if isinstance(value, list) else value}")
     return out
+
+
+def on_model_parallel_source(fn: Any) -> Any:
+    """``fn()`` on the model-parallel group's source rank, its result (or its exception, raised on every rank, so
+    no rank waits forever for a broadcast) broadcast to the group's other ranks; ``fn()`` without a group."""
+    if not torch.distributed.is_initialized():
+        return fn()
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_model_parallel_group()
+    ranks = torch.distributed.get_process_group_ranks(group)
+    if len(ranks) == 1:
+        return fn()
+    is_source = torch.distributed.get_rank() == ranks[0]
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if is_source:
+        try:
+            box = [("ok", fn())]
+        except Exception as err:  # re-raised below, on every rank of the group
+            error = err
+            box = [("error", f"{type(err).__name__}: {err}")]
+    torch.distributed.broadcast_object_list(box, src=ranks[0], group=group)
+    status, value = box[0]
+    if error is not None:
+        raise error
+    if status == "error":
+        raise RuntimeError(f"model-parallel source rank {ranks[0]} failed: {value}")
+    return value

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_factuality.trainers.backends.aligner import on_model_parallel_source
 from nemo_factuality.trainers.interfaces import LossFn, Rollout
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class RemoteCritic:
         width = tokens.shape[1]
         inputs = {"tokens": tokens.numpy().astype(np.int64),
                   "sequence_lengths": rollout.response_lengths.long().unsqueeze(1).numpy().astype(np.int64)}
-        out = _on_model_parallel_source(lambda: self._request(INFER, inputs, batched=True)["values"])
+        out = on_model_parallel_source(lambda: self._request(INFER, inputs, batched=True)["values"])
         values = torch.as_tensor(np.asarray(out), dtype=torch.float32)
         assert values.shape[0] == tokens.shape[0] and values.shape[1] >= width - 1, (values.shape, tokens.shape)
         return values[:, : width - 1].contiguous()
@@ -166,18 +167,6 @@ def _broadcast_from_rank0(value: Any) -> Any:
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
-
-def _on_model_parallel_source(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on the model-parallel group's source rank, its result broadcast to the group's other ranks."""
-    if not torch.distributed.is_initialized():
-        return fn()
-    from megatron.core import parallel_state as mpu
-
-    group = mpu.get_model_parallel_group()
-    src = torch.distributed.get_process_group_ranks(group)[0]
-    box = [fn() if torch.distributed.get_rank() == src else None]
-    torch.distributed.broadcast_object_list(box, src=src, group=group)
-    return box[0]
 
 
 def _gather_to_rank0(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]] | None:
