@@ -128,18 +128,6 @@ def resume(actor: AlignerActor, args) -> dict:
             "metrics_a": m_a, "metrics_b": m_b}
 
 
-def adamw_save(actor: AlignerActor, args) -> dict:
-    """torch AdamW's state cannot go into NeMo 2.2's sharded checkpoint: save must say what to change."""
-    prompts, advantages, start = _my_prompts(actor)
-    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
-    actor.train_step(_batch(actor, rollout, advantages, actor.logprobs(rollout)), policy_loss, micro_batch_size=1)
-    try:
-        actor.save(Path(args.out) / "ckpt")
-    except ValueError as err:
-        return {"error": str(err)}
-    return {"error": None}
-
-
 def sample(actor: AlignerActor, args) -> dict:
     prompts, _, start = _my_prompts(actor)
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_k=0, top_p=1.0)
@@ -157,7 +145,6 @@ def stage(actor: AlignerActor, args) -> dict:
     (remote_rm.url only satisfies the schema; nothing is served), then a resume."""
     from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
     from nemo_factuality.trainers.grpo import GRPOTrainer
-
     from nemo_factuality.trainers.runtime import seed_everything
 
     # SGD without momentum: the weights are the whole training state (extra states such as TE fp8 may be None)
@@ -444,7 +431,7 @@ def main() -> int:
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")  # the learn scenario's optimiser
     ap.add_argument("--overrides", default=None, help="JSON list of stage-config key=value (the ppo scenario)")
     ap.add_argument("--plan", default=None, help="JSON list of the methods scenario's stages")
-    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "stage_dp", "kto_dp", "learn", "adamw_save",
+    ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "stage_dp", "kto_dp", "learn",
                                            "ppo", "methods"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -459,7 +446,7 @@ def main() -> int:
         actor = _actor(args)
     setup_s = time.monotonic() - t0
     scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "stage_dp": stage_dp, "kto_dp": kto_dp,
-                 "learn": learn, "adamw_save": adamw_save, "ppo": ppo, "methods": methods}
+                 "learn": learn, "ppo": ppo, "methods": methods}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

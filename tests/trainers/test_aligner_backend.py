@@ -186,13 +186,12 @@ def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(venv, 
 
 def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(venv, stage_policy, tmp_path):
     """The hf backend's learning check (tests/trainers/test_grpo.py) on this backend: same policy, reward,
-    batch shapes and criterion; SGD (lr 1.0) instead of AdamW, whose per-parameter 0-dim ``step`` NeMo 2.2's
-    sharded optimiser checkpoint rejects (the stage checkpoints at the end)."""
+    batch shapes, optimiser (AdamW, lr 3e-3) and criterion; the stage checkpoints at the end."""
     import math
 
     import numpy as np
 
-    history = drive(venv, stage_policy, tmp_path, scenario="learn", lr=1.0, timeout=300)[0]["metrics"]
+    history = drive(venv, stage_policy, tmp_path, scenario="learn", optim="adamw", lr=3e-3, timeout=300)[0]["metrics"]
     rewards = [h["reward/score"] for h in history]
     start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
     noise = np.std(rewards[:3]) + 1e-3
@@ -200,9 +199,12 @@ def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(venv
     assert all(math.isfinite(h["loss/policy"]) and math.isfinite(h["loss/kl"]) for h in history)
 
 
-def test_saving_torch_adamw_state_fails_naming_what_to_change(venv, policy, tmp_path):
-    result = drive(venv, policy[1], tmp_path, scenario="adamw_save", optim="adamw", lr=1e-3)[0]
-    assert "distributed_fused_adam" in result["error"] and "model.optim.name=sgd" in result["error"]
+def test_adamw_state_goes_into_nemos_sharded_checkpoint_and_resumes_exactly(venv, policy, tmp_path):
+    """torch AdamW (the stages' default optimiser): its per-parameter 0-dim ``step`` is kept in the parameter
+    group for NeMo's sharded checkpoint; step, save, step → A equals load, step → B, moments and step included."""
+    result = drive(venv, policy[1], tmp_path, scenario="resume", optim="adamw", lr=1e-3)[0]
+    assert result["metrics_a"] == result["metrics_b"] and result["metrics_a"]["grad_norm"] > 0
+    assert_close(action_values(result, "lp_b"), action_values(result, "lp_a"), atol=0.0)
 
 
 def test_the_grpo_stage_shards_prompts_over_data_parallel_ranks_and_rank_0_writes(venv, policy, tmp_path):

@@ -398,15 +398,15 @@ class AlignerActor:
         torch.distributed.barrier()
 
     def _check_optimizer_state_is_shardable(self) -> None:
-        """NeMo 2.2 shards a plain torch optimizer's per-parameter state like the parameter itself; torch's
-        Adam/AdamW keep a 0-dim ``step`` tensor there, which Megatron's checkpointing then rejects with a bare
-        shape assertion. Say what to change instead."""
-        for state in self.optimizer.state.values():
-            if any(torch.is_tensor(v) and v.dim() == 0 for v in state.values()):
-                raise ValueError(f"{type(self.optimizer).__name__} keeps 0-dim per-parameter state (step) that NeMo "
-                                 "2.2's distributed checkpoint cannot shard: use distributed_fused_adam or fused_adam "
-                                 "(Apex, GPU; AlignerRuntime.model_overrides optim.name, as the conf/train/aligner "
-                                 "presets do) or model.optim.name=sgd")
+        """NeMo 2.2 shards a plain torch optimizer's per-parameter state like the parameter itself, so a 0-dim
+        per-parameter tensor would fail in Megatron's checkpointing with a bare shape assertion. torch's Adam/AdamW
+        ``step`` is moved out of the way (``shardable_adam_steps``); say what to change for anything else."""
+        for state in self.optimizer.state_dict()["state"].values():
+            scalars = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 0)
+            if scalars:
+                raise ValueError(f"{type(self.optimizer).__name__} keeps 0-dim per-parameter state {scalars} that NeMo "
+                                 "2.2's distributed checkpoint cannot shard: use adamw, sgd or distributed_fused_adam "
+                                 "(model.optim.name / AlignerRuntime.model_overrides optim.name)")
 
     def load(self, path: Path) -> None:
         path = Path(path)
@@ -488,6 +488,7 @@ def _restore(path: str, overrides: dict, runtime: AlignerRuntime):
     init_using_ptl(trainer, model, loader, placeholder)
     del model._train_dl
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(model)
+    shardable_adam_steps(getattr(optimizer, "optimizer", optimizer))  # the torch optimizer under NeMo's wrapper
     return model, trainer, optimizer, scheduler
 
 
@@ -594,3 +595,42 @@ def on_model_parallel_source(fn: Any) -> Any:
     if status == "error":
         raise RuntimeError(f"model-parallel source rank {ranks[0]} failed: {value}")
     return value
+
+
+def shardable_adam_steps(optimizer: Any) -> None:
+    """Let torch's Adam/AdamW state go into NeMo 2.2's sharded checkpoint.
+
+    NeMo shards every per-parameter state tensor like its parameter; Adam's per-parameter ``step`` is a 0-dim
+    tensor, which Megatron's checkpointing rejects. Megatron's own optimizers keep the step in the parameter
+    group instead; these two hooks (torch's public optimizer hooks, nothing patched) do the same for a plain
+    torch Adam: ``state_dict()`` moves each group's step into the group (common, unsharded state) and
+    ``load_state_dict`` puts it back on every parameter. Other optimizers are left alone."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    optimizer.register_state_dict_post_hook(_steps_into_param_groups)
+    optimizer.register_load_state_dict_pre_hook(_steps_from_param_groups)
+
+
+def _steps_into_param_groups(_optimizer: Any, state_dict: dict) -> dict:
+    state = {pid: dict(s) for pid, s in state_dict["state"].items()}  # copies: the inner dicts are the live state
+    groups = [dict(g) for g in state_dict["param_groups"]]
+    for group in groups:
+        steps = {float(state[p].pop("step")) for p in group["params"] if "step" in state.get(p, {})}
+        if len(steps) > 1:  # every parameter of a group steps together unless someone stepped a subset
+            raise ValueError(f"parameters of one optimizer group are at different Adam steps {sorted(steps)}")
+        if steps:
+            group["step"] = steps.pop()
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
+def _steps_from_param_groups(_optimizer: Any, state_dict: dict) -> dict:
+    state = {pid: dict(s) for pid, s in state_dict["state"].items()}
+    groups = [dict(g) for g in state_dict["param_groups"]]
+    for group in groups:
+        if "step" not in group:
+            continue
+        step = float(group.pop("step"))
+        for p in group["params"]:
+            if p in state:
+                state[p]["step"] = torch.tensor(step, dtype=torch.float32)
+    return {**state_dict, "state": state, "param_groups": groups}
