@@ -130,8 +130,8 @@ def ppo_overrides(nemo: Path, run_dir: Path, port: int) -> list[str]:
     return [f"model.restore_from_path={nemo}", "trainer.backend=aligner", "trainer.save_interval=1",
             "trainer.progress_bar=false", "ppo.num_prompts_per_step=4", "ppo.critic_warmup_steps=0",
             "model.micro_batch_size=2", "model.global_batch_size=4", "model.forward_micro_batch_size=4",
-            "model.length_params.max_length=6", "model.dtype=float32", "model.optim.name=sgd", "model.optim.lr=0.05",
-            "critic.micro_batch_size=4", "critic.optim.name=sgd", "critic.optim.lr=0.05",
+            "model.length_params.max_length=6", "model.dtype=float32", "model.optim.name=adamw", "model.optim.lr=3e-3",
+            "critic.micro_batch_size=4", "critic.optim.name=adamw", "critic.optim.lr=1e-2",
             f"critic.url=http://127.0.0.1:{port}", f"critic.port={port}", "critic.init_timeout_s=30",
             "remote_rm.url=http://127.0.0.1:5555",  # satisfies the schema; the test passes the reward in
             f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false", *cpu]

@@ -114,7 +114,12 @@ def build_server(cfg: PPOConfig, *, devices: int, num_nodes: int):
     from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo
     from omegaconf import OmegaConf
 
-    from nemo_factuality.trainers.backends.aligner import AlignerRuntime, nemo_trainer
+    from nemo_factuality.trainers.backends.aligner import (
+        AlignerRuntime,
+        nemo_trainer,
+        restore_training_state,
+        shardable_adam_steps,
+    )
 
     path = cfg.critic.path or cfg.model.restore_from_path
     if not path or not Path(path).exists():
@@ -138,11 +143,12 @@ def build_server(cfg: PPOConfig, *, devices: int, num_nodes: int):
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(cfg.trainer.seed)
-    if latest is not None:
-        trainer.ckpt_path = str(latest[0])  # init_using_ptl restores weights, optimiser and LR schedule from it
-        log.info("critic server resumes from %s (server step %d)", latest[0], latest[1])
     init_using_ptl(trainer, model, None, None)
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(model)
+    shardable_adam_steps(getattr(optimizer, "optimizer", optimizer))  # torch AdamW state in the sharded checkpoint
+    if latest is not None:  # after the hooks: the optimiser's state goes through them
+        restore_training_state(trainer, scheduler, latest[0])
+        log.info("critic server resumed from %s (server step %d)", latest[0], latest[1])
     if torch.distributed.get_rank() == 0:
         checkpoints.mkdir(parents=True, exist_ok=True)
     server_cfg = OmegaConf.create({"port": cfg.critic.port, "combine_rm_and_critic_server": False,

@@ -412,13 +412,7 @@ class AlignerActor:
         path = Path(path)
         if not (path / "state" / "metadata.json").is_file():  # NeMo stores "<name>.ckpt" as the directory <name>/
             raise FileNotFoundError(f"{path / 'state'} holds no distributed checkpoint: not written by AlignerActor.save")
-        connector = self.trainer._checkpoint_connector  # what Aligner's init_using_ptl resumes through
-        connector.resume_start(str(path / "state"))
-        connector.restore_model()
-        connector.restore_training_state()
-        connector.resume_end()
-        if self.scheduler.last_epoch > 0:  # as init_using_ptl: re-apply the restored LR to the optimiser
-            self.scheduler.step(self.scheduler.last_epoch)
+        restore_training_state(self.trainer, self.scheduler, path / "state")
         reference = path / f"reference.rank{torch.distributed.get_rank()}.pt"
         # tensors and plain containers only: a checkpoint file never runs code
         self.model.init_policy_state_dict = torch.load(reference, weights_only=True) if reference.exists() else None
@@ -595,6 +589,19 @@ def on_model_parallel_source(fn: Any) -> Any:
     if status == "error":
         raise RuntimeError(f"model-parallel source rank {ranks[0]} failed: {value}")
     return value
+
+
+def restore_training_state(trainer: Any, scheduler: Any, state_dir: Path) -> None:
+    """Weights, optimiser and LR schedule from a NeMo distributed checkpoint, through the trainer's checkpoint
+    connector as Aligner's ``init_using_ptl`` resumes (called after ``shardable_adam_steps``, whose hooks the
+    optimiser's load needs)."""
+    connector = trainer._checkpoint_connector
+    connector.resume_start(str(state_dir))
+    connector.restore_model()
+    connector.restore_training_state()
+    connector.resume_end()
+    if scheduler.last_epoch > 0:  # as init_using_ptl: re-apply the restored LR to the optimiser
+        scheduler.step(scheduler.last_epoch)
 
 
 def shardable_adam_steps(optimizer: Any) -> None:
