@@ -1,4 +1,4 @@
-"""Every method's served reward through its training stage on the aligner backend at TP=2 and at PP=2.
+"""Every method's served reward through its training stage on the aligner backend at TP=2, PP=2 and DP=2 (TP=1).
 
 NeMo-Aligner's Megatron actor (CPU/gloo, torchrun, 2 processes) runs, one stage after another on one actor
 per layout (``aligner_driver.py --scenario methods``): KLCF, FSPO and KnowRL through the GRPO stage, FactAlign
@@ -6,7 +6,7 @@ through the KTO stage and RLFH through the PPO stage with NeMo-Aligner's critic 
 one iteration). As on a cluster, the rewards are not in the Aligner venv: each is served by ``nemo-factuality
 serve --config-name <method>`` from the project venv (the production topology), its LLM judges pointed at a
 scripted loopback judge, its knowledge store at a real SQLite store and its NLI verifier at a tiny classifier;
-the stages reach them through ``remote_rm.url``. The servers start once for both layouts.
+the stages reach them through ``remote_rm.url``. The servers start once for all layouts.
 """
 
 from __future__ import annotations
@@ -131,30 +131,40 @@ def _plan(served: dict, layout: dict, out: Path) -> list[dict]:
     return plan
 
 
-def _served_requests(server: dict) -> float:
-    """The reward server's own count of ``factuality_reward`` batches (its Prometheus endpoint)."""
+def _served_counts(server: dict) -> tuple[float, float]:
+    """The reward server's own counts of ``factuality_reward`` batches and samples (its Prometheus endpoint)."""
     text = httpx.get(f"http://127.0.0.1:{server['ports']['metrics_port']}/metrics", timeout=10).text
-    found = re.search(r'^factuality_requests_total\{model="factuality_reward"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+
+    def count(name: str) -> float:
+        found = re.search(rf'^{name}_total\{{model="factuality_reward"\}} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    return count("factuality_requests"), count("factuality_samples")
 
 
-@pytest.fixture(scope="module", params=[{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
+# two processes each: one replica split over TP or PP, or two data-parallel replicas at TP=PP=1
+LAYOUTS = {"tp2": {"tp": 2}, "pp2": {"pp": 2}, "dp2": {}}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout_run(request, served):
     """One torchrun (2 processes) of every method's stage on one actor; both ranks' results and the servers'
     request counts before and after."""
-    layout = request.param
-    out = served["root"] / ("tp2" if layout.get("tp") else "pp2")
+    name, layout = request.param, LAYOUTS[request.param]
+    out = served["root"] / name
     out.mkdir(exist_ok=True)
     (out / "plan.json").write_text(json.dumps(_plan(served, layout, out / "runs")))
-    before = {m: _served_requests(s) for m, s in served["rewards"].items()}
+    before = {m: _served_counts(s) for m, s in served["rewards"].items()}
     t0 = time.monotonic()
     flags = [f"--{k}={v}" for k, v in layout.items()]
     res = run_in_aligner_venv(served["venv"], [DRIVER, f"--nemo={served['nemo']}", f"--out={out}", "--scenario=methods",
                                                f"--plan={out / 'plan.json'}", *flags], nproc=2, timeout=600)
     assert res.returncode == 0, res.stdout[-8000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    served_now = {m: _served_requests(s) - before[m] for m, s in served["rewards"].items()}
-    return {"layout": layout, "ranks": ranks, "served": served_now, "wall_s": time.monotonic() - t0, "out": out}
+    served_now = {m: tuple(now - then for now, then in zip(_served_counts(s), before[m], strict=True))
+                  for m, s in served["rewards"].items()}
+    return {"name": name, "layout": layout, "ranks": ranks, "served": served_now, "wall_s": time.monotonic() - t0,
+            "out": out, "dp": 1 if layout else 2}
 
 
 def _no_timings(rows: list[dict]) -> list[dict]:
@@ -167,12 +177,12 @@ def _finite(values) -> list[float]:
 
 def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_run):
     r0, r1 = layout_run["ranks"]
-    assert r0["dp_size"] == r1["dp_size"] == 1  # TP=2 or PP=2: both processes are one model replica
+    assert r0["dp_size"] == r1["dp_size"] == layout_run["dp"]  # TP=2 / PP=2: one replica; dp2: two replicas
     for method, (stage, _) in METHODS.items():
         s0, s1 = r0["stages"][method], r1["stages"][method]
         expected = [1, 2] if stage != "kto" else [1]  # KTO: one iteration, one minibatch of 4 examples
         assert [m["step"] for m in s0["logged"]] == expected, (method, s0["logged"])
-        # the ranks of one replica computed the same step: same rewards, losses, grad norms (timings aside)
+        # one replica's ranks computed the same step, and DP ranks log the all-reduced metrics: the same on both
         assert _no_timings(s0["logged"]) == _no_timings(s1["logged"]), method
         assert [m["step"] for m in s0["metrics"]] == expected  # metrics.jsonl written once (rank 0)
         assert s0["final"] and "latest" in s0["checkpoints"], (method, s0["checkpoints"])
@@ -186,21 +196,27 @@ def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_ru
 
 
 def test_the_rewards_came_from_the_servers_once_per_replica(layout_run):
-    """The two ranks hold one model replica and the same rollout: the model-parallel source rank alone scores it
-    (once per step), the other gets its result. Each server's own request counter rose by exactly those calls,
-    and every logged reward metric is finite."""
+    """At TP=2 / PP=2 the two ranks hold one replica and the same rollout: the model-parallel source rank alone
+    scores it (once per step), the other gets its result; at DP=2 each replica scores its own prompts. Each
+    server's own request counter rose by exactly those calls, and every logged reward metric is finite."""
     r0, r1 = layout_run["ranks"]
     for method, (stage, _) in METHODS.items():
         calls = len(r0["stages"][method]["calls"])
-        assert calls == (2 if stage != "kto" else 1) and r1["stages"][method]["calls"] == [], method
-        assert layout_run["served"][method] == calls, (method, layout_run["served"])
+        assert calls == (2 if stage != "kto" else 1), method
+        assert len(r1["stages"][method]["calls"]) == (calls if layout_run["dp"] == 2 else 0), method
+        requests, samples = layout_run["served"][method]
+        # the server scored exactly the samples the stages sent; Triton's dynamic batcher may merge the two DP
+        # replicas' concurrent requests into one batch, so at DP=2 the batch count is at most the call count
+        assert samples == sum(len(c["scores"]) for r in (r0, r1) for c in r["stages"][method]["calls"]), method
+        assert requests == calls if layout_run["dp"] == 1 else calls <= requests <= 2 * calls, (method, requests)
         if stage != "kto":
             for m in r0["stages"][method]["logged"]:
                 assert math.isfinite(m["reward/score"]), (method, m)
 
 
 def _samples(layout_run: dict, method: str, key: str) -> list:
-    calls = layout_run["ranks"][0]["stages"][method]["calls"]
+    """Every scored sample's ``key`` (both ranks' calls: at DP=2 each scored its own prompts)."""
+    calls = [c for r in layout_run["ranks"] for c in r["stages"][method]["calls"]]
     return [v for c in calls for v in (c["scores"] if key == "score" else c["components"][key])]
 
 
@@ -255,7 +271,7 @@ def test_the_ppo_stage_trained_the_critic_server(layout_run):
 def test_wall_time(layout_run, served, record_property):
     """Not a speed test: the measured times go into the report (``-rP`` / junit properties)."""
     record_property("startup_s", round(served["startup_s"], 1))
-    record_property(f"{'tp2' if layout_run['layout'].get('tp') else 'pp2'}_s", round(layout_run["wall_s"], 1))
+    record_property(f"{layout_run['name']}_s", round(layout_run["wall_s"], 1))
     stages = {m: round(s["wall_s"], 1) for m, s in layout_run["ranks"][0]["stages"].items()}
-    print(f"layout {layout_run['layout']}: {layout_run['wall_s']:.1f} s (stages {stages}); servers up in "
+    print(f"layout {layout_run['name']}: {layout_run['wall_s']:.1f} s (stages {stages}); servers up in "
           f"{served['startup_s']:.1f} s")
