@@ -48,3 +48,14 @@ def stage_policy(tmp_path_factory, tiny_policy) -> Path:
                          timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     return root / "policy"
+
+
+@pytest.fixture(scope="session")
+def venv() -> Path:
+    """The NeMo-Aligner venv the aligner backend's tests run programs in; skips with the reason when not built."""
+    from nemo_factuality.testing.aligner_env import aligner_venv, skip_reason
+
+    found = aligner_venv()
+    if found is None:
+        pytest.skip(skip_reason())
+    return found

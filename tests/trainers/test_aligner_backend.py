@@ -19,20 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_factuality.testing.aligner_env import aligner_venv, run_in_aligner_venv, skip_reason
+from nemo_factuality.testing.aligner_env import run_in_aligner_venv
 from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = "tests/trainers/aligner_driver.py"
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def venv():
-    found = aligner_venv()
-    if found is None:
-        pytest.skip(skip_reason())
-    return found
 
 
 @pytest.fixture(scope="module")

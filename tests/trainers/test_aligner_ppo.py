@@ -19,21 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nemo_factuality.testing.aligner_env import aligner_venv, run_in_aligner_venv, skip_reason
+from nemo_factuality.testing.aligner_env import run_in_aligner_venv
 from nemo_factuality.testing.ports import free_ports
 from nemo_factuality.testing.servers import critic_server, ppo_overrides
 from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic, RemoteCriticError
 from nemo_factuality.trainers.interfaces import Rollout
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def venv():
-    found = aligner_venv()
-    if found is None:
-        pytest.skip(skip_reason())
-    return found
 
 
 def run_ppo(venv: Path, nemo: Path, tmp_path: Path, port: int, *, nproc: int = 1) -> list[dict]:

@@ -8,13 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
 from nemo_factuality.trainers.backends.hf import HFActor
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.grpo import GRPOTrainer
 from nemo_factuality.trainers.interfaces import Rollout
 from nemo_factuality.types import RewardBatch
-
-from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
 
 
 def grpo_cfg(policy, run_dir, **over) -> GRPOConfig:

@@ -12,9 +12,9 @@ from nemo_factuality.testing.training import GOOD, good_tokens_dense, prompts, r
 from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
 from nemo_factuality.trainers.config import KTOConfig, PPOConfig
 from nemo_factuality.trainers.data import PreferencePair
+from nemo_factuality.trainers.interfaces import Rollout
 from nemo_factuality.trainers.kto import KTOTrainer, sentence_sums
 from nemo_factuality.trainers.ppo import PPOTrainer, token_reward_tensor
-from nemo_factuality.trainers.interfaces import Rollout
 from nemo_factuality.types import RewardBatch, Span
 
 
