@@ -94,10 +94,13 @@ class RemoteRewardModel:
     def __call__(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
         from pytriton.client import ModelClient
 
+        from nemo_factuality.serving.client import quiet_pytriton_timeouts
+
         sentences = np.array([[self.template.format(prompt=p, response=c).encode("utf-8")]
                               for p, c in zip(prompts, completions)], dtype=object)
         try:
-            with ModelClient(self.url, self.model_name, init_timeout_s=self.timeout_s, inference_timeout_s=self.timeout_s) as client:
+            with quiet_pytriton_timeouts(), ModelClient(self.url, self.model_name, init_timeout_s=self.timeout_s,
+                                                        inference_timeout_s=self.timeout_s) as client:
                 out = client.infer_batch(sentences=sentences)
         except Exception as err:
             raise GeneralRMError(f"general RM {self.url} (model {self.model_name!r}) failed: {type(err).__name__}: {err}; "
@@ -107,9 +110,11 @@ class RemoteRewardModel:
     def health(self) -> dict[str, str | None]:
         from pytriton.client import ModelClient
 
+        from nemo_factuality.serving.client import quiet_pytriton_timeouts
+
         key = f"general_rm:{self.url}/{self.model_name}"
         try:
-            with ModelClient(self.url, self.model_name, init_timeout_s=5.0) as client:
+            with quiet_pytriton_timeouts(), ModelClient(self.url, self.model_name, init_timeout_s=5.0) as client:
                 client.wait_for_model(timeout_s=5.0)
             return {key: None}
         except Exception as err:

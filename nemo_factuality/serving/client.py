@@ -8,8 +8,10 @@ Errors name the URL, the model and the config key to change; nothing is retried 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,15 @@ from nemo_factuality.types import FactualityInputError, RewardBatch, Span
 
 class RemoteRewardError(RuntimeError):
     """The reward server could not be reached or refused the request."""
+
+
+@contextlib.contextmanager
+def quiet_pytriton_timeouts() -> Iterator[None]:
+    """PyTriton warns on every client whose connect wait is shorter than its request timeout, which is how
+    these clients are set up on purpose (a bounded wait for the server, a long one for a judged batch)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Client network and/or connection timeout")
+        yield
 
 
 class RemoteFactualityReward:
@@ -35,7 +46,8 @@ class RemoteFactualityReward:
         from pytriton.client import ModelClient
 
         try:
-            with ModelClient(self.url, self.model_name, init_timeout_s=min(self.init_timeout_s, 5.0)) as client:
+            with quiet_pytriton_timeouts(), ModelClient(self.url, self.model_name,
+                                                        init_timeout_s=min(self.init_timeout_s, 5.0)) as client:
                 client.wait_for_model(timeout_s=min(self.init_timeout_s, 5.0))
             return {f"reward_server:{self.model_name}": None}
         except Exception as err:
@@ -54,7 +66,7 @@ class RemoteFactualityReward:
             "columns": np.array([[json.dumps(r, default=_jsonable).encode("utf-8")] for r in rows], dtype=object),
         }
         try:
-            with self._client() as client:
+            with quiet_pytriton_timeouts(), self._client() as client:
                 out = client.infer_batch(**payload)
         except Exception as err:
             raise RemoteRewardError(

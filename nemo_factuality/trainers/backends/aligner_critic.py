@@ -65,17 +65,14 @@ class RemoteCritic:
 
     # ---- requests ------------------------------------------------------------------------------
     def _request(self, model: str, inputs: Mapping[str, np.ndarray], *, batched: bool) -> dict[str, np.ndarray]:
-        import warnings
-
         from pytriton.client import ModelClient
 
+        from nemo_factuality.serving.client import quiet_pytriton_timeouts
+
         try:
-            with warnings.catch_warnings():
-                # PyTriton warns on every request that its connect wait is shorter than the request timeout: by design
-                warnings.filterwarnings("ignore", message="Client network and/or connection timeout")
-                with ModelClient(self.url, model, init_timeout_s=self.init_timeout_s,
-                                 inference_timeout_s=self.timeout_s) as client:
-                    return client.infer_batch(**inputs) if batched else client.infer_sample(**inputs)
+            with quiet_pytriton_timeouts(), ModelClient(self.url, model, init_timeout_s=self.init_timeout_s,
+                                                        inference_timeout_s=self.timeout_s) as client:
+                return client.infer_batch(**inputs) if batched else client.infer_sample(**inputs)
         except Exception as err:  # PyTriton raises several client error types; all end the step the same way
             raise RemoteCriticError(f"critic server {self.url} failed {model} ({_last_error_line(err)}): "
                                     f"{_what_to_check(self.url)}") from err
