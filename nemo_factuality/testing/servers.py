@@ -4,7 +4,8 @@
   readiness wait and a record of what was left in its group after the stop;
 * ``critic_server``: NeMo-Aligner's critic server (``tests/trainers/critic_server_driver.py`` in the Aligner
   venv) started with a PPO stage config, ready when ``critic_infer`` answers;
-* ``ppo_overrides``: one small CPU PPO stage config for both the critic server and the stage.
+* ``ppo_overrides``: one small CPU PPO stage config for both the critic server and the stage;
+* ``convert_checkpoint``: ``nemo-factuality convert …`` as a child of the project venv (the tests' .nemo files).
 
 Importing this module imports nothing heavy.
 """
@@ -33,6 +34,15 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     """The project venv's environment for a child: this checkout on PYTHONPATH, offline, one thread."""
     return dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                 TOKENIZERS_PARALLELISM="false", **extra)
+
+
+def convert_checkpoint(*args: str, timeout_s: float = 240) -> None:
+    """``nemo-factuality convert ARGS…`` (e.g. ``hf-to-nemo --hf DIR --out DIR --extracted``) in a child process,
+    bounded; a failure raises with the converter's stderr."""
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", *args], env=subprocess_env(),
+                         capture_output=True, text=True, timeout=timeout_s)
+    if res.returncode != 0:
+        raise RuntimeError(f"convert {' '.join(args)} exited {res.returncode}:\n{res.stderr[-2000:]}")
 
 
 def _proc_stat(pid: int | str) -> list[str] | None:

@@ -51,7 +51,13 @@ def critic_optimizer_steps(cfg: PPOConfig) -> int:
 
 def critic_model_overrides(cfg: PPOConfig) -> dict[str, Any]:
     """Aligner's critic ``model`` section from the stage config (wins over the checkpoint's config)."""
-    from nemo_factuality.trainers.backends.aligner import _PRECISION, _merge, nemo_optim
+    from nemo_factuality.trainers.backends.aligner import (
+        _PRECISION,
+        CONVERTED_CHECKPOINT_KEYS,
+        _merge,
+        _plain,
+        nemo_optim,
+    )
 
     c = cfg.critic
     return _merge({
@@ -59,21 +65,14 @@ def critic_model_overrides(cfg: PPOConfig) -> dict[str, Any]:
         "pipeline_model_parallel_size": c.pipeline_model_parallel_size,
         "micro_batch_size": c.micro_batch_size, "forward_micro_batch_size": c.micro_batch_size,
         "global_batch_size": cfg.model.global_batch_size,  # one critic_train request = one minibatch = one step
-        "precision": _PRECISION[cfg.model.dtype], "seed": cfg.trainer.seed, "gradient_as_bucket_view": True,
+        "precision": _PRECISION[cfg.model.dtype], "seed": cfg.trainer.seed,
         "optim": nemo_optim(_plain(c.optim), critic_optimizer_steps(cfg)),
         "loss_clip_val": c.loss_clip_val, "offload_adam_states": False,
         "output_sequence": True, "use_avg_pool": False, "force_head_dtype": "float32",
         "reward_model_type": "binary_ranking", "reward_standardization": {"enable": False, "mean": None, "std": None},
         "regression": {"num_attributes": 1, "merge_attributes": True, "attribute_weights": None},
-        "peft": {"peft_scheme": "none", "restore_from_path": None},
-        "data": {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False},
+        **CONVERTED_CHECKPOINT_KEYS,
     }, dict(c.model_overrides))
-
-
-def _plain(obj: Any) -> dict:
-    from dataclasses import asdict, is_dataclass
-
-    return asdict(obj) if is_dataclass(obj) else dict(obj)
 
 
 def critic_log_dir(cfg: PPOConfig) -> Path:

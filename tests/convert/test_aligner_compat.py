@@ -4,9 +4,6 @@ generation reads, and a tokenizer the NeMo stack's transformers 4.x loads (ours 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +13,10 @@ pytest.importorskip("megatron.core")
 
 from nemo_factuality.convert.nemo_format import ACTIVATIONS_CHECKPOINT_KEYS, _write_loadable_tokenizer_config  # noqa: E402
 from nemo_factuality.testing.aligner_env import aligner_venv, run_in_aligner_venv, skip_reason  # noqa: E402
+from nemo_factuality.testing.servers import convert_checkpoint  # noqa: E402
 from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer  # noqa: E402
 from nemo_factuality.types import FactualityInputError  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 TEXT = "The Eiffel Tower is in Paris 🙂"
 MESSAGES = [{"role": "user", "content": "Where is the Eiffel Tower?"}]
 
@@ -31,10 +28,7 @@ def converted(tmp_path_factory):
     build_tiny_causal_lm("qwen2", vocab_size=500, out_dir=hf)
     build_tiny_tokenizer(hf)
     out = root / "policy"
-    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf), "--out",
-                          str(out), "--extracted"], env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
-                         capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr[-2000:]
+    convert_checkpoint("hf-to-nemo", "--hf", str(hf), "--out", str(out), "--extracted")
     return hf, out
 
 

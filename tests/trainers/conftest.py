@@ -36,17 +36,10 @@ def tiny_nli(tmp_path_factory, tiny_policy) -> Path:
 @pytest.fixture(scope="session")
 def stage_policy(tmp_path_factory, tiny_policy) -> Path:
     """The tiny policy as an extracted .nemo written by our converter (the aligner backend's tests)."""
-    import os
-    import subprocess
-    import sys
+    from nemo_factuality.testing.servers import convert_checkpoint
 
     root = tmp_path_factory.mktemp("stage_policy")
-    repo = Path(__file__).resolve().parents[2]
-    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(tiny_policy),
-                          "--out", str(root / "policy"), "--extracted"],
-                         env=dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                         timeout=240)
-    assert res.returncode == 0, res.stderr[-2000:]
+    convert_checkpoint("hf-to-nemo", "--hf", str(tiny_policy), "--out", str(root / "policy"), "--extracted")
     return root / "policy"
 
 

@@ -11,18 +11,15 @@ the venv is absent (``tools/setup_aligner_env.sh`` builds it; ``.ci/run`` does).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from nemo_factuality.testing.aligner_env import run_in_aligner_venv
+from nemo_factuality.testing.servers import convert_checkpoint
 from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
 DRIVER = "tests/trainers/aligner_driver.py"
 pytestmark = pytest.mark.slow
 
@@ -34,11 +31,7 @@ def policy(tmp_path_factory):
     hf = root / "hf"
     build_tiny_causal_lm("qwen2", vocab_size=400, out_dir=hf)
     build_tiny_tokenizer(hf)
-    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf),
-                          "--out", str(root / "policy"), "--extracted"],
-                         env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                         timeout=240)
-    assert res.returncode == 0, res.stderr[-2000:]
+    convert_checkpoint("hf-to-nemo", "--hf", str(hf), "--out", str(root / "policy"), "--extracted")
     return hf, root / "policy"
 
 
@@ -135,19 +128,14 @@ def test_data_parallel_2_equals_world_1(venv, policy, world1, tmp_path):
 
 
 def test_save_load_resumes_exactly_and_the_trained_policy_converts_back_to_hugging_face(venv, policy, tmp_path):
-    """SGD with momentum (optimiser state to restore): step, save, step → A; load, step → B == A. (torch's
-    AdamW keeps a 0-dim ``step`` per parameter that NeMo 2.2's sharded optimiser state rejects; the GPU
-    presets use distributed_fused_adam.) Then HF → .nemo → train →
+    """SGD with momentum (optimiser state to restore): step, save, step → A; load, step → B == A (AdamW: the
+    test below). Then HF → .nemo → train →
     .nemo (``export``) → HF (``convert nemo-to-hf``): HF's log-probs equal the trained actor's."""
     result = drive(venv, policy[1], tmp_path, scenario="resume", momentum=0.9)[0]
     assert result["metrics_a"] == result["metrics_b"]
     assert_close(action_values(result, "lp_b"), action_values(result, "lp_a"), atol=0.0)
     back = tmp_path / "hf_back"
-    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "nemo-to-hf", "--nemo",
-                          str(tmp_path / "trained.nemo"), "--out", str(back)],
-                         env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                         timeout=240)
-    assert res.returncode == 0, res.stderr[-2000:]
+    convert_checkpoint("nemo-to-hf", "--nemo", str(tmp_path / "trained.nemo"), "--out", str(back))
     hf = _hf_logprobs(back, torch.tensor(result["tokens"])).tolist()
     assert_close(action_values({**result, "hf": hf}, "hf"), action_values(result, "lp_a"), atol=2e-5)
     before = _hf_logprobs(policy[0], torch.tensor(result["tokens"])).tolist()

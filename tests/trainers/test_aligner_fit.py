@@ -126,10 +126,7 @@ def fit(tmp_path_factory):
     stopped: dict = {}
     with reward_server(root / "hf", kb, root, stopped) as server:
         # the server starts (~15 s) while the policy is converted
-        res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(root / "hf"),
-                              "--out", str(root / "policy"), "--extracted"], env=servers.subprocess_env(), capture_output=True,
-                             text=True, timeout=240)
-        assert res.returncode == 0, res.stderr[-2000:]
+        servers.convert_checkpoint("hf-to-nemo", "--hf", str(root / "hf"), "--out", str(root / "policy"), "--extracted")
         server["wait_ready"]()
         out = root / "out"
         run = run_in_aligner_venv(venv, [DRIVER, f"--nemo={root / 'policy'}", f"--train={root / 'train.jsonl'}",

@@ -83,6 +83,12 @@ def nemo_optim(optim: Mapping[str, Any], max_steps: int) -> dict:
     return out
 
 
+# Keys NeMo's trainer builder and Aligner's models read that SFT checkpoints carry and converted ones do not
+CONVERTED_CHECKPOINT_KEYS = {
+    "gradient_as_bucket_view": True,
+    "peft": {"peft_scheme": "none", "restore_from_path": None},
+    "data": {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False},
+}
 _PRECISION = {"float32": 32, "bfloat16": "bf16-mixed", "float16": "16-mixed"}
 
 
@@ -96,10 +102,8 @@ def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> di
         "micro_batch_size": model_cfg.get("micro_batch_size", 1),
         "global_batch_size": model_cfg.get("global_batch_size", 1),
         "precision": precision, "seed": runtime.seed,
-        "gradient_as_bucket_view": True,  # NeMo's trainer builder reads it (SFT checkpoints carry it; converted ones not)
         "optim": nemo_optim(model_cfg.get("optim", {"lr": 1e-6}), runtime.max_steps),
-        "peft": {"peft_scheme": "none", "restore_from_path": None},
-        "data": {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False},
+        **CONVERTED_CHECKPOINT_KEYS,
         "reinforce": {
             "rollout_micro_batch_size": model_cfg.get("forward_micro_batch_size", 8),
             "forward_micro_batch_size": model_cfg.get("forward_micro_batch_size", 8),
