@@ -127,7 +127,8 @@ SEGMENTERS: Registry[Any] = Registry("segmenter", lazy_modules=("nemo_factuality
 EXTRACTORS: Registry[Any] = Registry("claim extractor", lazy_modules=("nemo_factuality.claims",))
 EVIDENCE: Registry[Any] = Registry("evidence provider", lazy_modules=("nemo_factuality.knowledge.evidence",))
 VERIFIERS: Registry[Any] = Registry("verifier", lazy_modules=("nemo_factuality.verify",))
-REWARDS: Registry[Any] = Registry("reward", lazy_modules=("nemo_factuality.rewards", "nemo_factuality.lab.reward"))
+REWARDS: Registry[Any] = Registry("reward", lazy_modules=("nemo_factuality.rewards", "nemo_factuality.lab.reward",
+                                                           "nemo_factuality.lab.method_rewards"))
 
 
 def build_reward(spec: Mapping[str, Any], tokenizer: Any = None) -> Any:

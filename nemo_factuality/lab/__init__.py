@@ -1,2 +1,3 @@
 """The factuality lab (``nemo-factuality lab``): a synthetic world, a tiny policy that hallucinates on rare
-people, factuality RL through the GRPO stage against the served lab reward, and a before/after report."""
+people, the five methods each trained through its own stage against its own reward (served on PyTriton),
+and one report comparing them with honest no-training references."""

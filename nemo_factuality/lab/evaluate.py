@@ -16,6 +16,8 @@ For one policy and one set of entities:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import re
@@ -46,15 +48,22 @@ def apply_threshold(s: Sample, tau: float) -> str:
 
 
 def responses_for(model, tokenizer, names: Sequence[str], tiers: dict[str, str], *, n: int, greedy: bool = False,
-                  tau: float | None = None, seed: int = 0) -> list[dict]:
-    """Eval records ``{"id", "prompt", "response", "topic", "tier"}`` for ``names`` (``n`` each, 1 when greedy)."""
-    samples = sample(model, tokenizer, [prompt_for(x) for x in names], n=1 if greedy else n, greedy=greedy, seed=seed)
-    reps = 1 if greedy else n
+                  temperature: float = 1.0, tau: float | None = None, seed: int = 0) -> list[dict]:
+    """Eval records ``{"id", "prompt", "response", "topic", "tier"}`` for ``names`` (``n`` each, 1 when greedy),
+    sampled at ``temperature``, with the decode-time threshold ``tau`` applied when given."""
+    samples = sample(model, tokenizer, [prompt_for(x) for x in names], n=1 if greedy else n, greedy=greedy,
+                     temperature=temperature, seed=seed)
+    return rows_from(samples, names, tiers, n=1 if greedy else n, tau=tau)
+
+
+def rows_from(samples: Sequence[Sample], names: Sequence[str], tiers: dict[str, str], *, n: int,
+              tau: float | None = None) -> list[dict]:
+    """Eval records from ``n`` samples per name (prompt-major), thresholded at ``tau`` when given."""
     rows = []
     for i, s in enumerate(samples):
-        name = names[i // reps]
+        name = names[i // n]
         text = apply_threshold(s, tau) if tau is not None else s.response
-        rows.append({"id": f"{name}#{i % reps}", "prompt": s.prompt, "response": text, "topic": name, "tier": tiers[name]})
+        rows.append({"id": f"{name}#{i % n}", "prompt": s.prompt, "response": text, "topic": name, "tier": tiers[name]})
     return rows
 
 
@@ -73,7 +82,10 @@ def label_rows(rows: list[dict], kb_path: Path) -> None:
 
 
 def run_eval(rows: list[dict], kb_path: Path, out_dir: Path) -> dict[str, Any]:
-    """Label, write ``responses.jsonl``, run ``nemo-factuality eval`` into ``out_dir``; return the lab summary."""
+    """Label, write ``responses.jsonl``, run ``nemo-factuality eval`` into ``out_dir``; return the lab summary.
+
+    The eval command's markdown goes to ``out_dir/report.md`` only (the lab prints its own report, not one
+    table per evaluation)."""
     from nemo_factuality.evaluation.cli import main as eval_main
 
     label_rows(rows, kb_path)
@@ -82,12 +94,22 @@ def run_eval(rows: list[dict], kb_path: Path, out_dir: Path) -> dict[str, Any]:
     with records.open("w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    code = eval_main(["--input", str(records), "--output", str(out_dir / "report.json"), "--group-by", "tier",
-                      "--k", ",".join(map(str, SAFE_K)), "--gamma", "0,10"])
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = eval_main(["--input", str(records), "--output", str(out_dir / "report.json"), "--group-by", "tier",
+                          "--k", ",".join(map(str, SAFE_K)), "--gamma", "0,10"])
     if code != 0:
         raise RuntimeError(f"nemo-factuality eval failed on {records} (exit {code})")
     report = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
     return summarise(report, rows)
+
+
+def score_rows(rows: list[dict], kb_path: Path) -> dict[str, Any]:
+    """The same summary as ``run_eval`` without files (for the validation sweeps that tune the references)."""
+    from nemo_factuality.evaluation.report import EvalOptions, build_report, parse_record, to_json_safe
+
+    label_rows(rows, kb_path)
+    records = [parse_record(r, where=r["id"], group_by="tier") for r in rows]
+    return summarise(to_json_safe(build_report(records, EvalOptions(ks=SAFE_K, gammas=(0, 10)))), rows)
 
 
 def _block(group: dict[str, Any], rows: Sequence[dict]) -> dict[str, Any]:

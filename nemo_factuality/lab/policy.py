@@ -110,11 +110,13 @@ def pretrain(model: torch.nn.Module, ids: torch.Tensor, loss_mask: torch.Tensor,
         step += 1
         bar.update(1)
         if step % 50 == 0 or step == max_steps:
-            curve.append({"step": step, "loss": float(loss), "elapsed_s": time.monotonic() - start})
-            bar.set_postfix(loss=f"{float(loss):.3f}")
+            curve.append({"step": step, "loss": loss.item(), "elapsed_s": time.monotonic() - start})
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            if bar.disable:  # no bar (the lab's workers): a line every 50 steps instead
+                log.info("pretraining: step %d/%d, loss %.3f", step, max_steps, loss.item())
     bar.close()
     if not curve or curve[-1]["step"] != step:
-        curve.append({"step": step, "loss": float(loss), "elapsed_s": time.monotonic() - start})
+        curve.append({"step": step, "loss": loss.item(), "elapsed_s": time.monotonic() - start})
     model.eval()
     log.info("pretraining: %d steps in %.0f s, final loss %.3f", step, curve[-1]["elapsed_s"], curve[-1]["loss"])
     return curve
@@ -125,6 +127,7 @@ class Sample:
     prompt: str
     response: str
     value_probs: list[float]  # p(value token) of each sentence, in order (the decode-time confidence)
+    ended: bool = True  # the response ended with EOS (not cut at max_new_tokens)
 
 
 @torch.no_grad()
@@ -142,9 +145,10 @@ def sample(model: torch.nn.Module, tokenizer, prompts: Sequence[str], *, n: int 
     for start in range(0, len(rows), batch_size):
         chunk = rows[start : start + batch_size]
         enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left")
-        gen = model.generate(**enc, do_sample=not greedy, temperature=temperature if not greedy else None, top_k=0,
-                             top_p=1.0, max_new_tokens=max_new_tokens, output_scores=True, return_dict_in_generate=True,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        sampling = {} if greedy else {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+        gen = model.generate(**enc, do_sample=not greedy, **sampling, max_new_tokens=max_new_tokens, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id)
         new = gen.sequences[:, enc["input_ids"].shape[1] :]
         probs = torch.stack([torch.softmax(s.float(), dim=-1) for s in gen.scores], dim=1)  # [b, T, V]
         taken = probs.gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [b, T]
@@ -152,5 +156,5 @@ def sample(model: torch.nn.Module, tokenizer, prompts: Sequence[str], *, n: int 
             ids = new[i].tolist()
             end = ids.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in ids else len(ids)
             vals = [float(taken[i, t - 1]) for t in range(1, end) if ids[t] == period]
-            out.append(Sample(prompt, tokenizer.decode(ids[:end], skip_special_tokens=True), vals))
+            out.append(Sample(prompt, tokenizer.decode(ids[:end], skip_special_tokens=True), vals, end < len(ids)))
     return out

@@ -12,7 +12,7 @@ a guess moves a slot from ``-wrong_penalty`` or ``+1`` to 0, and adding lines ea
 (duplicates count once, extra guesses cost). Answering a slot pays when p(correct) >
 ``wrong_penalty / (1 + wrong_penalty)``; that is the abstention threshold RL should learn.
 
-``mode`` picks the response score (``--compare`` columns):
+``mode`` picks the response score (``nemo-factuality lab --methods slots slots:reward.mode=precision``):
 
 * ``dual`` (default): ``(S - w·F) / n_slots``, pays for precision *and* recall (KLCF's point);
 * ``precision``: ``S / (S + F)`` (0 when no claim is made), precision only (breeds over-abstention).

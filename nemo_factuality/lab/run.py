@@ -1,14 +1,20 @@
-"""``nemo-factuality lab``: world → KB → tiny policy → factuality RL → evaluation → report, in one run folder.
+"""``nemo-factuality lab``: world → KB → tiny policy → each method's training → evaluation → one report.
 
 Run folder layout::
 
-    DIR/world/{people,bios,facts,passages}.jsonl, splits.json   the synthetic world
-    DIR/kb.sqlite                                               the knowledge store (passages + facts)
-    DIR/checkpoints/base, DIR/checkpoints/rl[_<variant>]         HF checkpoints (tokenizer included)
-    DIR/metrics/pretrain.jsonl, rl[_<variant>]_{train,val}.jsonl
-    DIR/rl/<variant>/                                           the GRPO stage's run dir (metrics.jsonl, checkpoints, final/)
-    DIR/eval/<set>_<when>/                                      each ``nemo-factuality eval`` run
-    DIR/report.json, report.md, plots/*.png
+    DIR/report.json, report.md, plots/*.png                 over all seeds (mean ± sd when there are several)
+    DIR/seed<N>/world/{people,bios,facts,passages}.jsonl, splits.json   the seed's synthetic world
+    DIR/seed<N>/kb.sqlite                                    its knowledge store (passages + facts)
+    DIR/seed<N>/checkpoints/base, checkpoints/<method>       HF checkpoints (tokenizer included)
+    DIR/seed<N>/rl/<method>/                                 the stage's own run dir (metrics.jsonl, checkpoints, final/)
+    DIR/seed<N>/metrics/pretrain.jsonl, <method>_{train,val}.jsonl
+    DIR/seed<N>/eval/<set>_<policy>/                         each ``nemo-factuality eval`` run
+    DIR/seed<N>/report.json                                  that seed's blocks
+
+One seed's work is a *prepare* task (world, pretraining, the base's evaluations and the validation-tuned
+references) followed by one task per method. Tasks run in ``jobs`` worker processes with ``threads`` torch
+threads each (see ``configure_threads``): tiny models gain little from a second thread, and one extra
+thread per process is what made a shared machine 8× slower.
 """
 
 from __future__ import annotations
@@ -16,19 +22,18 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import resource
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from nemo_factuality.lab import world as W
-from nemo_factuality.lab.evaluate import responses_for, run_eval
-from nemo_factuality.lab.policy import PolicyConfig, build_policy, encode_docs, pretrain, train_tokenizer
-from nemo_factuality.lab.train import lab_reward, train_grpo
+from nemo_factuality.lab.methods import GROUPS, METHODS, route_overrides
+from nemo_factuality.lab.policy import PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +46,59 @@ class LabConfig:
     n_val: tuple[int, int, int] = (10, 15, 25)
     n_heldout: tuple[int, int, int] = (40, 40, 40)
     policy: PolicyConfig = PolicyConfig()
-    pretrain_budget_s: float = 600.0  # a cap on wall time; the step count is the setting
-    pretrain_steps: int = 450  # enough to know popular people, not rare ones: RL has something to calibrate
-    reward: dict[str, Any] = field(default_factory=lambda: {"name": "lab_slots", "wrong_penalty": 1.0, "mode": "dual"})
-    grpo_preset: str = "grpo"  # conf/lab/<preset>.yaml: the GRPO stage's config
-    grpo_overrides: tuple[str, ...] = ()  # key=value on top of it
+    pretrain_budget_s: float = 1200.0  # a cap on wall time; the step count is the setting
+    pretrain_steps: int = 450  # enough to know popular people, not rare ones: training has something to calibrate
+    methods: tuple[str, ...] = GROUPS["all"]
+    presets: dict[str, str] = field(default_factory=lambda: {"grpo": "grpo", "ppo": "ppo", "kto": "kto"})
+    overrides: tuple[str, ...] = ()  # [method:]key=value on the stage configs, [method:]reward.key=value on the rewards
     eval_samples: int = 4
-    tau: float = 0.5
+    temperatures: tuple[float, ...] = (0.25, 0.5, 0.75)  # tried on validation for the tuned-temperature reference
+    thresholds: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)  # ... and for the threshold reference
+    checklist_samples: int = 4  # base samples per prompt for KLCF's checklists
     reward_transport: str = "pytriton"  # pytriton | inprocess
     balanced_rl_prompts: bool = True
-    trainable: str = "calibration"  # all | calibration (final norm + the abstention row; see lab/train.py)
-    compare: bool = False
-    seed: int = 0
+    trainable: str = "calibration"  # calibration | abstention | all (see lab/train.py)
+    seeds: tuple[int, ...] = (0,)
+    jobs: int = 1  # worker processes (1: everything in this process)
+    threads: int = 1  # torch threads per process
 
 
-def quick_config(seed: int = 0) -> LabConfig:
-    """A small world a 2-layer policy memorises in a few hundred steps (CI: under 3 minutes)."""
-    return LabConfig(world=W.WorldConfig(n_people=(20, 30, 60), bios_per_person=(12, 3, 1), seed=seed),
-                     n_val=(4, 4, 8), n_heldout=(6, 8, 16), pretrain_budget_s=120.0, pretrain_steps=300,
+def quick_config() -> LabConfig:
+    """A small world a 2-layer policy memorises in a few hundred steps (CI)."""
+    return LabConfig(world=W.WorldConfig(n_people=(20, 30, 60), bios_per_person=(12, 3, 1)),
+                     n_val=(4, 4, 8), n_heldout=(6, 8, 16), pretrain_steps=300,
                      policy=PolicyConfig(hidden=96, layers=2, heads=4, intermediate=256),
-                     grpo_preset="grpo_quick", eval_samples=4, seed=seed)
+                     presets={"grpo": "grpo_quick", "ppo": "ppo_quick", "kto": "kto_quick"})
+
+
+# ---------------------------------------------------------------------------------------------- threads, timing
+def configure_threads(threads: int) -> None:
+    """One pool size for every library that would start its own: torch intra-op (and inter-op, when still
+    settable), OpenMP/MKL children such as the reward server's Triton stub, and the Rust tokenizers' pool."""
+    import torch
+
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
+        os.environ[var] = str(threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["TQDM_DISABLE"] = "1"  # workers log progress lines; interleaved bars from several processes are noise
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
+        torch.set_num_interop_threads(threads)
+
+
+def _usage() -> tuple[float, float]:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.monotonic(), me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@contextlib.contextmanager
+def timed(into: dict[str, Any], name: str) -> Iterator[None]:
+    """Wall and CPU seconds (this process and its finished children, e.g. the Triton server)."""
+    wall, cpu = _usage()
+    log.info("lab: %s", name)
+    yield
+    end_wall, end_cpu = _usage()
+    into[name] = {"wall_s": end_wall - wall, "cpu_s": end_cpu - cpu}
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -68,45 +106,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
 
 
-class _Clock:
-    """Wall and CPU seconds per phase (CPU time is the honest number on a shared machine)."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, dict[str, float]] = {}
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        wall, cpu = time.monotonic(), _cpu_s()
-        log.info("lab phase: %s", name)
-        yield
-        self.phases[name] = {"wall_s": time.monotonic() - wall, "cpu_s": _cpu_s() - cpu}
-
-
-def _cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def build_world(cfg: LabConfig, out: Path) -> tuple[list[W.Person], list[dict], W.Splits, Path]:
-    people = W.make_people(cfg.world)
-    bios = W.make_bios(people, cfg.world)
-    splits = W.split_people(people, cfg.n_val, cfg.n_heldout, cfg.seed)
-    paths = W.write_world(out / "world", people, bios, splits)
-    kb = W.build_world_kb(paths, out / "kb.sqlite")
-    return people, bios, splits, kb
-
-
-def pretrain_policy(cfg: LabConfig, bios: list[dict], out: Path) -> tuple[Any, Any, Path]:
-    base = out / "checkpoints" / "base"
-    tok = train_tokenizer([f"{b['prompt']} {b['response']}" for b in bios], base)
-    model = build_policy(len(tok), cfg.policy, cfg.seed, tok)
-    ids, mask = encode_docs(tok, bios)
-    curve = pretrain(model, ids, mask, budget_s=cfg.pretrain_budget_s, max_steps=cfg.pretrain_steps, seed=cfg.seed)
-    model.save_pretrained(base)
-    _write_jsonl(out / "metrics" / "pretrain.jsonl", curve)
-    return model, tok, base
-
-
+# ---------------------------------------------------------------------------------------------- one seed: prepare
 def rl_prompt_pool(rl_names: list[str], tiers: dict[str, str], balanced: bool) -> list[str]:
     """The RL prompt records: every RL entity, with each tier repeated up to the largest tier's size when ``balanced``.
 
@@ -121,83 +121,240 @@ def rl_prompt_pool(rl_names: list[str], tiers: dict[str, str], balanced: bool) -
     return [names[i % len(names)] for names in by_tier.values() if names for i in range(size)]
 
 
-def rl_sample(splits: W.Splits, people: list[W.Person], n_heldout: tuple[int, int, int]) -> list[str]:
+def rl_sample(splits: W.Splits, tiers: dict[str, str], n_heldout: tuple[int, int, int]) -> list[str]:
     """RL-prompt entities to evaluate on: the same tier mix and size as the held-out set."""
-    by_tier = {p.name: p.tier for p in people}
     out = []
     for tier, k in zip(W.TIERS, n_heldout, strict=True):
-        out += [x for x in splits.rl if by_tier[x] == tier][:k]
+        out += [x for x in splits.rl if tiers[x] == tier][:k]
     return out
 
 
-def run_rl_variant(cfg: LabConfig, name: str, reward_spec: dict, overrides: list[str], base: Path, kb: Path,
-                   splits: W.Splits, tiers: dict[str, str], out: Path) -> tuple[Any, dict[str, Any]]:
-    """Train one RL variant with the GRPO stage from the base checkpoint; export it and its metrics."""
-    from transformers import AutoTokenizer
+def prepare_seed(cfg: LabConfig, seed: int, out: Path) -> dict[str, Any]:
+    """World, knowledge store, pretrained base, the base's evaluations and the validation-tuned references."""
+    import torch
 
-    spec = {**reward_spec, "store_path": str(kb), "tokenizer": str(base)}
-    rl_names = rl_prompt_pool(splits.rl, tiers, cfg.balanced_rl_prompts)
-    with lab_reward(cfg.reward_transport, spec, base) as (reward, reward_overrides):
-        model, train_log, val_log = train_grpo(cfg.grpo_preset, [*reward_overrides, f"trainer.seed={cfg.seed}", *overrides],
-                                               base, out / "rl" / name, reward, rl_names, splits.val, cfg.eval_samples,
-                                               cfg.trainable)
-    ckpt = out / "checkpoints" / name
-    model.save_pretrained(ckpt)
-    AutoTokenizer.from_pretrained(base).save_pretrained(ckpt)
-    _write_jsonl(out / "metrics" / f"{name}_train.jsonl", train_log)
-    _write_jsonl(out / "metrics" / f"{name}_val.jsonl", val_log)
-    best = max(val_log, key=lambda v: v["val/lab_reward"])
-    return model, {"steps": len(train_log), "best_step": best["step"], "train": train_log, "val": val_log}
+    from nemo_factuality.lab.decoding import tune_references
+    from nemo_factuality.lab.evaluate import responses_for, run_eval
+    from nemo_factuality.lab.policy import build_policy, encode_docs, pretrain, train_tokenizer
+
+    timings: dict[str, Any] = {}
+    torch.manual_seed(seed)
+    with timed(timings, f"seed {seed}: world"):
+        wcfg = replace(cfg.world, seed=seed)
+        people = W.make_people(wcfg)
+        bios = W.make_bios(people, wcfg)
+        splits = W.split_people(people, cfg.n_val, cfg.n_heldout, seed)
+        kb = W.build_world_kb(W.write_world(out / "world", people, bios, splits), out / "kb.sqlite")
+    tiers = {p.name: p.tier for p in people}
+    with timed(timings, f"seed {seed}: pretrain"):
+        base = out / "checkpoints" / "base"
+        tok = train_tokenizer([f"{b['prompt']} {b['response']}" for b in bios], base)
+        model = build_policy(len(tok), cfg.policy, seed, tok)
+        ids, mask = encode_docs(tok, bios)
+        curve = pretrain(model, ids, mask, budget_s=cfg.pretrain_budget_s, max_steps=cfg.pretrain_steps, seed=seed)
+        model.save_pretrained(base)
+        _write_jsonl(out / "metrics" / "pretrain.jsonl", curve)
+    blocks: dict[str, Any] = {"heldout": {}, "rl_prompts": {}}
+    rl_names = rl_sample(splits, tiers, cfg.n_heldout)
+    eval_seed = seed + 7
+
+    def heldout(name: str, **kw: Any) -> dict[str, Any]:
+        rows = responses_for(model, tok, splits.heldout, tiers, n=cfg.eval_samples, seed=eval_seed, **kw)
+        return run_eval(rows, kb, out / "eval" / f"heldout_{name}")
+
+    with timed(timings, f"seed {seed}: base evaluations"):
+        tuning = tune_references(model, tok, splits.val, tiers, kb, n=cfg.eval_samples, temperatures=cfg.temperatures,
+                                 thresholds=cfg.thresholds, seed=seed + 3)
+        blocks["heldout"]["t1"] = heldout("base")
+        blocks["heldout"]["greedy"] = heldout("base_greedy", greedy=True)
+        blocks["heldout"]["tuned_temperature"] = heldout("base_tuned_temperature", temperature=tuning["temperature"])
+        blocks["heldout"]["tuned_threshold"] = heldout("base_tuned_threshold", tau=tuning["threshold"])
+        rows = responses_for(model, tok, rl_names, tiers, n=cfg.eval_samples, seed=eval_seed)
+        blocks["rl_prompts"]["t1"] = run_eval(rows, kb, out / "eval" / "rl_prompts_base")
+        blocks["validation"] = validation_blocks(model, tok, splits.val, tiers, kb, cfg, seed)
+    ctx = {"seed": seed, "dir": str(out), "kb": str(kb), "base": str(base), "splits": asdict(splits), "tiers": tiers,
+           "rl_sample": rl_names, "base_blocks": blocks, "tuning": tuning, "timings": timings,
+           "pretrain": {"steps": curve[-1]["step"], "final_loss": curve[-1]["loss"]}}
+    if "klcf" in cfg.methods:
+        with timed(timings, f"seed {seed}: klcf checklists"):
+            ctx["checklists"] = str(klcf_checklists(cfg, model, tok, [*splits.rl, *splits.val], kb, out, seed))
+    return ctx
 
 
-def evaluate(model, tok, names: list[str], tiers: dict[str, str], kb: Path, out_dir: Path, cfg: LabConfig,
-             **kwargs: Any) -> dict[str, Any]:
-    rows = responses_for(model, tok, names, tiers, n=cfg.eval_samples, seed=cfg.seed + 7, **kwargs)
-    return run_eval(rows, kb, out_dir)
+def klcf_checklists(cfg: LabConfig, model: Any, tok: Any, names: list[str], kb: Path, out: Path, seed: int) -> Path:
+    """KLCF's offline step: what the base already knows about each person, as the supported claims of
+    ``checklist_samples`` base samples (``rewards.klcf_checklist.checklist_for`` with the lab's pipeline)."""
+    from nemo_factuality.lab.method_rewards import lab_pipeline
+    from nemo_factuality.lab.policy import sample
+    from nemo_factuality.rewards.klcf_checklist import checklist_for
+
+    n = cfg.checklist_samples
+    samples = sample(model, tok, [W.prompt_for(x) for x in names], n=n, seed=seed + 11)
+    pipeline = lab_pipeline(str(kb))
+    lists = {x: checklist_for(pipeline, W.prompt_for(x), [s.response for s in samples[i * n : (i + 1) * n]])
+             for i, x in enumerate(names)}
+    path = out / "klcf_checklists.json"
+    path.write_text(json.dumps(lists), encoding="utf-8")
+    return path
 
 
-def compare_variants(cfg: LabConfig) -> dict[str, tuple[dict, list[str]]]:
-    """``--compare`` columns (KLCF's point and RLFH/FSPO's): a precision-only reward instead of the dual one,
-    and a response-level advantage (no per-sentence FSPO signs) instead of the sentence-level one."""
-    return {"rl_precision_only": ({**cfg.reward, "mode": "precision"}, []),
-            "rl_response_level": (cfg.reward, ["grpo.fspo_flip=false"])}
+def validation_blocks(model: Any, tok: Any, names: list[str], tiers: dict[str, str], kb: Path, cfg: LabConfig,
+                      seed: int) -> dict[str, Any]:
+    """A policy on the validation entities at T=1 and greedy: what design choices are compared on."""
+    from nemo_factuality.lab.evaluate import responses_for, score_rows
+
+    return {key: score_rows(responses_for(model, tok, names, tiers, n=cfg.eval_samples, seed=seed + 13, **kw), kb)
+            for key, kw in (("t1", {}), ("greedy", {"greedy": True}))}
+
+
+# ---------------------------------------------------------------------------------------------- one seed: a method
+def prompt_records(names: list[str], columns: tuple[str, ...], facts: dict[str, dict[str, str]],
+                   checklists: dict[str, list[str]] | None) -> list[Any]:
+    """``PromptRecord``s with the columns a method's reward reads."""
+    from nemo_factuality.trainers.data import PromptRecord
+
+    def cols(name: str) -> dict[str, Any]:
+        table = {"ground_truth": lambda: facts[name], "topic": lambda: name, "checklist": lambda: (checklists or {})[name]}
+        return {c: table[c]() for c in columns}
+
+    return [PromptRecord(prompt=W.prompt_for(x), columns=cols(x)) for x in names]
+
+
+def run_method(cfg: LabConfig, ctx: dict[str, Any], name: str) -> dict[str, Any]:
+    """Train ``name`` from the seed's base through its stage, then score it (held-out at T=1 and greedy, RL
+    prompts at T=1, the learned-temperature check). Returns the method's blocks for the report."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nemo_factuality.lab.decoding import effective_temperature
+    from nemo_factuality.lab.evaluate import responses_for, run_eval
+    from nemo_factuality.lab.reward import build_lab_reward
+    from nemo_factuality.lab.train import Validator, lab_reward, load_stage_config, train_stage
+
+    method, seed, out, kb, base = METHODS[name], ctx["seed"], Path(ctx["dir"]), Path(ctx["kb"]), Path(ctx["base"])
+    stage_overrides, reward_overrides = route_overrides(cfg.overrides, cfg.methods)[name]
+    splits, tiers, timings = W.Splits(**ctx["splits"]), ctx["tiers"], {}
+    facts = {p["name"]: p["facts"] for p in map(json.loads, (out / "world" / "people.jsonl").read_text().splitlines())}
+    checklists = json.loads(Path(ctx["checklists"]).read_text()) if "checklists" in ctx else None
+    records = prompt_records(rl_prompt_pool(splits.rl, tiers, cfg.balanced_rl_prompts), method.columns, facts, checklists)
+    val_records = prompt_records(splits.val, method.columns, facts, checklists)
+    spec = {**method.reward, **reward_overrides, "store_path": str(kb)}
+    slot_reward = build_lab_reward(str(kb))
+    with timed(timings, f"seed {seed}: {name}: train"), lab_reward(cfg.reward_transport, spec, base,
+                                                                                   out / "rl" / name / "triton.log") as (reward, via):
+        stage_cfg = load_stage_config(method.stage, cfg.presets[method.stage],
+                                      [f"model.path={base}", f"exp_manager.explicit_log_dir={out / 'rl' / name}",
+                                       f"trainer.seed={seed}", *via, *stage_overrides])
+        model, history, validator = train_stage(
+            method.stage, stage_cfg, base, out / "rl" / name, reward, records,
+            lambda m, t: Validator(m, t, reward, val_records, cfg.eval_samples, slot_reward, f"seed {seed}: {name}: "),
+            cfg.trainable)
+    tok = AutoTokenizer.from_pretrained(base)
+    model.save_pretrained(out / "checkpoints" / name)
+    tok.save_pretrained(out / "checkpoints" / name)
+    _write_jsonl(out / "metrics" / f"{name}_train.jsonl", history)
+    _write_jsonl(out / "metrics" / f"{name}_val.jsonl", validator.log)
+    eval_seed = seed + 7
+    result: dict[str, Any] = {"heldout": {}, "rl_prompts": {}}
+    with timed(timings, f"seed {seed}: {name}: evaluate"):
+        for key, kw in (("t1", {}), ("greedy", {"greedy": True})):
+            rows = responses_for(model, tok, splits.heldout, tiers, n=cfg.eval_samples, seed=eval_seed, **kw)
+            result["heldout"][key] = run_eval(rows, kb, out / "eval" / f"heldout_{name}{'_greedy' if kw else ''}")
+        rows = responses_for(model, tok, ctx["rl_sample"], tiers, n=cfg.eval_samples, seed=eval_seed)
+        result["rl_prompts"]["t1"] = run_eval(rows, kb, out / "eval" / f"rl_prompts_{name}")
+        result["validation"] = validation_blocks(model, tok, splits.val, tiers, kb, cfg, seed)
+        base_model = AutoModelForCausalLM.from_pretrained(base).eval()
+        t_eff = effective_temperature(base_model, model, tok, splits.val, n=cfg.eval_samples,
+                                      abstain_id=tok.convert_tokens_to_ids(W.ABSTAIN_VALUE), seed=seed + 5)
+        result["effective_temperature"] = t_eff
+        rows = responses_for(base_model, tok, splits.heldout, tiers, n=cfg.eval_samples, seed=eval_seed, temperature=t_eff)
+        result["heldout"]["base_at_t_eff"] = run_eval(rows, kb, out / "eval" / f"heldout_base_at_t_eff_{name}")
+    samples = _samples_per_step(method.stage, stage_cfg)
+    result["training"] = {"stage": method.stage, "steps": _steps_run(history), "best_step": validator.best_step,
+                          "val_reward_base": validator.log[0]["val/reward"], "val_reward_best": validator.best_value,
+                          "policy_samples_budget": samples * _budget_steps(method.stage, stage_cfg),
+                          "val": validator.log, "timings": timings}
+    return result
+
+
+def _samples_per_step(stage: str, c: Any) -> int:
+    if stage == "grpo":
+        return c.grpo.num_prompts_per_step * c.grpo.num_rollouts_per_prompt
+    if stage == "ppo":
+        return c.ppo.num_prompts_per_step
+    return c.kto.prompts_per_iteration * c.kto.samples_per_prompt
+
+
+def _budget_steps(stage: str, c: Any) -> int:
+    return c.kto.num_iterations if stage == "kto" else c.trainer.max_steps
+
+
+def _steps_run(history: list[dict]) -> int:
+    return max((int(h["step"]) for h in history if "step" in h), default=0)
+
+
+# ---------------------------------------------------------------------------------------------- the scheduler
+class _Inline:
+    """``ProcessPoolExecutor``'s ``submit`` for ``jobs=1``: run now, in this process."""
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        fut.set_result(fn(*args))
+        return fut
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _worker_init(threads: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_libraries()
+    configure_threads(threads)
+
+
+def quiet_libraries() -> None:
+    """The lab logs its own progress; the stages' per-step lines and the eval command's are left to their files."""
+    import transformers
+
+    for name in ("nemo_factuality.trainers", "nemo_factuality.evaluation", "nemo_factuality.serving",
+                 "nemo_factuality.knowledge", "pytriton"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()  # e.g. the critic's "score head newly initialised" load report
 
 
 def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
-    """The whole lab; writes every artefact under ``out`` and returns the report dict."""
+    """The whole lab over ``cfg.seeds``; writes every artefact under ``out`` and returns the report dict."""
     from nemo_factuality.lab.report import write_report
 
-    torch.manual_seed(cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
-    clock = _Clock()
-    with clock.phase("world"):
-        people, bios, splits, kb = build_world(cfg, out)
-    tiers = {p.name: p.tier for p in people}
-    rl_names = rl_sample(splits, people, cfg.n_heldout)
-    with clock.phase("pretrain"):
-        model, tok, base = pretrain_policy(cfg, bios, out)
-    report: dict[str, Any] = {"config": asdict(cfg), "heldout": {}, "rl_prompts": {}, "references": {}, "variants": {}}
-    with clock.phase("eval_before"):
-        report["heldout"]["before"] = evaluate(model, tok, splits.heldout, tiers, kb, out / "eval" / "heldout_before", cfg)
-        report["rl_prompts"]["before"] = evaluate(model, tok, rl_names, tiers, kb, out / "eval" / "rl_prompts_before", cfg)
-        report["references"]["greedy"] = evaluate(model, tok, splits.heldout, tiers, kb, out / "eval" / "heldout_greedy", cfg,
-                                                  greedy=True)
-        report["references"][f"threshold_tau{cfg.tau:g}"] = evaluate(model, tok, splits.heldout, tiers, kb,
-                                                                    out / "eval" / "heldout_threshold", cfg, tau=cfg.tau)
-    with clock.phase("rl"):
-        rl_model, info = run_rl_variant(cfg, "rl", cfg.reward, list(cfg.grpo_overrides), base, kb, splits, tiers, out)
-    report["training"] = {"rl": {k: v for k, v in info.items() if k not in ("train", "val")}}
-    with clock.phase("eval_after"):
-        report["heldout"]["after"] = evaluate(rl_model, tok, splits.heldout, tiers, kb, out / "eval" / "heldout_after", cfg)
-        report["rl_prompts"]["after"] = evaluate(rl_model, tok, rl_names, tiers, kb, out / "eval" / "rl_prompts_after", cfg)
-    curves = {"rl": info}
-    if cfg.compare:
-        with clock.phase("compare"):
-            for name, (spec, extra) in compare_variants(cfg).items():
-                m, vinfo = run_rl_variant(cfg, name, spec, [*cfg.grpo_overrides, *extra], base, kb, splits, tiers, out)
-                report["variants"][name] = {"heldout": evaluate(m, tok, splits.heldout, tiers, kb, out / "eval" / f"heldout_{name}", cfg),
-                                            "steps": vinfo["steps"], "best_step": vinfo["best_step"]}
-                curves[name] = vinfo
-    report["timings"] = clock.phases
-    write_report(report, curves, out)
+    configure_threads(cfg.threads)
+    quiet_libraries()
+    start = _usage()
+    results: dict[int, dict[str, Any]] = {}
+    if cfg.jobs > 1:
+        import multiprocessing
+
+        pool: Any = ProcessPoolExecutor(cfg.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+                                        initargs=(cfg.threads,))
+    else:
+        pool = _Inline()
+    with pool:
+        pending: dict[Future, tuple[int, str | None]] = {
+            pool.submit(prepare_seed, cfg, s, out / f"seed{s}"): (s, None) for s in cfg.seeds}
+        while pending:
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for fut in done:
+                seed, method = pending.pop(fut)
+                value = fut.result()  # a failed task fails the run, with its own traceback
+                if method is None:
+                    results[seed] = {"context": value, "methods": {}}
+                    for name in cfg.methods:
+                        pending[pool.submit(run_method, cfg, value, name)] = (seed, name)
+                else:
+                    results[seed]["methods"][method] = value
+                    log.info("lab: seed %d: %s done", seed, method)
+    end = _usage()
+    report = write_report(cfg, results, out, {"wall_s": end[0] - start[0], "cpu_s": end[1] - start[1]})
     return report

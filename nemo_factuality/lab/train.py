@@ -1,17 +1,19 @@
-"""The lab's RL phase on the package's GRPO stage (``trainers.grpo.GRPOTrainer``, ``hf`` backend).
+"""The lab's training phase on the package's own stages (``trainers/{grpo,ppo,kto}.py``, ``hf`` backend).
 
-The lab supplies what the stage takes: the pretrained base (``model.path``), the lab reward (served on
-PyTriton in this process, or in-process), the RL prompts as ``PromptRecord``s, and ``validate(step)``
-(the mean lab reward, precision and claims of T=1 samples on the validation entities), which drives
-early stopping. The stage's config is ``conf/lab/grpo.yaml`` (``grpo_quick.yaml`` for ``--quick``).
+The lab supplies what a stage takes: the pretrained base (``model.path``), the method's reward (served on
+PyTriton in this process, or in-process), the RL prompts as ``PromptRecord``s with the columns the
+reward reads, and ``validate(step)``: the method's own mean reward on T=1 samples of the *validation*
+entities (plus the lab's precision and claims, for the curves). The validator keeps the best weights it
+has seen, the base's included (step 0), and training ends on them: model selection never looks at the
+held-out entities. Stage configs: ``conf/lab/{grpo,ppo,kto}.yaml`` (``*_quick.yaml`` for ``--quick``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import copy
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,130 +21,178 @@ import numpy as np
 import torch
 
 from nemo_factuality.lab.policy import sample
-from nemo_factuality.lab.world import ABSTAIN_VALUE, RESPONSE_MARKER, prompt_for
+from nemo_factuality.lab.world import ABSTAIN_VALUE, RESPONSE_MARKER
+from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 
+STAGES = ("grpo", "ppo", "kto")
+MONITOR = "val/reward"
 
-def load_grpo_config(preset: str, overrides: Sequence[str]):
-    """``conf/lab/<preset>.yaml`` over the GRPOConfig schema, plus ``key=value`` overrides, validated."""
+
+def stage_schema(stage: str) -> type:
+    from nemo_factuality.trainers.config import GRPOConfig, KTOConfig, PPOConfig
+
+    return {"grpo": GRPOConfig, "ppo": PPOConfig, "kto": KTOConfig}[stage]
+
+
+def load_stage_config(stage: str, preset: str, overrides: Sequence[str]) -> Any:
+    """``conf/lab/<preset>.yaml`` over the stage's schema, plus ``key=value`` overrides, validated."""
     from nemo_factuality.config import load_config
-    from nemo_factuality.trainers.config import GRPOConfig, validate_train_config
+    from nemo_factuality.trainers.config import validate_train_config
 
-    cfg = load_config(GRPOConfig, preset, list(overrides), group="lab")
+    cfg = load_config(stage_schema(stage), preset, list(overrides), group="lab")
     validate_train_config(cfg)
     return cfg
 
 
 @contextlib.contextmanager
-def lab_reward(transport: str, spec: dict[str, Any], tokenizer_dir: Path) -> Iterator[tuple[Any, list[str]]]:
-    """The reward object and the config overrides that name it: PyTriton (default) or in-process."""
-    from nemo_factuality.registry import REWARDS
+def lab_reward(transport: str, spec: dict[str, Any], tokenizer_dir: Path,
+               server_log: Path | None = None) -> Iterator[tuple[Any, list[str]]]:
+    """The reward object and the config overrides that name it: PyTriton (default) or in-process.
+
+    The Triton server prints its start-up tables and shutdown notes to this process's stdout; they go to
+    ``server_log`` instead (nothing else of the lab writes to stdout while the server lives)."""
+    from nemo_factuality.registry import build_reward
 
     if transport == "inprocess":
-        yield REWARDS.build(spec), [f"+reward={json.dumps(spec)}"]
+        yield build_reward(spec, str(tokenizer_dir)), ["+reward=" + _json(spec)]
         return
     from nemo_factuality.serving.config import ServeConfig
     from nemo_factuality.serving.server import FactualityRewardServer
     from nemo_factuality.testing.ports import free_ports
     from nemo_factuality.trainers.config import GRPOConfig
-    from nemo_factuality.trainers.runtime import build_reward
+    from nemo_factuality.trainers.runtime import build_reward as stage_reward
 
     ports = free_ports(5)
     serve_cfg = ServeConfig(reward=spec, policy_tokenizer=str(tokenizer_dir), response_marker=RESPONSE_MARKER,
                             host="127.0.0.1", http_port=ports[0],
                             grpc_port=ports[1], triton_metrics_port=ports[2], health_port=ports[3], metrics_port=ports[4])
     url = f"http://127.0.0.1:{ports[0]}"
-    with FactualityRewardServer(serve_cfg, REWARDS.build(spec)):
+    with contextlib.ExitStack() as stack:
+        if server_log is not None:
+            server_log.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(contextlib.redirect_stdout(stack.enter_context(server_log.open("a", encoding="utf-8"))))
+        stack.enter_context(FactualityRewardServer(serve_cfg, build_reward(spec, str(tokenizer_dir))))
         cfg = GRPOConfig()
         cfg.remote_rm.url = url
-        yield build_reward(cfg, None), [f"remote_rm.url={url}"]  # the stage's own client, health-checked
+        yield stage_reward(cfg, None), [f"remote_rm.url={url}"]  # the stage's own client, health-checked
 
 
-def make_validator(model: Any, tokenizer: Any, reward: Any, names: Sequence[str], n: int):
-    """``validate(step)`` for early stopping: lab reward, precision and claims of T=1 samples on ``names``."""
-    prompts = [prompt_for(x) for x in names]
+def _json(spec: Mapping[str, Any]) -> str:
+    import json
 
-    def validate(step: int) -> dict[str, float]:
-        model.eval()
-        samples = sample(model, tokenizer, prompts, n=n, seed=10_000 + step)
-        batch = reward([s.prompt for s in samples], [s.response for s in samples])
-        comp = batch.components
-        return {"val/lab_reward": float(np.mean(batch.scores)),
-                "val/precision": float(comp["supported"].sum() / max(comp["claims"].sum(), 1)),
-                "val/claims": float(np.mean(comp["claims"]))}
-
-    return validate
+    return json.dumps(dict(spec))
 
 
-TRAINABLE = ("all", "calibration")
+class Validator:
+    """``validate(step)``: the method's own mean reward on T=1 samples of the validation prompts, and the lab's
+    precision / claims per response (``slot_reward``); remembers the weights of the best ``val/reward`` so far."""
+
+    def __init__(self, model: Any, tokenizer: Any, reward: Any, records: Sequence[PromptRecord], n: int,
+                 slot_reward: Callable[..., Any], label: str = "") -> None:
+        self.model, self.tokenizer, self.reward, self.records, self.n = model, tokenizer, reward, list(records), n
+        self.slot_reward, self.label = slot_reward, label
+        self.log: list[dict[str, float]] = []
+        self.best_step: int | None = None
+        self.best_value = -float("inf")
+        self.best_state: dict[str, torch.Tensor] | None = None
+
+    def __call__(self, step: int) -> dict[str, float]:
+        self.model.eval()
+        samples = sample(self.model, self.tokenizer, [r.prompt for r in self.records], n=self.n, seed=10_000 + step)
+        rows = [r for r in self.records for _ in range(self.n)]
+        names = sorted({k for r in rows for k in r.columns})
+        prompts, texts = [r.prompt for r in rows], [s.response for s in samples]
+        batch = self.reward(prompts, texts, is_end=[s.ended for s in samples], **{k: [r.columns.get(k) for r in rows] for k in names})
+        slots = self.slot_reward(prompts, texts).components
+        out = {MONITOR: float(np.nanmean(batch.scores)) if np.isfinite(batch.scores).any() else float("nan"),
+               "val/precision": float(slots["supported"].sum() / max(slots["claims"].sum(), 1)),
+               "val/claims": float(np.mean(slots["claims"])), "val/abstained": float(np.mean(slots["abstained"]))}
+        self.log.append({"step": step, **out})
+        if out[MONITOR] > self.best_value:  # NaN never wins
+            self.best_value, self.best_step = out[MONITOR], step
+            self.best_state = copy.deepcopy(self.model.state_dict())
+        log.info("%svalidation at step %d: reward %.3f, precision %.3f, claims %.2f (best: step %s)", self.label, step,
+                 out[MONITOR], out["val/precision"], out["val/claims"], self.best_step)
+        return out
+
+    def restore_best(self) -> None:
+        if self.best_state is None:
+            raise FactualityInputError("lab: no validation produced a finite reward; the method's reward is NaN on every sample")
+        if self.best_step == 0:
+            log.info("lab: no trained policy beat the base on the validation entities; keeping the base weights")
+        self.model.load_state_dict(self.best_state)
+        self.model.eval()
 
 
-def restrict_to_calibration(model: Any, abstain_id: int) -> list[str]:
-    """Freeze everything but the final norm's gains and the abstention token's output row.
+TRAINABLE = ("calibration", "abstention", "all")
 
-    What is left can sharpen or flatten every value distribution (the norm scales the logits) and
-    move the "unknown" logit as a linear function of the state, but it cannot store a fact about any
-    one person: RL can learn *when* to answer, not *what* to answer. Returns the trainable names.
-    """
+
+def restrict_trainable(model: Any, scope: str, abstain_id: int) -> list[str]:
+    """What RL may change. ``all``: every weight. ``calibration``: the final norm's gains and the abstention
+    token's output row. ``abstention``: that row alone (no temperature channel: the norm gains scale every
+    logit, the row moves only "unknown"). Neither narrow scope can store a fact about any one person:
+    RL can learn *when* to answer, not *what* to answer. Returns the trainable parameter names."""
+    if scope not in TRAINABLE:
+        raise FactualityInputError(f"lab: trainable must be one of {TRAINABLE}, got {scope!r}")
+    if scope == "all":
+        return ["all"]
     for p in model.parameters():
         p.requires_grad_(False)
-    norm = model.get_decoder().norm.weight
     head = model.get_output_embeddings().weight
-    norm.requires_grad_(True)
     head.requires_grad_(True)
     rows = torch.zeros(head.shape[0], 1, dtype=head.dtype)
     rows[abstain_id] = 1.0
     head.register_hook(lambda grad: grad * rows.to(grad.device))  # only the abstention row moves
-    return ["model.norm.weight", f"lm_head.weight[{abstain_id}]"]
+    names = [f"lm_head.weight[{abstain_id}]"]
+    if scope == "calibration":
+        model.get_decoder().norm.weight.requires_grad_(True)
+        names.insert(0, "model.norm.weight")
+    return names
 
 
-def train_grpo(preset: str, overrides: Sequence[str], base: Path, run_dir: Path, reward: Any,
-               rl_names: Sequence[str], val_names: Sequence[str], val_samples: int,
-               trainable: str = "all") -> tuple[Any, list[dict], list[dict]]:
-    """Run the GRPO stage from ``base``; returns (the policy with its best weights, train metrics, val metrics)."""
+def train_stage(stage: str, cfg: Any, base: Path, run_dir: Path, reward: Any, records: Sequence[PromptRecord],
+                validator_for: Callable[[Any, Any], Validator], trainable: str) -> tuple[Any, list[dict], Validator]:
+    """Run ``stage`` from ``base`` with the loaded ``cfg``; returns (the policy on its best validated weights,
+    the stage's per-step metrics, the validator with its log)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_factuality.trainers.backends.hf import HFActor
-    from nemo_factuality.trainers.data import PromptRecord
-    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
 
-    if trainable not in TRAINABLE:
-        raise FactualityInputError(f"lab: trainable must be one of {TRAINABLE}, got {trainable!r}")
-    cfg = load_grpo_config(preset, [f"model.path={base}", f"exp_manager.explicit_log_dir={run_dir}", *overrides])
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
-    if trainable == "calibration":
-        log.info("lab rl: training only %s", restrict_to_calibration(model, tokenizer.convert_tokens_to_ids(ABSTAIN_VALUE)))
-    actor = HFActor(cfg.model, max_steps=cfg.trainer.max_steps, gradient_clip_val=cfg.trainer.gradient_clip_val,
-                    device=cfg.trainer.device, model=model, tokenizer=tokenizer)
-    records = [PromptRecord(prompt=prompt_for(x)) for x in rl_names]
-    validate = make_validator(actor.model, actor.tokenizer, reward, val_names, val_samples)
-    val_log: list[dict] = []
+    log.info("lab %s: training %s", stage, restrict_trainable(model, trainable, tokenizer.convert_tokens_to_ids(ABSTAIN_VALUE)))
+    t = cfg.trainer
+    actor = HFActor(cfg.model, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val, device=t.device, model=model,
+                    tokenizer=tokenizer)
+    validate = validator_for(actor.model, actor.tokenizer)
+    validate(0)  # the base policy's score: training must beat it to be kept
+    if stage == "kto":
+        from nemo_factuality.trainers.kto import KTOTrainer
 
-    def logged_validate(step: int) -> dict[str, float]:
-        out = validate(step)
-        val_log.append({"step": step, **out})
-        return out
+        trainer: Any = KTOTrainer(cfg, actor, reward, records, run_dir=run_dir, validate=validate)
+        trainer.fit()
+        history = _metrics_lines(run_dir)
+    else:
+        if stage == "ppo":
+            from nemo_factuality.trainers.ppo import PPOTrainer
 
-    logged_validate(0)  # the base policy's score: RL must beat it to be kept
-    trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=run_dir, validate=logged_validate)
-    history = trainer.fit()
-    _keep_best(trainer, actor, val_log, cfg.trainer.early_stopping.monitor, base)
-    train_log = [{"step": i + 1, **m} for i, m in enumerate(history)]
-    return actor.model, train_log, val_log
+            critic = HFCritic(cfg.critic, str(base), max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
+                              device=t.device, dtype=cfg.model.dtype)
+            trainer = PPOTrainer(cfg, actor, critic, reward, records, run_dir=run_dir, validate=validate)
+        else:
+            from nemo_factuality.trainers.grpo import GRPOTrainer
+
+            trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=run_dir, validate=validate)
+        history = [{"step": i + 1, **m} for i, m in enumerate(trainer.fit())]
+    validate.restore_best()
+    return actor.model, history, validate
 
 
-def _keep_best(trainer: Any, actor: Any, val_log: list[dict], monitor: str, base: Path) -> None:
-    """End on the best validated weights, also when the run ended at ``max_steps`` (the stage restores
-    them only on an early stop) and when no RL step beat the base policy (then the base is kept)."""
-    best = max(val_log, key=lambda v: v[monitor])
-    if best["step"] == 0:
-        log.info("lab rl: no validation beat the base policy; keeping the base weights")
-        from transformers import AutoModelForCausalLM
+def _metrics_lines(run_dir: Path) -> list[dict]:
+    import json
 
-        actor.model.load_state_dict(AutoModelForCausalLM.from_pretrained(base).state_dict())
-    elif trainer.checkpointer.best:
-        actor.load_weights(trainer.checkpointer.root / trainer.checkpointer.best)
-    actor.model.eval()
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] if path.exists() else []

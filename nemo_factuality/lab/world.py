@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -58,6 +59,20 @@ class Person:
 
 def sentence(name: str, attribute: str, value: str) -> str:
     return ATTRIBUTES[attribute][0].format(s=name, v=value)
+
+
+_SHAPES = [(attr, re.compile("^" + re.escape(shape).replace(re.escape("{s}"), r"(?P<s>.+?)").replace(re.escape("{v}"), r"(?P<v>\S+)")
+                             + "$")) for attr, (shape, _) in ATTRIBUTES.items()]
+
+
+def parse_sentence(text: str) -> tuple[str, str, str] | None:
+    """``(name, attribute, value)`` of one slot sentence, or None when it has no slot's shape."""
+    text = text.strip()
+    for attr, shape in _SHAPES:
+        m = shape.match(text)
+        if m:
+            return m.group("s"), attr, m.group("v")
+    return None
 
 
 RESPONSE_MARKER = "Bio:"
@@ -178,7 +193,9 @@ def build_world_kb(paths: dict[str, Path], kb_path: Path) -> Path:
     """The knowledge store (passages + structured facts) through the package's own builder."""
     from nemo_factuality.knowledge.store import build_store
 
-    return build_store(paths["passages"], kb_path, facts_jsonl=paths["facts"], progress=False)
+    # one tantivy indexing thread: a few thousand bios index in well under a second, and the lab's
+    # processes each keep to one core (lab/run.py, configure_threads)
+    return build_store(paths["passages"], kb_path, facts_jsonl=paths["facts"], progress=False, threads=1)
 
 
 def _write_jsonl(path: Path, rows) -> None:

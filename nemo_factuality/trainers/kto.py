@@ -16,7 +16,8 @@ Each of ``kto.num_iterations`` iterations:
    ``model.global_batch_size``: ``L_KTO`` over response log-ratios ``Σ_t log π/π_ref`` with reference
    point ``z0`` from mismatched prompt/completion pairs of the minibatch, ``L_fKTO`` over sentence
    log-ratios (the sentence's token range) with its own ``z0_f``; both averaged over the minibatch's
-   global example / sentence counts.
+   global example / sentence counts;
+5. ``validate(step)``, when the caller passes one (the lab's model selection), and its metrics are logged.
 
 Checkpoints hold the iteration's labelled data, so a resumed run continues mid-iteration.
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,7 @@ def pack_examples(rows: list[list[int]], prompt_lens: list[int], desirable: list
     tokens = torch.full((n, width), pad_id, dtype=torch.long)
     out = {"sent_start": torch.zeros(n, k, dtype=torch.long), "sent_end": torch.zeros(n, k, dtype=torch.long),
            "sent_label": torch.zeros(n, k, dtype=torch.bool), "sent_valid": torch.zeros(n, k, dtype=torch.bool)}
-    for i, (r, sents) in enumerate(zip(rows, sentences)):
+    for i, (r, sents) in enumerate(zip(rows, sentences, strict=True)):
         tokens[i, : len(r)] = torch.tensor(r)
         for j, (start, end, label) in enumerate(sents):
             out["sent_start"][i, j], out["sent_end"][i, j] = start, end
@@ -137,8 +138,10 @@ class KTOTrainer:
     stage = "kto"
 
     def __init__(self, cfg: KTOConfig, actor: PolicyActor, labeller: Any, prompts: Sequence[PromptRecord], *,
-                 general_pairs: Sequence[PreferencePair] = (), run_dir: Path) -> None:
+                 general_pairs: Sequence[PreferencePair] = (), run_dir: Path,
+                 validate: Callable[[int], Mapping[str, float]] | None = None) -> None:
         self.cfg, self.actor, self.labeller, self.prompts = cfg, actor, labeller, list(prompts)
+        self.validate = validate  # called with the optimiser step after each iteration; its metrics are logged
         self.pairs = list(general_pairs)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -193,7 +196,7 @@ class KTOTrainer:
                 rows.append(rollout.tokens[i, :rlen].tolist())
                 plens.append(plen)
                 desirable.append(bool(label[i]))
-                sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i]) if e > s])
+                sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i], strict=True) if e > s])
                 n_labelled += 1
                 n_good += bool(label[i])
         if self.parallel.size > 1:  # ranks' lists in rank order: the same global set on every rank
@@ -327,6 +330,8 @@ class KTOTrainer:
                     break  # max_steps
                 self.last_data = self.data  # kept for inspection (tests, reports) after the iteration ends
                 self.iteration, self.data = self.iteration + 1, None
+                if self.validate is not None:
+                    self.logger.log(self.step, self.parallel.reduce_metrics(dict(self.validate(self.step))))
                 self._save()
         self._save()
         self.actor.export(self.run_dir / "final")

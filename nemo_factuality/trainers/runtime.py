@@ -327,7 +327,7 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
             continue
         if values is None:
             continue
-        for i, (v, x) in enumerate(zip(values, ids)):
+        for i, (v, x) in enumerate(zip(values, ids, strict=True)):
             if len(v) != len(x):
                 raise RuntimeError(f"reward {attr}[{i}] has {len(v)} entries for {len(x)} response tokens")
     return batch, completions
@@ -341,7 +341,8 @@ def place_on_tokens(values: Sequence[np.ndarray] | None, rollout: Rollout, dtype
     for i, v in enumerate(values):
         if len(v):
             start = int(rollout.prompt_lengths[i]) - 1
-            out[i, start : start + len(v)] = torch.as_tensor(np.asarray(v), dtype=dtype)
+            # torch.tensor copies: a served reward's arrays are read-only views of the response buffer
+            out[i, start : start + len(v)] = torch.tensor(np.asarray(v), dtype=dtype)
     return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nemo_factuality.lab import world as W
-from nemo_factuality.lab.evaluate import apply_threshold, run_eval
+from nemo_factuality.lab.evaluate import apply_threshold, run_eval, score_rows
 from nemo_factuality.lab.policy import Sample
 
 
@@ -18,7 +18,7 @@ def test_threshold_turns_low_confidence_values_into_abstentions():
     assert apply_threshold(short, 0.5) == "Ab Cd was born in unknown. Ab Cd grew"
 
 
-def test_run_eval_scores_with_the_eval_command(tmp_path):
+def test_run_eval_scores_with_the_eval_command(tmp_path, capsys):
     cfg = W.WorldConfig(n_people=(2, 2, 2), bios_per_person=(1, 1, 1), seed=1)
     people = W.make_people(cfg)
     paths = W.write_world(tmp_path / "world", people, W.make_bios(people, cfg), W.split_people(people, (0, 0, 0), (1, 1, 1), 1))
@@ -46,3 +46,8 @@ def test_run_eval_scores_with_the_eval_command(tmp_path):
     assert out["per_tier"]["popular"]["abstain_rate"] == pytest.approx(1 / 3)
     for name in ("report.json", "report.md", "precision_vs_claims.png", "responses.jsonl"):
         assert (tmp_path / "eval" / name).exists()
+    assert capsys.readouterr().out == ""  # the eval command's table goes to its report.md, not to the lab's output
+    fresh = [{k: r[k] for k in ("id", "prompt", "response", "tier")} for r in rows]
+    again = score_rows(fresh, kb)  # the same summary without the files
+    for key in ("factscore", "safe_f1@6", "precision", "claims_per_response", "abstain_rate"):
+        assert again[key] == pytest.approx(out[key]) and again["per_tier"]["rare"][key] == pytest.approx(out["per_tier"]["rare"][key])

@@ -1,7 +1,8 @@
-"""``nemo-factuality lab --quick`` end to end: world, KB, pretraining, GRPO against the PyTriton reward, eval, report.
+"""``nemo-factuality lab --quick --methods all`` end to end: the world, KB, pretraining, every method through its
+own stage against its reward served on PyTriton, the evaluations and the report.
 
-This is the CI run of the lab (under 3 minutes on 2 cores): it checks the run folder, the report
-schema the README promises, and the direction of the change the lab exists to show.
+This is the CI run of the lab (a few minutes on 2 cores, two worker processes): it checks the run folder,
+the report schema the README promises, and the direction each method's training must move held-out FActScore.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import tempfile
 
 import pytest
 
+from nemo_factuality.lab.methods import GROUPS
+
 pytest.importorskip("pytriton")
 
 
@@ -21,48 +24,54 @@ def quick_run(tmp_path_factory):
 
     os.environ.setdefault("PYTRITON_HOME", tempfile.mkdtemp(prefix="pytriton_home_"))
     out = tmp_path_factory.mktemp("lab") / "run"
-    code = main(["lab", "--quick", "--seed", "0", "--out", str(out)])
+    code = main(["lab", "--quick", "--methods", "all", "--jobs", "2", "--out", str(out)])
     return code, out
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_quick_lab_reduces_hallucination_on_heldout_entities(quick_run):
+@pytest.mark.timeout(900)
+def test_quick_lab_trains_every_method_in_the_right_direction(quick_run):
     code, out = quick_run
     report = json.loads((out / "report.json").read_text())
-    for split in ("heldout", "rl_prompts"):
-        for when in ("before", "after"):
-            block = report[split][when]
-            assert 0.0 <= block["factscore"] <= 1.0
-            assert block["claims_per_response"] > 0
-            assert 0.0 <= block["abstain_rate"] <= 1.0
-            assert set(block["per_tier"]) == {"popular", "medium", "rare"}
-    s = report["summary"]
-    assert s["heldout_factscore_gain_points"] == pytest.approx(
-        100 * (report["heldout"]["after"]["factscore"] - report["heldout"]["before"]["factscore"]))
-    # The direction --quick asserts (the exit code says the same).
-    assert s["heldout_factscore_gain_points"] > 0, s
-    assert s["heldout_claims_change"] > -0.5, s
-    assert code == 0
+    assert list(report["methods"]) == list(GROUPS["all"])
+    for name, m in report["methods"].items():
+        for split, whens in (("heldout", ("before", "after", "before_greedy", "after_greedy", "base_at_t_eff")),
+                             ("rl_prompts", ("before", "after")), ("validation", ("before", "after"))):
+            for when in whens:
+                block = m[split][when]
+                assert 0.0 <= block["factscore"] <= 1.0 and 0.0 <= block["abstain_rate"] <= 1.0, (name, split, when)
+                assert set(block["per_tier"]) == {"popular", "medium", "rare"}
+        gain = m["gain"]["t1"]["mean"]
+        assert gain == pytest.approx(100 * (m["heldout"]["after"]["factscore"] - m["heldout"]["before"]["factscore"]))
+        # each method trained on its own reward: held-out FActScore at T=1 rose and claims did not collapse
+        assert gain > 0, (name, gain)
+        assert m["heldout"]["after"]["claims_per_response"] > 0.5 * m["heldout"]["before"]["claims_per_response"], name
+        samples = {t["policy_samples_budget"] for t in m["training"]}
+        assert samples == {1920}, (name, samples)  # the same number of policy samples for every method
+        assert m["effective_temperature"] > 0
+    for key in ("t1", "greedy", "tuned_temperature", "tuned_threshold"):
+        assert 0.0 <= report["references"][key]["factscore"] <= 1.0
+    assert set(report["summary"]) >= {"t1", "greedy", "aim_met"}
+    assert code == 0  # --quick's own direction check agrees
 
 
 @pytest.mark.slow
 def test_quick_lab_run_folder_holds_every_artefact(quick_run):
     _, out = quick_run
-    for rel in ("world/people.jsonl", "world/facts.jsonl", "world/splits.json", "kb.sqlite",
-                "checkpoints/base/config.json", "checkpoints/base/tokenizer.json", "checkpoints/rl/config.json",
-                "metrics/pretrain.jsonl", "metrics/rl_train.jsonl", "metrics/rl_val.jsonl", "rl/rl/metrics.jsonl",
-                "eval/heldout_before/report.json", "eval/heldout_after/report.json", "eval/heldout_greedy/report.json",
-                "eval/heldout_threshold/report.json", "eval/rl_prompts_after/responses.jsonl",
-                "report.md", "plots/reward_curves.png", "plots/precision_vs_claims.png", "plots/per_tier.png"):
+    seed = out / "seed0"
+    for rel in ("world/people.jsonl", "world/facts.jsonl", "world/splits.json", "kb.sqlite", "klcf_checklists.json",
+                "checkpoints/base/config.json", "checkpoints/base/tokenizer.json", "report.json",
+                "metrics/pretrain.jsonl", "eval/heldout_base/report.json", "eval/heldout_base_greedy/report.json",
+                "eval/heldout_base_tuned_threshold/report.json", "eval/heldout_base_tuned_temperature/report.json",
+                "eval/rl_prompts_base/responses.jsonl"):
+        assert (seed / rel).exists(), rel
+    for name in GROUPS["all"]:
+        for rel in (f"checkpoints/{name}/config.json", f"metrics/{name}_val.jsonl", f"rl/{name}/metrics.jsonl",
+                    f"rl/{name}/triton.log", f"eval/heldout_{name}/report.json", f"eval/heldout_{name}_greedy/report.json"):
+            assert (seed / rel).exists(), rel
+        val = [json.loads(line) for line in (seed / "metrics" / f"{name}_val.jsonl").read_text().splitlines()]
+        assert val[0]["step"] == 0 and len(val) >= 2  # the base policy is validated before any training step
+    for rel in ("report.md", "plots/methods.png", "plots/precision_vs_claims.png", "plots/per_tier.png",
+                "plots/validation_curves.png"):
         assert (out / rel).exists(), rel
-    val = [json.loads(line) for line in (out / "metrics" / "rl_val.jsonl").read_text().splitlines()]
-    assert val[0]["step"] == 0 and len(val) >= 2  # the base policy is validated before any RL step
-
-
-def test_lab_refuses_a_used_run_folder(tmp_path, capsys):
-    from nemo_factuality.cli import main
-
-    (tmp_path / "something").write_text("x")
-    assert main(["lab", "--quick", "--out", str(tmp_path)]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "| **factalign** (kto) |" in (out / "report.md").read_text()

@@ -100,7 +100,7 @@ def test_resume_gives_the_same_next_steps(tiny_policy, tmp_path):
     resumed, _ = run(grpo_cfg(tiny_policy, split_dir, **{"trainer.max_steps": 4}), good_fraction, seed=123)
     assert len(resumed) == 2
     keys = ("reward/score", "loss/policy", "loss/kl", "kl", "grad_norm", "response_length/mean")
-    for a, b in zip(full[2:], resumed):
+    for a, b in zip(full[2:], resumed, strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert [m["step"] for m in read_metrics(split_dir)] == [1, 2, 3, 4]
     assert (split_dir / "final" / "config.json").exists()
@@ -158,3 +158,19 @@ def test_kl_in_reward_subtracts_beta_times_mean_token_kl(trainer, monkeypatch):
     exp, _ = _synthetic(trainer, [1.0, 1.0, 0.0, 0.0], [True] * 4)
     # group 0: rewards 1 and 1 − 0.5·2 = 0 → Dr.GRPO advantages +0.5 / −0.5 on every response token
     assert exp["advantages"][0, 1].item() == pytest.approx(0.5) and exp["advantages"][1, 1].item() == pytest.approx(-0.5)
+
+
+def test_served_token_arrays_are_placed_without_a_warning():
+    """A served reward's token signs arrive as read-only views of the response buffer; placing them must not
+    trip torch's non-writable-array UserWarning (the lab printed it once per run)."""
+    import warnings
+
+    from nemo_factuality.trainers.runtime import place_on_tokens
+
+    signs = np.array([1, -1, 0], dtype=np.int8)
+    signs.setflags(write=False)
+    rollout = Rollout(torch.zeros(1, 6, dtype=torch.long), torch.tensor([2]), torch.tensor([5]), torch.tensor([True]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        placed = place_on_tokens([signs], rollout, torch.int8)
+    assert placed.tolist() == [[0, 1, -1, 0, 0]]
