@@ -100,7 +100,9 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     for decoding, after, ref_keys in (("t1", "after", ("t1", "tuned_threshold")), ("greedy", "after_greedy", ("greedy",))):
         best = max(methods, key=lambda m: methods[m]["heldout"][after]["factscore"])
         ref = max(ref_keys, key=lambda k: refs[k]["factscore"])
+        sd = methods[best]["sd"]["heldout"][after]["factscore"]
         out[decoding] = {"best_method": best, "best_method_factscore": fs(methods[best]["heldout"][after]),
+                         "best_method_sd_points": None if sd is None else 100 * sd,
                          "best_reference": ref, "best_reference_factscore": fs(refs[ref]),
                          "margin_points": fs(methods[best]["heldout"][after]) - fs(refs[ref]),
                          "beaten_by": [m for m in methods if methods[m]["heldout"][after]["factscore"] > refs[ref]["factscore"]]}
@@ -140,9 +142,11 @@ def _headline(report: dict[str, Any]) -> list[str]:
     for d, label in (("t1", "T=1"), ("greedy", "greedy")):
         x = s[d]
         verdict = "beats" if x["margin_points"] > 0 else "does not beat"
+        sd = x["best_method_sd_points"]
+        noise = f" (less than its sd over seeds, {sd:.1f})" if sd is not None and abs(x["margin_points"]) < sd else ""
         lines.append(f"* **{label}**: the best method, {x['best_method']} ({x['best_method_factscore']:.1f}), {verdict} the best "
                      f"no-training reference at the same decoding, {REFERENCES[x['best_reference']]} "
-                     f"({x['best_reference_factscore']:.1f}), by {x['margin_points']:+.1f} points; methods above it: "
+                     f"({x['best_reference_factscore']:.1f}), by {x['margin_points']:+.1f} points{noise}; methods above it: "
                      f"{', '.join(x['beaten_by']) or 'none'}.")
     temps = ", ".join(f"{t['temperature']:g}" for t in refs["tuning"])
     return lines + [f"* The base at the temperature tuned on validation (T = {temps}) scores {s['tuned_temperature_factscore']:.1f}.", ""]

@@ -196,7 +196,7 @@ class KTOTrainer:
                 rows.append(rollout.tokens[i, :rlen].tolist())
                 plens.append(plen)
                 desirable.append(bool(label[i]))
-                sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i], strict=True) if e > s])
+                sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i], strict=False) if e > s])
                 n_labelled += 1
                 n_good += bool(label[i])
         if self.parallel.size > 1:  # ranks' lists in rank order: the same global set on every rank
