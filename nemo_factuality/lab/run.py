@@ -72,18 +72,58 @@ def quick_config() -> LabConfig:
 
 
 # ---------------------------------------------------------------------------------------------- threads, timing
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
+_QUIET = ("nemo_factuality.trainers", "nemo_factuality.evaluation", "nemo_factuality.serving", "nemo_factuality.knowledge",
+          "pytriton")
+
+
 def configure_threads(threads: int) -> None:
     """One pool size for every library that would start its own: torch intra-op (and inter-op, when still
     settable), OpenMP/MKL children such as the reward server's Triton stub, and the Rust tokenizers' pool."""
     import torch
 
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
+    for var in _THREAD_VARS:
         os.environ[var] = str(threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["TQDM_DISABLE"] = "1"  # workers log progress lines; interleaved bars from several processes are noise
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
         torch.set_num_interop_threads(threads)
+
+
+def quiet_libraries() -> None:
+    """The lab logs its own progress; the stages' per-step lines and the eval command's are left to their files."""
+    import transformers
+
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    transformers.logging.set_verbosity_error()  # e.g. the critic's "score head newly initialised" load report
+
+
+@contextlib.contextmanager
+def lab_process(threads: int) -> Iterator[None]:
+    """``configure_threads`` and ``quiet_libraries`` for the run, undone afterwards (the lab may run inside a
+    longer-lived process, e.g. the tests)."""
+    import torch
+    import transformers
+
+    env = {k: os.environ.get(k) for k in (*_THREAD_VARS, "TOKENIZERS_PARALLELISM", "TQDM_DISABLE")}
+    levels = {name: logging.getLogger(name).level for name in _QUIET}
+    torch_threads, verbosity = torch.get_num_threads(), transformers.logging.get_verbosity()
+    configure_threads(threads)
+    quiet_libraries()
+    try:
+        yield
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+        torch.set_num_threads(torch_threads)
+        transformers.logging.set_verbosity(verbosity)
 
 
 def _usage() -> tuple[float, float]:
@@ -314,24 +354,20 @@ def _worker_init(threads: int) -> None:
     configure_threads(threads)
 
 
-def quiet_libraries() -> None:
-    """The lab logs its own progress; the stages' per-step lines and the eval command's are left to their files."""
-    import transformers
-
-    for name in ("nemo_factuality.trainers", "nemo_factuality.evaluation", "nemo_factuality.serving",
-                 "nemo_factuality.knowledge", "pytriton"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    transformers.logging.set_verbosity_error()  # e.g. the critic's "score head newly initialised" load report
-
-
 def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
     """The whole lab over ``cfg.seeds``; writes every artefact under ``out`` and returns the report dict."""
     from nemo_factuality.lab.report import write_report
 
     out.mkdir(parents=True, exist_ok=True)
-    configure_threads(cfg.threads)
-    quiet_libraries()
-    start = _usage()
+    with lab_process(cfg.threads):
+        start = _usage()
+        results = _run_tasks(cfg, out)
+        end = _usage()
+        return write_report(cfg, results, out, {"wall_s": end[0] - start[0], "cpu_s": end[1] - start[1]})
+
+
+def _run_tasks(cfg: LabConfig, out: Path) -> dict[int, dict[str, Any]]:
+    """Each seed's prepare task, then its method tasks as soon as it is done, on ``cfg.jobs`` workers."""
     results: dict[int, dict[str, Any]] = {}
     if cfg.jobs > 1:
         import multiprocessing
@@ -355,6 +391,4 @@ def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
                 else:
                     results[seed]["methods"][method] = value
                     log.info("lab: seed %d: %s done", seed, method)
-    end = _usage()
-    report = write_report(cfg, results, out, {"wall_s": end[0] - start[0], "cpu_s": end[1] - start[1]})
-    return report
+    return results
