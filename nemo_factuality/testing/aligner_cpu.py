@@ -76,6 +76,21 @@ def _tensor_to(original):
     return to
 
 
+def _cuda_type_names(original):
+    """``t.type()`` names a CPU tensor as its CUDA twin (``torch.cuda.BFloat16Tensor``): the optimizers that wrap
+    fp16/bf16 parameters with fp32 main copies (NeMo's ``MainParamsOptimizerWrapper``, Megatron's
+    ``DistributedOptimizer``) accept only those names. ``t.type(dtype)`` (a conversion) is untouched."""
+
+    @functools.wraps(original)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
 class _TypedTensorMeta(type):
     """``torch.cuda.FloatTensor(data)`` / ``(n, m)`` builds a CPU tensor of that dtype, and
     ``isinstance(t, torch.cuda.FloatTensor)`` (NeMo's clip_grads) holds for CPU tensors of that dtype."""
@@ -99,6 +114,7 @@ def _patch_torch_devices() -> None:
     for name in _FACTORIES:
         setattr(torch, name, _device_to_cpu(getattr(torch, name)))
     torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
     torch.nn.Module.cuda = lambda self, *a, **k: self
     for name, dtype in (("FloatTensor", torch.float32), ("LongTensor", torch.int64), ("IntTensor", torch.int32),
                         ("BoolTensor", torch.bool), ("HalfTensor", torch.float16), ("BFloat16Tensor", torch.bfloat16),
@@ -183,10 +199,14 @@ def _patch_nemo_model_building() -> None:
     from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
 
     nlp_overrides.HAVE_APEX = True  # the strategy refuses to start without Apex; nothing here calls it
-    # imported together with Apex's distributed Adam (absent here); checkpointing isinstance-checks them
-    for name in ("MegatronDistributedFusedAdam", "McoreDistributedOptimizer"):
-        if not hasattr(nlp_overrides, name):
-            setattr(nlp_overrides, name, type(name, (), {}))
+    # imported together with Apex's distributed Adam (absent here); checkpointing isinstance-checks them. NeMo's
+    # wrapper of Megatron-Core's distributed optimizer needs no Apex: the real class, so its checkpoints shard.
+    from nemo.core.optim.mcore_optim import McoreDistributedOptimizer
+
+    if not hasattr(nlp_overrides, "McoreDistributedOptimizer"):
+        nlp_overrides.McoreDistributedOptimizer = McoreDistributedOptimizer
+    if not hasattr(nlp_overrides, "MegatronDistributedFusedAdam"):
+        nlp_overrides.MegatronDistributedFusedAdam = type("MegatronDistributedFusedAdam", (), {})
     build_module.set_defaults_if_not_set_tensor_model_parallel_attributes = set_defaults_if_not_set_tensor_model_parallel_attributes
     # get_specs builds every spec eagerly (TE ones included); without TE only the local spec exists
     gpt_module.get_specs = lambda *args, **kwargs: gpt_module.get_gpt_layer_local_spec(None, False)
@@ -236,6 +256,78 @@ def _write_item_torch_save(write_item_fn, *args):
     return write_item_fn(*args, SerializationFormat.TORCH_SAVE)
 
 
+def _no_fp8_quantize_without_te() -> None:
+    """megatron-core 0.12's distributed optimizer calls ``quantize_param_shard`` after every step, and without
+    Transformer Engine that raises even when no parameter is fp8 (the lists are empty): quantize nothing then."""
+    import megatron.core.fp8_utils as fp8_utils
+
+    original = fp8_utils._quantize_param_shard_impl
+
+    def quantize(model_params, *args, **kwargs):
+        if len(model_params) == 0:
+            return None
+        return original(model_params, *args, **kwargs)
+
+    fp8_utils._quantize_param_shard_impl = quantize
+
+
+def _torch_adam_step_on_load() -> None:
+    """megatron-core 0.12's distributed optimizer falls back to torch's AdamW without Apex/TE, and its checkpoint
+    load mishandles that AdamW's per-parameter ``step`` twice (so a resumed run would step differently):
+
+    * ``load_state_dict`` gives every parameter's state the *same* step tensor, which torch's AdamW then
+      increments once per parameter on the next step (Adam's bias correction goes wrong): each gets its own copy;
+    * the fully-sharded load copies every per-parameter state tensor from the checkpoint, ``step`` included,
+      which the checkpoint keeps in the parameter groups (restored by then): the restored step is kept."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    set_original, load_original = cls._set_main_param_and_optimizer_states, cls.load_state_dict
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"].clone()}
+        return set_original(self, model_param, tensors)
+
+    def load_state_dict(self, state_dict):
+        load_original(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    cls._set_main_param_and_optimizer_states = set_states
+    cls.load_state_dict = load_state_dict
+
+
+def _sequence_parallel_torch_norm() -> None:
+    """Megatron's local layer spec builds torch norms, which refuse ``sequence_parallel``: their weights would not
+    be marked for the all-reduce over tensor-parallel ranks that a norm seeing only its rank's share of the
+    sequence needs. Build the same norm and mark its parameters, as Transformer Engine's and Apex's norms do
+    (``finalize_model_grads`` then all-reduces their gradients over TP)."""
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, hidden_size, eps, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = original(cls, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
 def apply() -> bool:
     """Patch once when CUDA is unavailable (before NeMo builds a model); returns whether patches are active."""
     global _APPLIED
@@ -261,6 +353,9 @@ def apply() -> bool:
     ModelPT.cuda = lambda self, *a, **k: self  # NeMo's generate() moves the model with it
     _gloo_safe_all_gather()
     _patch_checkpoint_writer()
+    _no_fp8_quantize_without_te()
+    _torch_adam_step_on_load()
+    _sequence_parallel_torch_norm()
     _APPLIED = True
     return True
 

@@ -76,7 +76,7 @@ def test_preset_overrides_validate_against_the_stage_schemas(path):
         assert cfg.model.length_params.max_length == preset[method]["overrides"]["model"]["length_params"]["max_length"]
         rt = AlignerRuntime(**runtime)
         assert rt.num_nodes * rt.devices == preset["nodes"] * 8
-        assert rt.model_overrides["optim"]["name"] == "distributed_fused_adam"
+        assert rt.model_overrides["optim"]["name"] == "mcore_distributed_optim"
         assert rt.model_overrides["activations_checkpoint_granularity"] == "full"
 
 

@@ -150,10 +150,12 @@ def _stage_actor_class():
                 parallel_logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=None)
 
                 def loss_func(parallel_logits):
+                    # [b, S-1] for the stage's S: columns added for sequence parallelism are dropped
+                    width = batch["mask"].shape[1] if "mask" in batch else batch["tokens"].shape[1] - 1
                     out = {"logprobs": from_parallel_logits_to_logprobs(vocab_parallel_logits=parallel_logits,
-                                                                        target=batch["tokens"], higher_stability=True)}
+                                                                        target=batch["tokens"], higher_stability=True)[:, :width]}
                     if need_entropy:
-                        out["entropy"] = _token_entropy(parallel_logits)
+                        out["entropy"] = _token_entropy(parallel_logits)[:, :width]
                     loss, metrics = loss_fn(out, batch)
                     reported = {k: torch.as_tensor(float(v)) for k, v in metrics.items()}
                     reported["loss"] = loss.detach().float()  # this micro batch's share of the step's loss
@@ -162,6 +164,39 @@ def _stage_actor_class():
                 return parallel_logits, loss_func
 
             return fwd_output_and_loss_func
+
+        def offload_adam_states(self):
+            # Aligner 0.7.0 offloads only Apex's distributed Adam (its bucket layout); Megatron-Core's distributed
+            # optimizer (`mcore_distributed_optim`) gets the same treatment here.
+            if not self.use_mcore_dist_optim:
+                return super().offload_adam_states()
+            if self.to_offload_adam_states and getattr(self, "_offloaded_optimizer_states", None) is None:
+                self._offloaded_optimizer_states = offload_optimizer_states(self._optimizer.mcore_optimizer)
+            return None
+
+        def onload_adam_states(self):
+            if not self.use_mcore_dist_optim:
+                return super().onload_adam_states()
+            if getattr(self, "_offloaded_optimizer_states", None) is not None:
+                onload_optimizer_states(self._offloaded_optimizer_states)
+                self._offloaded_optimizer_states = None
+            return None
+
+        def _reset_sequence_parallelism_args(self):
+            # NeMo 2.2 turns sequence parallelism off for generation module by module, but megatron-core 0.12's
+            # embeddings (RoPE models) keep reduce-scattering their output over TP: generation then fails or
+            # sees a slice of the sequence. Switch that off too, and back on in the restore below.
+            super()._reset_sequence_parallelism_args()
+            self._scattering_embeddings = [mod for module in self.get_model_module_list() for mod in module.modules()
+                                           if getattr(mod, "reduce_scatter_embeddings", False)]
+            for mod in self._scattering_embeddings:
+                mod.reduce_scatter_embeddings = False
+
+        def _restore_sequence_parallelism_args(self):
+            super()._restore_sequence_parallelism_args()
+            for mod in getattr(self, "_scattering_embeddings", []):
+                mod.reduce_scatter_embeddings = True
+            self._scattering_embeddings = []
 
         def get_loss_and_metrics(self, batch, forward_only):
             tokens = batch["tokens"]
@@ -179,6 +214,46 @@ def _stage_actor_class():
             return _step_metrics(reduced)
 
     return StageReinforceActor
+
+
+@dataclass
+class OffloadedTensors:
+    """Host copies of an optimizer's device tensors, and where each goes back (``onload_optimizer_states``)."""
+
+    states: list[tuple[dict, str, torch.device, torch.Tensor]] = field(default_factory=list)  # (state, key, device, host)
+    params: list[tuple[torch.nn.Parameter, torch.device, torch.Tensor]] = field(default_factory=list)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = t.detach().to("cpu", copy=True)  # a copy even on CPU: the device storage is released either way
+    return host.pin_memory() if t.is_cuda else host
+
+
+def offload_optimizer_states(optimizer: Any) -> OffloadedTensors:
+    """Move Megatron-Core's distributed optimizer's Adam moments and fp32 main-parameter shards to host memory
+    (around generation, where they are not needed); ``onload_optimizer_states`` brings them back bit-exactly.
+
+    Only main parameters that are separate fp32 copies of bf16/fp16 weights move: the shards of fp32 weights
+    are views of the weights generation uses."""
+    out = OffloadedTensors()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in opt.shard_fp32_from_float16_groups:
+            for param in group:
+                out.params.append((param, param.device, _to_host(param.data)))
+                param.data = out.params[-1][2]
+        for state in opt.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    out.states.append((state, key, value.device, _to_host(value)))
+                    state[key] = out.states[-1][3]
+    return out
+
+
+def onload_optimizer_states(offloaded: OffloadedTensors) -> None:
+    for param, device, host in offloaded.params:
+        param.data = host.to(device, copy=True)
+    for state, key, device, host in offloaded.states:
+        state[key] = host.to(device, copy=True)
 
 
 def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, float]]:
@@ -378,16 +453,30 @@ class AlignerActor:
         m.prepare_for_training_step()
         m.stage_loss_fn, m.stage_need_entropy = loss_fn, need_entropy
         try:
-            _, metrics = m.get_loss_and_metrics(batch=dict(batch), forward_only=False)
+            _, metrics = m.get_loss_and_metrics(batch=self._sequence_parallel_padded(batch), forward_only=False)
         finally:
             m.stage_loss_fn = None
         m.finish_training_step()
         grad_norm = clip_gradients(m, self.runtime.gradient_clip_val)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        stepped = self.optimizer.step()
+        if grad_norm is None and isinstance(stepped, tuple) and len(stepped) == 3:
+            grad_norm = stepped[1]  # Megatron's distributed optimizer clips inside its step: (loss, norm, zeros)
         self.scheduler.step()
         m.finish_training()
         return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": float(lr)}
+
+    def _sequence_parallel_padded(self, batch: Mapping[str, torch.Tensor]) -> dict:
+        """The batch with ``tokens`` right-padded to a multiple of TP under sequence parallelism (Megatron splits the
+        sequence over TP ranks); causal attention keeps the real positions' log-probs unchanged, and the loss
+        sees only the stage's ``[b, S-1]`` columns."""
+        out = dict(batch)
+        tp = int(self.model.cfg.get("tensor_model_parallel_size", 1))
+        width = out["tokens"].shape[1]
+        if self.model.cfg.get("sequence_parallel", False) and tp > 1 and width % tp:
+            out["tokens"] = torch.nn.functional.pad(out["tokens"], (0, tp - width % tp), value=self.pad_id)
+            out.setdefault("mask", torch.ones(out["tokens"].shape[0], width - 1))
+        return out
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -404,7 +493,10 @@ class AlignerActor:
     def _check_optimizer_state_is_shardable(self) -> None:
         """NeMo 2.2 shards a plain torch optimizer's per-parameter state like the parameter itself, so a 0-dim
         per-parameter tensor would fail in Megatron's checkpointing with a bare shape assertion. torch's Adam/AdamW
-        ``step`` is moved out of the way (``shardable_adam_steps``); say what to change for anything else."""
+        ``step`` is moved out of the way (``shardable_adam_steps``); say what to change for anything else.
+        Megatron's distributed optimizer writes its own sharded state."""
+        if getattr(self.model, "use_mcore_dist_optim", False):
+            return
         for state in self.optimizer.state_dict()["state"].values():
             scalars = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 0)
             if scalars:
