@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-key=$(cat requirements/aligner.txt requirements/aligner-constraints.txt | sha256sum | cut -c1-12)
+key=$(cat requirements/aligner.txt requirements/aligner-constraints.txt requirements/aligner-test.txt | sha256sum | cut -c1-12)
 root=${ALIGNER_VENV_ROOT:-$HOME/.cache/nemo_factuality}
 venv="$root/aligner-venv-$key"
 if [ "${1:-}" = "--path" ]; then
@@ -32,14 +32,14 @@ echo "building the NeMo-Aligner venv in $venv (about 8 min)" >&2
 pip=("$build/bin/python" -m pip install -q --progress-bar off)
 # The CPU torch first; the constraints keep it (nemo's extras would pull a CUDA torch 2.14 otherwise).
 nice -n 19 "${pip[@]}" torch==2.13.0
-nice -n 19 "${pip[@]}" -c requirements/aligner-constraints.txt -r requirements/aligner.txt
+nice -n 19 "${pip[@]}" -c requirements/aligner-constraints.txt -r requirements/aligner.txt -r requirements/aligner-test.txt
 # Whatever the resolver did, the CPU torch is what runs (a no-op when it was kept).
 nice -n 19 "${pip[@]}" --no-deps torch==2.13.0
 # torchvision (pulled by nvidia-modelopt) is a CUDA build whose ops do not register on the CPU torch, and
 # torchmetrics imports it when present; nothing NeMo's GPT/Aligner path uses needs it.
 "$build/bin/python" -m pip uninstall -q -y torchvision
 "$build/bin/python" - <<'EOF'
-import torch, nemo, nemo_aligner, megatron.core, pytriton  # noqa: F401  (the build is usable)
+import torch, nemo, nemo_aligner, megatron.core, pytriton, trl  # noqa: F401  (the build is usable)
 assert not torch.cuda.is_available() and "+cpu" in torch.__version__, torch.__version__
 EOF
 touch "$build/.complete"
