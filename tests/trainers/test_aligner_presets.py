@@ -8,10 +8,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nemo_factuality.trainers.backends.aligner_memory import GIB, Arch, Layout, rollout_bytes, training_bytes
+from nemo_factuality.trainers.backends.aligner_memory import (
+    GIB,
+    H100_BUDGET_GIB,
+    Arch,
+    Layout,
+    budgeted_rollout_batch,
+    max_rollout_batch,
+    rollout_bytes,
+    training_bytes,
+)
 
 PRESETS = sorted((Path(__file__).resolve().parents[2] / "conf" / "train" / "aligner").glob("*.yaml"))
-BUDGET_GIB = 0.85 * 79  # an H100 80GB shows ~79 GiB; keep 15% for allocator spikes
+BUDGET_GIB = H100_BUDGET_GIB  # an H100 80GB shows ~79 GiB; keep 15% for allocator spikes
 # published parameter counts (billions) of the architectures the presets describe
 PUBLISHED = {"7b": 7.62, "14b": 14.77, "32b": 32.76}
 
@@ -43,10 +52,37 @@ def test_preset_memory_arithmetic_and_layout(path):
         assert o["model"]["global_batch_size"] % (lay.micro_batch * dp) == 0
         assert lay.seq_len == lay.prompt_len + o["model"]["length_params"]["max_length"]
         assert o["data"]["max_prompt_tokens"] == lay.prompt_len
+        # the rollout batch is sized from the budget: a step's rollouts per rank, or as many as fit at once
+        per_rank = _rollouts_per_step(method, o) // dp
+        assert lay.rollout_micro_batch == budgeted_rollout_batch(arch, lay, per_rank), method
+        assert o["aligner_runtime"]["rollout_micro_batch_size"] == lay.rollout_micro_batch
+        assert (lay.rollout_micro_batch == per_rank or
+                rollout_bytes(arch, Layout(**{**lay.__dict__, "rollout_micro_batch": lay.rollout_micro_batch + 1}))[
+                    "total"] / GIB > BUDGET_GIB), method
     grpo = preset["grpo"]["overrides"]["grpo"]
     rollouts = grpo["num_prompts_per_step"] * grpo["num_rollouts_per_prompt"]
-    assert rollouts % (dp * preset["grpo"]["layout"]["rollout_micro_batch"]) == 0
     assert rollouts % preset["grpo"]["overrides"]["model"]["global_batch_size"] == 0
+
+
+def _rollouts_per_step(method: str, overrides: dict) -> int:
+    if method == "grpo":
+        return overrides["grpo"]["num_prompts_per_step"] * overrides["grpo"]["num_rollouts_per_prompt"]
+    if method == "ppo":
+        return overrides["ppo"]["num_prompts_per_step"]
+    return overrides["kto"]["prompts_per_iteration"] * overrides["kto"]["samples_per_prompt"]
+
+
+def test_max_rollout_batch_is_the_last_batch_within_the_budget():
+    arch = Arch(hidden=5120, layers=64, heads=40, kv_heads=8, ffn=27648, vocab=152064)
+    lay = Layout(tp=8, pp=1, dp=2, micro_batch=1, seq_len=9216, rollout_micro_batch=1, prompt_len=1024)
+    n = max_rollout_batch(arch, lay)
+    within = rollout_bytes(arch, Layout(**{**lay.__dict__, "rollout_micro_batch": n}))["total"] / GIB
+    over = rollout_bytes(arch, Layout(**{**lay.__dict__, "rollout_micro_batch": n + 1}))["total"] / GIB
+    assert within <= BUDGET_GIB < over
+    # 32B at TP=8 with 9k-token sequences: KV cache 2·64·1·128·2 B = 32 KiB per token, ~0.36 GiB per sequence
+    assert 100 < n < 120
+    assert max_rollout_batch(arch, lay, budget_gib=10) == 0  # the resident states alone exceed 10 GiB
+    assert budgeted_rollout_batch(arch, lay, 16) == 16
 
 
 def test_32b_does_not_fit_one_node_which_is_why_it_takes_two():

@@ -21,9 +21,11 @@ allocator fragmentation).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 1024**3
+# What a preset may use of one H100-80GB: torch sees ~79 GiB; 15% stays free for allocator spikes.
+H100_BUDGET_GIB = 0.85 * 79
 
 
 @dataclass(frozen=True)
@@ -102,3 +104,16 @@ def rollout_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
 
 def gib(table: dict[str, float]) -> dict[str, float]:
     return {k: round(v / GIB, 1) for k, v in table.items()}
+
+
+def max_rollout_batch(arch: Arch, lay: Layout, budget_gib: float = H100_BUDGET_GIB) -> int:
+    """The most sequences one rank can generate together within ``budget_gib`` (``rollout_bytes`` is affine in
+    ``rollout_micro_batch``: the resident states plus, per sequence, its KV cache and first-step logits)."""
+    fixed = rollout_bytes(arch, replace(lay, rollout_micro_batch=0))["total"]
+    per_sequence = rollout_bytes(arch, replace(lay, rollout_micro_batch=1))["total"] - fixed
+    return max(0, math.floor((budget_gib * GIB - fixed) / per_sequence))
+
+
+def budgeted_rollout_batch(arch: Arch, lay: Layout, rollouts_per_rank: int, budget_gib: float = H100_BUDGET_GIB) -> int:
+    """A preset's rollout batch: as many of a step's ``rollouts_per_rank`` as the budget allows at once."""
+    return min(rollouts_per_rank, max_rollout_batch(arch, lay, budget_gib))
