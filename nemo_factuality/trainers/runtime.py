@@ -248,7 +248,8 @@ class PreemptionFlag:
 
 
 class TrainingStalledError(RuntimeError):
-    """A stage stopped because it could not learn (no valid sample for ``trainer.max_invalid_steps`` steps).
+    """A stage stopped because it could not learn: ``trainer.max_invalid_steps`` steps without a valid sample,
+    or a KTO iteration whose labeller labelled nothing.
 
     Not a user error and not a crash: the CLI boundary prints it as one line and exits with ``exit_code``."""
 

@@ -92,10 +92,10 @@ def test_serve_on_a_taken_port_is_one_line_naming_the_key_and_port(demo_workdir,
     import sys
     import time
 
-    from nemo_factuality.serving.server import PORT_KEYS
     from nemo_factuality.testing.ports import free_ports
+    from nemo_factuality.testing.servers import SERVE_PORT_KEYS
 
-    ports = dict(zip(PORT_KEYS, free_ports(len(PORT_KEYS))))
+    ports = dict(zip(SERVE_PORT_KEYS, free_ports(len(SERVE_PORT_KEYS))))
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTRITON_HOME=str(demo_workdir / "pytriton_home"))
     env.pop("NEMO_FACTUALITY_DEBUG", None)
     with socket.socket() as held:  # another process's server: bound and listening on loopback
