@@ -6,6 +6,8 @@ Each target is ``module:function`` taking ``argv: list[str]`` and returning an e
 This module is the one error boundary of every command (``run_command``): a user error — bad
 input, config or override, a path that does not exist, a bad flag — is printed as one line
 ``nemo-factuality <command>: error: <message>`` on stderr with exit code 2, never a traceback.
+An error with an integer ``exit_code`` attribute (a run that had to stop without a result, e.g.
+``trainers.runtime.TrainingStalledError``, exit 3) is printed the same way and exits with that code.
 ``--debug`` (anywhere on the command line) or ``NEMO_FACTUALITY_DEBUG=1`` re-raises it with the
 traceback, for bug reports. Commands raise; they do not print errors themselves.
 """
@@ -40,7 +42,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` to an option's help unless there is no default to speak of (None, False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False, argparse.SUPPRESS) or action.required or "%(default)" in (action.help or ""):
+        # identity, not ==: 0 and 0.0 equal False but are defaults worth showing
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or action.required \
+                or "%(default)" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -111,10 +115,11 @@ def run_command(func: Callable[[list[str]], int | None], argv: Sequence[str], na
         print(f"nemo-factuality {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as err:
-        if debug or not isinstance(err, _user_error_types()):
+        code = getattr(err, "exit_code", None)  # a run that stopped without a result (e.g. a stalled training stage)
+        if debug or not (isinstance(err, _user_error_types()) or isinstance(code, int)):
             raise
         print(f"nemo-factuality {name}: error: {_one_line(err)}", file=sys.stderr)
-        return 2
+        return code if isinstance(code, int) else 2
 
 
 def _usage() -> str:

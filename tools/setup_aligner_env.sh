@@ -24,20 +24,35 @@ if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then
 fi
 
 mkdir -p "$root"
+# One build at a time per venv: a second caller (another checkout's test run) waits for it, then reuses it.
+exec 9>"$root/.aligner-venv-$key.lock"
+if command -v flock >/dev/null && ! flock -n 9; then
+  echo "waiting for another build of $venv to finish" >&2
+  flock 9
+fi
+if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then
+  echo "$venv"
+  exit 0
+fi
 build="$venv.build.$$"
 trap 'rm -rf "$build"' EXIT
 start=$(date +%s)
+step() { echo "[$1/4 after $(( $(date +%s) - start )) s] $2" >&2; }
 echo "building the NeMo-Aligner venv in $venv (about 8 min)" >&2
 "$PY" -m venv "$build"
 pip=("$build/bin/python" -m pip install -q --progress-bar off)
 # The CPU torch first; the constraints keep it (nemo's extras would pull a CUDA torch 2.14 otherwise).
+step 1 "torch 2.13.0 (CPU)"
 nice -n 19 "${pip[@]}" torch==2.13.0
+step 2 "nemo-toolkit, nemo-aligner, megatron-core and their pins (the long step)"
 nice -n 19 "${pip[@]}" -c requirements/aligner-constraints.txt -r requirements/aligner.txt -r requirements/aligner-test.txt
 # Whatever the resolver did, the CPU torch is what runs (a no-op when it was kept).
+step 3 "keeping the CPU torch"
 nice -n 19 "${pip[@]}" --no-deps torch==2.13.0
 # torchvision (pulled by nvidia-modelopt) is a CUDA build whose ops do not register on the CPU torch, and
 # torchmetrics imports it when present; nothing NeMo's GPT/Aligner path uses needs it.
 "$build/bin/python" -m pip uninstall -q -y torchvision
+step 4 "checking that torch, nemo, nemo_aligner, megatron.core, pytriton and trl import"
 "$build/bin/python" - <<'EOF'
 import torch, nemo, nemo_aligner, megatron.core, pytriton, trl  # noqa: F401  (the build is usable)
 assert not torch.cuda.is_available() and "+cpu" in torch.__version__, torch.__version__

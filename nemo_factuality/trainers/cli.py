@@ -67,14 +67,16 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
 
         raise ConfigError("critic.url must name the critic server: trainer.backend=aligner runs RLFH's critic as "
                           "NeMo-Aligner's critic server (python -m nemo_factuality.trainers.critic_server, same config)")
+    # every input is checked before anything is written or loaded
+    train = load_prompts(cfg.data.train, cfg.data.format)
+    val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
+    pairs = load_pairs(cfg.data.general_pairs) if stage == "kto" and cfg.data.general_pairs else []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     from nemo_factuality.config import to_yaml
 
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    train = load_prompts(cfg.data.train, cfg.data.format)
-    val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
     seed_everything(cfg.trainer.seed)
     actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo", **runtime)
     reward = build_reward(cfg, actor.tokenizer)
@@ -90,7 +92,6 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
         else:
             from nemo_factuality.trainers.kto import KTOTrainer
 
-            pairs = load_pairs(cfg.data.general_pairs) if cfg.data.general_pairs else []
             KTOTrainer(cfg, actor, reward, train, general_pairs=pairs, run_dir=run_dir).fit()
     finally:
         for client in (reward, critic):  # served rewards / the critic server: no client thread outlives the run

@@ -141,6 +141,10 @@ class TrainerConfig:
     device: str = "cpu"  # hf backend: cpu | cuda
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     progress_bar: bool = True
+    # GRPO/PPO: stop (exit 3, after writing a checkpoint) once this many consecutive rollout steps had no valid
+    # sample: every reward NaN (judges failing, every response abstaining) or, with truncated=mask, every
+    # response cut off. 0 = never stop for this. (KTO stops at the first iteration it could label nothing in.)
+    max_invalid_steps: int = 3
 
 
 @dataclass
@@ -264,6 +268,22 @@ _CHOICES = {
 }
 
 
+# Counts and their least valid value (keys a stage's schema lacks are skipped). A count below it would run
+# nothing (max_steps=0 writes an untrained final/) or divide by zero.
+_COUNTS = {
+    "trainer.max_steps": 1, "trainer.val_check_interval": 0, "trainer.save_interval": 0, "trainer.max_invalid_steps": 0,
+    "trainer.early_stopping.patience": 1,
+    "model.micro_batch_size": 1, "model.global_batch_size": 1, "model.forward_micro_batch_size": 1,
+    "model.tensor_model_parallel_size": 1, "model.pipeline_model_parallel_size": 1,
+    "model.length_params.max_length": 1, "model.optim.sched.warmup_steps": 0,
+    "grpo.num_prompts_per_step": 1, "grpo.num_rollouts_per_prompt": 1, "grpo.num_epochs": 1,
+    "ppo.num_prompts_per_step": 1, "ppo.num_epochs": 1, "ppo.critic_warmup_steps": 0,
+    "kto.num_iterations": 1, "kto.prompts_per_iteration": 1, "kto.samples_per_prompt": 1, "kto.epochs_per_iteration": 1,
+    "critic.micro_batch_size": 1, "critic.tensor_model_parallel_size": 1, "critic.pipeline_model_parallel_size": 1,
+    "data.max_prompt_tokens": 1, "exp_manager.save_top_k": 1,
+}
+
+
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         if not hasattr(cfg, part):
@@ -283,9 +303,10 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         if value is not _MISSING and value not in allowed:
             problems.append(f"{key}={value!r} (choose one of {', '.join(allowed)})")
     m = cfg.model
-    for key in ("micro_batch_size", "global_batch_size", "forward_micro_batch_size"):
-        if getattr(m, key) < 1:
-            problems.append(f"model.{key} must be >= 1, got {getattr(m, key)}")
+    for key, least in _COUNTS.items():
+        value = _get(cfg, key)
+        if value is not _MISSING and value < least:
+            problems.append(f"{key} must be >= {least}, got {value}")
     if m.micro_batch_size >= 1 and m.global_batch_size % m.micro_batch_size:
         problems.append(f"model.global_batch_size ({m.global_batch_size}) must be a multiple of "
                         f"model.micro_batch_size ({m.micro_batch_size})")

@@ -49,6 +49,7 @@ from nemo_factuality.trainers.parallel import DataParallel, data_parallel_proble
 from nemo_factuality.trainers.runtime import (
     Checkpointer,
     EarlyStopping,
+    InvalidSteps,
     PhaseTimer,
     PreemptionFlag,
     RunLogger,
@@ -100,10 +101,12 @@ class GRPOTrainer:
         bar = tqdm(total=self.cfg.trainer.max_steps, initial=self.step, desc=self.stage, unit="step",
                    disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer))
         stop_reason = "max_steps"
+        invalid = InvalidSteps(self.cfg.trainer.max_invalid_steps)
         with PreemptionFlag() as preempted:
             while self.step < self.cfg.trainer.max_steps:
                 metrics = self.train_one_step()
                 self.step += 1
+                stalled = invalid.update(metrics.get("valid_frac", 1.0) > 0)
                 stop = self._after_step(metrics)
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
@@ -116,6 +119,10 @@ class GRPOTrainer:
                     log.warning("stopped by %s at step %d; checkpoint written, rerun to resume", preempted.signal, self.step)
                     stop_reason = preempted.signal
                     break
+                if stalled:
+                    bar.close()
+                    self.logger.close()
+                    raise invalid.error(self.step, self._save(), self._invalid_reason(metrics))
                 if stop:
                     stop_reason = "early_stopping"
                     break
@@ -305,6 +312,14 @@ class GRPOTrainer:
         self._save()
         self.actor.export(self.run_dir / "final")
         log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
+
+    def _invalid_reason(self, metrics: Mapping[str, float]) -> str:
+        """Why the last step had no valid sample, from its metrics: failed/abstained rewards or truncation."""
+        truncated = getattr(self.cfg, self.stage).truncated
+        why = f"reward NaN for {metrics.get('reward/abstain_frac', math.nan):.0%} of the samples (failed judges or abstentions)"
+        if truncated == "mask":
+            why += f", {metrics.get('is_end_frac', math.nan):.0%} ended with EOS ({self.stage}.truncated=mask drops the rest)"
+        return why
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,6 +53,7 @@ from nemo_factuality.trainers.runtime import (
     PhaseTimer,
     PreemptionFlag,
     RunLogger,
+    TrainingStalledError,
     completions_of,
     encode_prompts,
 )
@@ -213,9 +214,10 @@ class KTOTrainer:
                     plens.append(len(p_ids))
                     desirable.append(good)
                     sentences.append([])
-        if not rows:
-            raise FactualityInputError(f"iteration {self.iteration}: the labeller could not label any of the "
-                                       f"{len(prompt_rows) * self.parallel.size} samples; check the reward server / judge health")
+        if not rows:  # general pairs come in proportion to labelled samples: none labelled, nothing to train on
+            raise TrainingStalledError(f"iteration {self.iteration}: the labeller could not label any of the "
+                                       f"{len(prompt_rows) * self.parallel.size} samples (failed judges or abstentions); "
+                                       "check the reward server / judge health")
         stats = {"kto/labelled": float(n_labelled), "kto/dropped_unlabelled": float(n_dropped),
                  "kto/desirable_frac": n_good / max(n_labelled, 1), "kto/general_pairs": float(n_pairs),
                  "kto/sentences": float(sum(len(s) for s in sentences))}
@@ -315,8 +317,13 @@ class KTOTrainer:
                 if self.data is None:
                     self.actor.reset_reference()  # reference = this iteration's starting policy
                     timer = PhaseTimer()
-                    with timer("collect"):
-                        self.data, stats = self.collect()
+                    try:
+                        with timer("collect"):
+                            self.data, stats = self.collect()
+                    except TrainingStalledError as err:  # nothing labelled, nothing to train on: checkpoint and stop
+                        self.logger.close()
+                        raise TrainingStalledError(f"{err}; checkpoint {self._save()} is written: fix the reward and "
+                                                   "rerun the same command to resume") from None
                     self._pending = {**stats, **timer.times}  # logged with the iteration's first optimiser step
                     self.position = 0
                 if not self.train_iteration_batches(preempted):

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_factuality.fileio import respect_umask
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.trainers.interfaces import Rollout
 from nemo_factuality.trainers.parallel import DataParallel
@@ -189,6 +190,7 @@ class Checkpointer:
         par.barrier()  # every rank's files are in tmp
         if par.is_writer:
             (tmp / "trainer_state.json").write_text(json.dumps({**state, "rng": _rng_to_json(rng)}), encoding="utf-8")
+            respect_umask(tmp)  # safetensors files come out 0600 otherwise
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             pointer_tmp = self.root / ".latest.tmp"
@@ -243,6 +245,34 @@ class PreemptionFlag:
 
     def __bool__(self) -> bool:
         return self.signal is not None
+
+
+class TrainingStalledError(RuntimeError):
+    """A stage stopped because it could not learn: ``trainer.max_invalid_steps`` steps without a valid sample,
+    or a KTO iteration whose labeller labelled nothing.
+
+    Not a user error and not a crash: the CLI boundary prints it as one line and exits with ``exit_code``."""
+
+    exit_code = 3
+
+
+class InvalidSteps:
+    """Counts consecutive steps without a valid sample; ``limit`` of them (``trainer.max_invalid_steps``, 0 = off)
+    stop the run, so a run whose rewards all fail ends with an error instead of "finishing" untrained."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.count = limit, 0
+
+    def update(self, any_valid: bool) -> bool:
+        """Record one step; True when the run must stop."""
+        self.count = 0 if any_valid else self.count + 1
+        return bool(self.limit) and self.count >= self.limit
+
+    def error(self, step: int, checkpoint: Path, why: str) -> TrainingStalledError:
+        return TrainingStalledError(
+            f"stopped at step {step}: {self.count} consecutive steps had no valid sample ({why}); "
+            f"trainer.max_invalid_steps={self.limit} (0 = never stop for this). Checkpoint {checkpoint} is written: "
+            "fix the reward (its judges / server, the reward.* and remote_rm.* URLs) and rerun the same command to resume")
 
 
 class EarlyStopping:
@@ -360,7 +390,36 @@ def build_reward(cfg: Any, tokenizer: Any) -> Any:
         return reward
     from nemo_factuality.registry import build_reward as build_method_reward
 
-    return build_method_reward(cfg.reward, tokenizer)
+    reward = build_method_reward(cfg.reward, tokenizer)
+    check_reward_health(reward, cfg.reward)
+    return reward
+
+
+def check_reward_health(reward: Any, spec: Mapping[str, Any]) -> None:
+    """Fail before training when the in-process reward's judges, general RM or store are down (``health()``),
+    naming each failure and the ``reward.*`` key that points at it: otherwise every reward is NaN and the
+    run trains nothing while waiting on each judge's timeout."""
+    health = getattr(reward, "health", None)
+    down = {k: v for k, v in (health() if callable(health) else {}).items() if v}
+    if not down:
+        return
+    parts = []
+    for component, why in down.items():
+        keys = [key for key, value in _location_keys(spec, "reward") if value.rstrip("/") in why]
+        parts.append(f"{why} (config key{'s' if len(keys) > 1 else ''} {', '.join(keys)})" if keys else f"{component}: {why}")
+    raise FactualityInputError("the reward is not ready: " + "; ".join(parts) +
+                               "; start what is down, or point its config key at one that runs")
+
+
+def _location_keys(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
+    """``(dotted key, value)`` of every URL / path leaf (``*url``, ``*path``) of a reward spec."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            key = f"{prefix}.{k}"
+            if isinstance(v, str) and v and str(k).endswith(("url", "path")):
+                yield key, v
+            else:
+                yield from _location_keys(v, key)
 
 
 def records_for_rows(records: Sequence[PromptRecord], repeats: int) -> list[PromptRecord]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_factuality.testing.fake_openai import ScriptedOpenAIServer
+from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
 from nemo_factuality.testing.methods import FACTS, build_kb, method_judge
 from nemo_factuality.testing.training import read_metrics, write_jsonl
 from nemo_factuality.trainers.cli import main as train_main
@@ -51,16 +51,95 @@ def _check_run(run_dir: Path, steps: int) -> list[dict]:
     return metrics
 
 
-def test_klcf_grpo(tiny_policy, judge, tmp_path):
-    data = write_jsonl(tmp_path / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
+KLCF_ROLES = ("judge", "checklist_judge", "pipeline.extractor.judge", "pipeline.verifier.judge")
+
+
+def _klcf_data(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
                                                  for i in range(4)])
-    url = f"{judge.url}"
-    roles = [f"reward.{k}.base_url={url}" for k in ("judge", "checklist_judge", "pipeline.extractor.judge",
-                                                   "pipeline.verifier.judge")]
-    assert train_main(["grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"), f"data.train={data}",
-                       *roles, "reward.w_rm=0", "reward.general_rm=null"]) == 0
+
+
+def test_klcf_grpo(tiny_policy, judge, tmp_path):
+    data = _klcf_data(tmp_path)
+    roles = [f"reward.{k}.base_url={judge.url}" for k in KLCF_ROLES]
+    old_umask = os.umask(0o022)
+    try:
+        assert train_main(["grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"),
+                           f"data.train={data}", *roles, "reward.w_rm=0", "reward.general_rm=null"]) == 0
+    finally:
+        os.umask(old_umask)
     metrics = _check_run(tmp_path / "run", 3)
     assert metrics[0]["reward/checklist_recall"] == 1.0 and metrics[0]["reward/truthfulness_precision"] == 1.0
+    # the outputs get the mode any file gets under umask 022 (safetensors writes 0600 through a temporary file)
+    final = tmp_path / "run" / "final" / "model.safetensors"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000003" / "policy.safetensors"
+    assert [oct(p.stat().st_mode & 0o777) for p in (final, checkpoint)] == ["0o644", "0o644"]
+
+
+def test_in_process_reward_with_judges_down_fails_at_start_naming_url_and_key(tiny_policy, judge, tmp_path, capsys):
+    """Before: every reward NaN, 0 optimiser steps, exit 0. Now: one line, exit 2, before any step."""
+    from nemo_factuality.cli import main as cli
+    from nemo_factuality.testing.ports import free_ports
+
+    (down_port,) = free_ports(1)  # nothing listens there
+    outage = ScriptedOpenAIServer(method_judge)
+    outage.models_status = 503  # up, but its health check (GET /v1/models) fails
+    with outage:
+        outage_url = outage.url
+        overrides = [f"reward.judge.base_url={judge.url}", f"reward.pipeline.extractor.judge.base_url={judge.url}",
+                     f"reward.checklist_judge.base_url={outage.url}",
+                     f"reward.pipeline.verifier.judge.base_url=http://127.0.0.1:{down_port}/v1",
+                     "reward.w_rm=0", "reward.general_rm=null"]
+        start = time.monotonic()
+        code = cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"),
+                    f"data.train={_klcf_data(tmp_path)}", *overrides])
+    assert code == 2 and time.monotonic() - start < 60
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("nemo-factuality train: error: the reward is not ready"), errors
+    line = errors[0]
+    assert f"http://127.0.0.1:{down_port}/v1 unreachable" in line and "(config key reward.pipeline.verifier.judge.base_url)" in line
+    assert f"{outage_url}/models answered HTTP 503 (config key reward.checklist_judge.base_url)" in line
+    assert judge.url not in line  # the healthy judge is not blamed
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _failing_judge(req: dict) -> Reply:
+    """Healthy (GET /v1/models answers) but every completion is refused: every reward NaN."""
+    return Reply("scripted refusal", status=400)
+
+
+def test_steps_without_a_valid_sample_stop_the_run_with_a_checkpoint(tiny_policy, tmp_path, capsys):
+    from nemo_factuality.cli import main as cli
+
+    run_dir = tmp_path / "run"
+    with ScriptedOpenAIServer(_failing_judge) as failing:
+        code = cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, run_dir),
+                    f"data.train={_klcf_data(tmp_path)}", *[f"reward.{k}.base_url={failing.url}" for k in KLCF_ROLES],
+                    "reward.w_rm=0", "reward.general_rm=null", "trainer.max_steps=10", "trainer.max_invalid_steps=2"])
+    assert code == 3
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "stopped at step 2: 2 consecutive steps had no valid sample" in errors[0], errors
+    assert "reward NaN for 100% of the samples" in errors[0] and "trainer.max_invalid_steps=2" in errors[0]
+    assert [m["valid_frac"] for m in read_metrics(run_dir)] == [0.0, 0.0]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000002" and not (run_dir / "final").exists()
+
+
+def test_a_kto_iteration_the_labeller_could_not_label_stops_the_run(tiny_policy, kb, tmp_path, capsys):
+    from nemo_factuality.cli import main as cli
+
+    run_dir = tmp_path / "run"
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Write a bio of Ada Varga ({i}).", "topic": "Ada Varga"}
+                                                    for i in range(4)])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Say hi.", "chosen": "Hi there.", "rejected": "No."}])
+    with ScriptedOpenAIServer(_failing_judge) as failing:
+        code = cli(["train", "kto", "--config-name", "tiny_cpu_factalign", *_common(tiny_policy, run_dir),
+                    f"data.train={data}", f"data.general_pairs={pairs}", f"reward.judge.base_url={failing.url}",
+                    f"reward.pipeline.evidence.store_path={kb}"])
+    assert code == 3
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "iteration 0: the labeller could not label any of the 8 samples" in errors[0], errors
+    assert "checkpoints/step_000000 is written" in errors[0]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000000" and not (run_dir / "final").exists()
 
 
 def test_fspo_grpo_from_parquet(tiny_policy, tiny_nli, tmp_path):

@@ -254,9 +254,12 @@ class HFActor:
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
 
     def export(self, path: Path) -> None:
+        from nemo_factuality.fileio import respect_umask
+
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(path))
         self.tokenizer.save_pretrained(str(path))
+        respect_umask(path)  # safetensors writes 0600 through a temporary file: the policy is an ordinary output
 
 
 class HFCritic:
