@@ -400,9 +400,10 @@ def test_server_that_never_gets_ready_fails_the_job_with_its_log(slurm, tmp_path
     stage = _write_stage(tmp_path / "stage.yaml", server={"ready_deadline_s": 4, "command":
                          "python -m nemo_factuality.launch.standins reward-server --port {port} --never-ready"})
     job = _submit(slurm, tmp_path, stage)
-    assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 90) == "FAILED"
+    state = slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 90)
     log = _sbatch_log(tmp_path, job)
-    assert "server 'factuality_reward' not ready" in log and f"cpu_standin-{job}/factuality_reward.log" in log
+    assert state == "FAILED", (state, log)
+    assert "server 'factuality_reward' not ready" in log and f"cpu_standin-{job}/factuality_reward.log" in log, log
     assert _log(tmp_path, job, "trainer") == ""  # the trainer never started
 
 
