@@ -19,7 +19,7 @@ import yaml
 
 from nemo_factuality.config import REPO_ROOT, conf_dir
 from nemo_factuality.launch.config import ClusterProfile, LaunchConfig, ServerSpec
-from nemo_factuality.launch.wiring import served_name_problems, wire
+from nemo_factuality.launch.wiring import envname, served_name_problems, wire
 
 TEMPLATE_DIR = REPO_ROOT / "slurm"
 TRAINER_IMAGE = "trainer"
@@ -45,11 +45,6 @@ def servers(stage: LaunchConfig) -> list[ServerSpec]:
     return stage.reward_servers + stage.judges + ([stage.critic] if stage.critic else [])
 
 
-def envname(name: str) -> str:
-    """A server's name as the prefix of its shell variables (``general-rm`` -> ``GENERAL_RM``)."""
-    return "".join(c if c.isalnum() else "_" for c in str(name)).upper()
-
-
 # ------------------------------------------------------------------------------------------------ params
 def missing_params(stage: LaunchConfig) -> list[str]:
     return [k for k, v in stage.params.items() if v is None or not str(v).strip()]
@@ -60,9 +55,10 @@ def require_params(stage_name: str, stage: LaunchConfig) -> None:
     missing = missing_params(stage)
     if missing:
         keys = " ".join(f"params.{k}=..." for k in missing)
-        raise LaunchConfigError(f"{stage_name} needs {', '.join('params.' + k for k in missing)} (the stage leaves "
-                                f"{'it' if len(missing) == 1 else 'them'} to you): nemo-factuality launch {stage_name} "
-                                f"{keys}, or set them under params: in the stage's YAML")
+        them = "it" if len(missing) == 1 else "them"
+        raise LaunchConfigError(f"{stage_name} needs {', '.join('params.' + k for k in missing)} (the stage leaves {them} "
+                                f"to you): nemo-factuality launch {stage_name} {keys}, or set {them} under params: in the "
+                                "stage's YAML")
 
 
 def fill(text: str, values: dict[str, str], where: str, problems: list[str]) -> str:

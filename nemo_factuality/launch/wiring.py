@@ -150,7 +150,7 @@ def wire(servers: Sequence[ServerSpec]) -> Wiring:
                 if block.get("kind") == "hf":
                     out.problems.append(f"server {spec.name!r} serves {key}, but {where} loads it in-process (kind: hf)")
                     continue
-                var = "${" + _envname(spec.name) + "_URL}"
+                var = "${" + envname(spec.name) + "_URL}"
                 general = _is_general_rm(block)
                 out.overrides.setdefault(owner, []).append(f"{key}.url={var}" if general else f"{key}.base_url={var}/v1")
                 if not general:
@@ -176,5 +176,6 @@ def served_name_problems(spec: ServerSpec, command: str, wanted: str | None) -> 
     return []
 
 
-def _envname(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name).upper()
+def envname(name: str) -> str:
+    """A server's name as the prefix of its shell variables (``general-rm`` -> ``GENERAL_RM``)."""
+    return "".join(c if c.isalnum() else "_" for c in str(name)).upper()
