@@ -290,9 +290,11 @@ def test_train_and_serve_configs_use_the_same_reward(method):
     assert OmegaConf.to_container(train) == OmegaConf.to_container(serve)
 
 
-@pytest.mark.parametrize("stage", ["grpo_klcf", "grpo_fspo", "grpo_knowrl", "ppo_rlfh", "kto_factalign", "cpu_standin"])
+@pytest.mark.parametrize("stage", ["grpo_klcf", "grpo_fspo", "grpo_knowrl", "ppo_rlfh", "kto_factalign", "cpu_standin",
+                                   "cpu_standin_klcf"])
 def test_launch_stages_pass_overrides_the_train_schema_accepts(stage):
     """Every key=value a Slurm stage hands its trainer exists in that stage's schema (no silent typo)."""
+    import re
     import shlex
 
     import yaml
@@ -302,8 +304,8 @@ def test_launch_stages_pass_overrides_the_train_schema_accepts(stage):
     from nemo_factuality.trainers.cli import STAGES
 
     command = yaml.safe_load((conf_dir() / "launch" / f"{stage}.yaml").read_text())["trainer_command"]
-    words = shlex.split(command.split("&&")[-1].replace("exec ", "").replace("{ckpt_dir}", "/ckpt")
-                        .replace("$FACTUALITY_REWARD_URL", "http://reward:5555"))
+    command = re.sub(r"(?<!\$)\{(\w+)\}", r"/\1", command.replace("{ckpt_dir}", "/ckpt"))  # {params.x} -> /x
+    words = shlex.split(command.split("&&")[-1].replace("exec ", "").replace("$FACTUALITY_REWARD_URL", "http://reward:5555"))
     module = words[words.index("-m") + 1]
     name = words[words.index("--config-name") + 1]
     overrides = [w for w in words if "=" in w and not w.startswith("-")]
