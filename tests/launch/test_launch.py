@@ -288,7 +288,7 @@ def test_trainer_preset_gives_the_backend_the_layout_srun_starts(tmp_path, monke
         run_stage("grpo", args)
     cfg, runtime = seen["cfg"], seen["runtime"]
     assert (runtime["devices"], runtime["num_nodes"]) == (8, 2) and cfg.model.tensor_model_parallel_size == 8
-    assert runtime["model_overrides"]["optim"] == {"name": "distributed_fused_adam"}
+    assert runtime["model_overrides"]["optim"] == {"name": "mcore_distributed_optim"}
     assert cfg.model.micro_batch_size == 2 and cfg.model.global_batch_size == 128  # command line over preset
     with pytest.raises(ConfigError, match="aligner-backend preset"):
         run_stage("grpo", [*args, "trainer.backend=hf", "model.path=/hf"])
