@@ -119,3 +119,13 @@ def test_the_package_compiles_and_imports_on_the_containers_python(container_ven
                    "nemo_factuality.knowledge.store", "nemo_factuality.metrics", "nemo_factuality.evaluation.cli",
                    "nemo_factuality.serving.server", "nemo_factuality.launch.render", "nemo_factuality.trainers.config"):
         assert modules[module] == "ok", (module, modules[module])
+
+
+def test_the_gpu_smoke_kit_carries_the_same_versions():
+    """requirements/gpu_smoke.txt (what a bare GPU machine gets) pins what the venv pins, where both name it."""
+    venv = pins((REPO / "requirements" / "aligner.txt").read_text().splitlines())
+    venv |= pins((REPO / "requirements" / "aligner-test.txt").read_text().splitlines())
+    carried = pins((REPO / "requirements" / "gpu_smoke.txt").read_text().splitlines())
+    for core in ("nemo-toolkit", "nemo-aligner", "megatron-core", "transformers", "trl"):
+        assert core in carried, core
+    assert {n: v for n, (_, v) in carried.items() if n in venv} == {n: venv[n][1] for n in carried if n in venv}

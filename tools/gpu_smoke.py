@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -155,12 +156,20 @@ def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
 
     from nemo_factuality.testing import aligner_cpu, apex_free
 
+    stubs = apex_free.stub_absent_modules()  # NeMo's import-time extras this machine lacks (none in CI's venv)
     if args.cpu:
         aligner_cpu.apply()
     else:
         apex_free.apply()
     from nemo_factuality.trainers.backends.aligner import build_actor
-    from nemo_factuality.trainers.backends.aligner_memory import GIB, Arch, Layout, max_rollout_batch, rollout_bytes, training_bytes
+    from nemo_factuality.trainers.backends.aligner_memory import (
+        GIB,
+        Arch,
+        Layout,
+        max_rollout_batch,
+        rollout_bytes,
+        training_bytes,
+    )
     from nemo_factuality.trainers.config import GRPOConfig, load_train_config
     from nemo_factuality.trainers.data import PromptRecord
     from nemo_factuality.trainers.grpo import GRPOTrainer
@@ -190,7 +199,7 @@ def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
                     prompt_len=s["prompt_tokens"], sequence_parallel=False, overhead_gib=0.0 if args.cpu else 4.0)
     texts = prompts(64, s["prompt_tokens"], arch.vocab)
     ids = [actor.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    measure_generation(actor, ids[:2], 2, 4)  # warm-up: first-call allocations and kernel selection
+    measure_generation(actor, ids, 16, s["new_tokens"])  # warm-up: first-call allocations, kernel selection, JIT
     gen16 = measure_generation(actor, ids, 16, s["new_tokens"])
     budget = 0.85 * torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 67.15
     largest = min(args.max_batch_cap, max_rollout_batch(arch, layout, budget))
@@ -223,7 +232,7 @@ def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
         "peak_gib": {"train": train_peak, "rollout_16": gen16["peak_gib"]},
         "predicted_gib": {"train": training_bytes(arch, layout)["total"] / GIB,
                           "rollout_16": rollout_bytes(arch, layout)["total"] / GIB},
-        "parameters_b": arch.parameters() / 1e9,
+        "parameters_b": arch.parameters() / 1e9, "stubbed_packages": sorted(stubs.stubbed),
     }
 
 
@@ -287,25 +296,33 @@ def run_trl(args, hf: Path, run_dir: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------ report
 def report(result: dict) -> str:
-    a, t = result["aligner"], result.get("trl")
-    g16, gmax = a["generation_16"], a["generation_max"]
-    split = a["step_split_s"]
-    lines = [f"# GPU smoke: {result['device']} — {result['model']} ({a['parameters_b']:.2f} B parameters)", "",
-             "| | aligner backend (NeMo-Aligner 0.7.0) | TRL GRPOTrainer |", "|---|---|---|",
-             f"| generation tokens/s, batch 16 | {g16['tokens_per_s']:.0f} | "
-             f"{t['generation']['tokens_per_s']:.0f} (its own batch 16) |" if t else "",
-             f"| generation tokens/s, batch {gmax['batch'] if gmax else '-'} (formula allows "
-             f"{a['formula_max_batch']}) | {gmax['tokens_per_s']:.0f} | — |" if gmax else
-             f"| generation at the largest batch | did not fit (tried {a['oom_batches']}) | — |",
-             f"| GRPO step, s ({len(split) and 'generate / reward / logprobs / train'}) | {split.get('step', float('nan')):.2f} "
-             f"({split.get('generate', 0):.2f} / {split.get('reward', 0):.2f} / {split.get('logprobs', 0):.2f} / "
-             f"{split.get('train', 0):.2f}) | {t['step_s']:.2f} |" if t else "",
-             f"| peak GPU memory, GiB: training (formula) | {a['peak_gib']['train']:.1f} ({a['predicted_gib']['train']:.1f}) | "
-             f"{t['peak_gib']:.1f} |" if t else "",
-             f"| peak GPU memory, GiB: rollout batch 16 (formula) | {a['peak_gib']['rollout_16']:.1f} "
-             f"({a['predicted_gib']['rollout_16']:.1f}) | — |", "",
-             f"Rewards per step (toy reward): {['%.3f' % r for r in a['rewards']]}. Setup (restore + init): {a['setup_s']:.1f} s."]
-    return "\n".join(line for line in lines if line is not None and line != "" or line == "") + "\n"
+    """The run as a markdown table (aligner backend vs TRL) with the memory formula's predictions."""
+    a, t = result["aligner"], result.get("trl") or {}
+    g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
+    size = a["parameters_b"]
+    trl_gen = f"{t['generation']['tokens_per_s']:.0f}" if t else "not run"
+    lines = [f"# GPU smoke: {result['device']}, {result['model']} "
+             f"({size:.2f} B parameters)" if size >= 0.1 else f"# GPU smoke: {result['device']}, {result['model']} "
+             f"({size * 1e3:.2f} M parameters)", "",
+             "| | aligner backend (NeMo-Aligner 0.7.0) | TRL GRPOTrainer 0.15.2 |", "|---|---|---|",
+             f"| generation tokens/s, rollout batch 16 | {g16['tokens_per_s']:.0f} | {trl_gen} |"]
+    if gmax:
+        lines.append(f"| generation tokens/s, rollout batch {gmax['batch']} (the formula allows {a['formula_max_batch']}) "
+                     f"| {gmax['tokens_per_s']:.0f} | — |")
+    else:
+        lines.append(f"| generation at the largest batch | out of memory at {a['oom_batches']} | — |")
+    lines += [f"| GRPO step, s: total (generate / reward / log-probs / train) | {split.get('step', float('nan')):.2f} "
+              f"({split.get('generate', 0):.2f} / {split.get('reward', 0):.2f} / {split.get('logprobs', 0):.2f} / "
+              f"{split.get('train', 0):.2f}) | {t['step_s']:.2f} |" if t else
+              f"| GRPO step, s | {split.get('step', float('nan')):.2f} | not run |",
+              f"| peak GPU memory, GiB, training (the formula's prediction) | {a['peak_gib']['train']:.1f} "
+              f"({a['predicted_gib']['train']:.1f}) | {t['peak_gib']:.1f} |" if t else "",
+              f"| peak GPU memory, GiB, rollout batch 16 (prediction) | {a['peak_gib']['rollout_16']:.1f} "
+              f"({a['predicted_gib']['rollout_16']:.1f}) | — |", "",
+              f"{a['steps']} GRPO steps of {a['tokens_per_step']} new tokens; toy reward per step: "
+              f"{', '.join(f'{r:.3f}' for r in a['rewards'])}. Restore + init {a['setup_s']:.1f} s; "
+              f"steps after the first are averaged."]
+    return "\n".join(line for line in lines if line is not None) + "\n"
 
 
 def _phase(args, phase: str, out: Path) -> dict:
@@ -335,8 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     s = shape(args)
     if args.phase:
         hf, nemo = out / "hf", out / "policy"
+        run_dir = out / f"{args.phase}_run"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume of the last one
         fn = run_aligner if args.phase == "aligner" else run_trl
-        result = fn(args, nemo if args.phase == "aligner" else hf, out / f"{args.phase}_run")
+        result = fn(args, nemo if args.phase == "aligner" else hf, run_dir)
         (out / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
         return 0
     import torch

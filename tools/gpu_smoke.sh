@@ -20,11 +20,14 @@ pins() { grep -vE '^\s*(#|$)' "$list" | sed 's/\s*#.*//'; }
 if [ "${1:-}" = --download ]; then
   dest=${2:?usage: $0 --download DIR}
   mkdir -p "$dest"
-  # cp312 manylinux wheels for the GPU machine's Python 3.12; megatron-core 0.12.3 has none for 3.12: its sdist
-  pins | grep -v '^megatron-core' | xargs python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d "$dest"
-  pins | grep '^megatron-core' | xargs python3 -m pip download -q --no-deps --no-binary=:all: -d "$dest"
+  # cp312 manylinux wheels for the GPU machine's Python 3.12; where a release has none for 3.12 (megatron-core
+  # 0.12.3 has cp310/cp311 only, antlr4-python3-runtime 4.9.3 no wheel at all) its sdist, built there
+  while read -r pin; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform any -d "$dest" "$pin" 2>/dev/null \
+      || python3 -m pip download -q --no-deps --no-binary=:all: -d "$dest" "$pin"
+  done < <(pins)
   du -sh "$dest"
   exit 0
 fi
@@ -48,9 +51,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "gpu_smoke: not in $wheels: ${missing[*]} — fetch them with: bash tools/gpu_smoke.sh --download $wheels" >&2
   exit 2
 fi
-echo "== installing $(ls "$wheels" | wc -l) carried packages into $site" >&2
+echo "== installing $(find "$wheels" -maxdepth 1 -type f | wc -l) carried packages into $site" >&2
 rm -rf "$site"
+shopt -s nullglob
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$site" \
-  "$wheels"/*.whl "$wheels"/*.tar.gz
+  "$wheels"/*.whl "$wheels"/*.tar.gz "$wheels"/*.zip
 export PYTHONPATH="$site:$PWD"
 exec python3 tools/gpu_smoke.py "$@"

@@ -13,10 +13,13 @@ device layer. Each patch is a failure observed without those CUDA-built packages
   as plain torch); NeMo's strategy refuses to start without Apex although nothing here calls it; NeMo's wrapper
   of Megatron-Core's distributed optimizer (no Apex needed) is imported only together with Apex's.
 * torch's AdamW, megatron-core 0.12's fallback optimizer without Apex/TE, loses its per-parameter ``step`` on a
-  distributed-optimizer checkpoint load (KeyError, and a step tensor shared by every parameter).
+  distributed-optimizer checkpoint load (KeyError, and a step tensor shared by every parameter), and a fresh
+  one (a resumed run before its first step) cannot describe its state for the load at all.
 * ``nemo_aligner.utils.trt_llm`` imports tensorrt_llm → tensorrt → mpi4py (stubbing those breaks Lightning's MPI
   detection): the module is replaced by one whose ``GPTGenerateTRTLLM`` raises.
-* megatron-core 0.12's async checkpoint writer against torch ≥ 2.7's ``_write_item`` signature.
+* megatron-core 0.12's async checkpoint writer against torch ≥ 2.7's ``_write_item`` signature, and its
+  checkpoint validation's ``np.product`` against numpy 2.
+* NeMo's import-time extras that the aligner path never calls (``stub_absent_modules``, the smoke kit's).
 """
 
 from __future__ import annotations
@@ -139,18 +142,21 @@ def _no_fp8_quantize_without_te() -> None:
 
 def _torch_adam_step_on_load() -> None:
     """megatron-core 0.12's distributed optimizer falls back to torch's AdamW without Apex/TE, and its checkpoint
-    load mishandles that AdamW's per-parameter ``step`` twice (so a resumed run would step differently):
+    load mishandles that AdamW's per-parameter ``step`` (a resumed run would fail, or step differently):
 
     * ``load_state_dict`` gives every parameter's state the *same* step tensor, which torch's AdamW then
       increments once per parameter on the next step (Adam's bias correction goes wrong): each gets its own copy;
     * the fully-sharded load copies every per-parameter state tensor from the checkpoint, ``step`` included,
-      which the checkpoint keeps in the parameter groups (restored by then): the restored step is kept."""
+      which the checkpoint keeps in the parameter groups (restored by then): the restored step is kept;
+    * a fresh optimizer (a new process resuming) has no state yet to describe for the load: it gets AdamW's
+      initial state (zero moments, step 0), which the load then overwrites."""
     from megatron.core.optimizer import distrib_optimizer
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return
     cls = distrib_optimizer.DistributedOptimizer
-    set_original, load_original = cls._set_main_param_and_optimizer_states, cls.load_state_dict
+    set_original, load_original, state_dict_original = (cls._set_main_param_and_optimizer_states, cls.load_state_dict,
+                                                        cls.state_dict)
 
     def set_states(self, model_param, tensors):
         if "step" not in tensors and not self.config.use_precision_aware_optimizer:
@@ -166,8 +172,19 @@ def _torch_adam_step_on_load() -> None:
             if torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
 
+    def state_dict(self):
+        # a fresh optimizer (a resumed run, before its first step) has no per-parameter state, and the step
+        # extraction asserts one: give it the state torch's AdamW starts from (zero moments, step 0)
+        if not self.optimizer.state and not self.config.use_precision_aware_optimizer:
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    self.optimizer.state[param] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(param),
+                                                   "exp_avg_sq": torch.zeros_like(param)}
+        return state_dict_original(self)
+
     cls._set_main_param_and_optimizer_states = set_states
     cls.load_state_dict = load_state_dict
+    cls.state_dict = state_dict
 
 
 def _sequence_parallel_torch_norm() -> None:
@@ -194,6 +211,75 @@ def _sequence_parallel_torch_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
+# Packages NeMo 2.2 / megatron-core 0.12 import at load, unguarded, on the aligner path but never call there
+# (Chinese tokenizers, downloads, web/zarr dataset formats, ROUGE): where they are absent (the GPU smoke kit
+# carries only what the actor runs) they become stubs whose every name raises when used. Found by running the
+# kit on CPU in a venv holding only the GPU machine's packages plus the carried ones; imports NeMo guards itself
+# (nvidia-modelopt, boto3, faiss) are left missing, so NeMo takes its own fallback.
+ABSENT_OK = ("wget", "braceexpand", "webdataset", "ijson", "rouge_score", "jieba", "opencc", "zarr")
+
+
+class _AbsentName:
+    """What a stubbed module gives for any name: usable as a base class or annotation, raising when called."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__module__}.{type(self).__qualname__} belongs to a package this machine "
+                           "lacks (stubbed by nemo_factuality.testing.apex_free: the aligner path never uses it)")
+
+
+class _StubModule(types.ModuleType):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__path__: list[str] = []  # a package: submodules are stubs too
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        stub = type(attr, (_AbsentName,), {"__module__": self.__name__})
+        setattr(self, attr, stub)
+        return stub
+
+
+class _AbsentModuleFinder:
+    """Last on ``sys.meta_path``: only imports no real finder resolved reach it, and only ``roots`` are stubbed."""
+
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        self.roots = set(roots)
+        self.stubbed: set[str] = set()
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.util
+
+        if name.split(".")[0] not in self.roots:
+            return None
+        self.stubbed.add(name.split(".")[0])
+        return importlib.util.spec_from_loader(name, self, is_package=True)
+
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module):
+        return None
+
+
+def stub_absent_modules(roots: tuple[str, ...] = ABSENT_OK) -> _AbsentModuleFinder:
+    """Stub the listed packages where they are not installed (installed ones are imported as usual)."""
+    finder = next((f for f in sys.meta_path if isinstance(f, _AbsentModuleFinder)), None)
+    if finder is None:
+        finder = _AbsentModuleFinder(roots)
+        sys.meta_path.append(finder)
+    return finder
+
+
+def _numpy2_aliases() -> None:
+    """megatron-core 0.12's checkpoint validation calls ``np.product``, an alias of ``np.prod`` that numpy 2 removed
+    (a bare GPU machine has numpy 2; the stack's own venv pins numpy < 2)."""
+    import numpy as np
+
+    if not hasattr(np, "product"):
+        np.product = np.prod
+
+
 def apply() -> bool:
     """Patch once (before NeMo builds a model); returns True. Safe where Apex/TE exist: each patch checks first."""
     global _APPLIED
@@ -208,5 +294,6 @@ def apply() -> bool:
     _no_fp8_quantize_without_te()
     _torch_adam_step_on_load()
     _sequence_parallel_torch_norm()
+    _numpy2_aliases()
     _APPLIED = True
     return True

@@ -192,6 +192,16 @@ def run(actor: AlignerActor, args) -> dict:
             "lp_a": lp_a.tolist(), "lp_b": lp_b.tolist()}
 
 
+def resume(actor: AlignerActor, args) -> dict:
+    """A new process resuming ``--resume-from``'s checkpoint (as a requeued job does): one step on the same batch."""
+    first = json.loads((Path(args.resume_from) / f"rank{torch.distributed.get_rank()}.json").read_text())
+    rollout, advantages = _fixed_rollout(actor), ADVANTAGES[_my_rows(actor)]
+    actor.load(Path(args.resume_from) / "ckpt")
+    batch = dict(_batch(actor, rollout, advantages), old_logprobs=torch.tensor(first["lp0"]))
+    metrics = _step(actor, batch)
+    return {"metrics_resumed": metrics, "lp_resumed": actor.logprobs(rollout).tolist(), "probes": dict(PROBES)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nemo", required=True)
@@ -201,11 +211,12 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--setting", choices=("plain", "exact", "preset"), default="plain")
     ap.add_argument("--preset", default="qwen2.5-7b", help="the conf/train/aligner preset whose settings run")
+    ap.add_argument("--resume-from", default=None, help="an earlier run's --out: load its checkpoint first, step once")
     args = ap.parse_args()
     t0 = time.monotonic()
     _install_probes()
     actor = _actor(args)
-    result = run(actor, args)
+    result = resume(actor, args) if args.resume_from else run(actor, args)
     result.update(total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank, dp_size=actor.data_parallel_size,
                   rank=torch.distributed.get_rank())
     out = Path(args.out)

@@ -13,7 +13,7 @@ generation between the first and second) run three ways:
   weights the optimiser steps).
 
 Each also checks that its setting's own code ran (a setting silently off would match ``plain`` trivially) and
-that save → load → step equals the uninterrupted step exactly.
+that save → load → step equals the uninterrupted step exactly, in the same process and in a new one.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ LAYOUTS = {"tp2": {"tp": 2}, "dp2": {"tp": 1}}
 pytestmark = pytest.mark.slow
 
 
-def _run(venv: Path, nemo: Path, out: Path, setting: str, tp: int) -> list[dict]:
-    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", f"--setting={setting}", f"--tp={tp}"],
+def _run(venv: Path, nemo: Path, out: Path, setting: str, tp: int, *extra: str) -> list[dict]:
+    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", f"--setting={setting}", f"--tp={tp}", *extra],
                               nproc=2, timeout=300)
     assert res.returncode == 0, res.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -40,10 +40,13 @@ def _run(venv: Path, nemo: Path, out: Path, setting: str, tp: int) -> list[dict]
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout(request, venv, stage_policy, tmp_path_factory):
-    """(layout name, {setting: per-rank results}) for plain, exact and preset at one layout."""
+    """(layout name, {setting: per-rank results}) for plain, exact and preset at one layout, and ``resumed``: a new
+    process loading the preset run's checkpoint, as a requeued job would."""
     tp = LAYOUTS[request.param]["tp"]
     root = tmp_path_factory.mktemp(request.param)
-    return request.param, {s: _run(venv, stage_policy, root / s, s, tp) for s in ("plain", "exact", "preset")}
+    runs = {s: _run(venv, stage_policy, root / s, s, tp) for s in ("plain", "exact", "preset")}
+    runs["resumed"] = _run(venv, stage_policy, root / "resumed", "preset", tp, f"--resume-from={root / 'preset'}")
+    return request.param, runs
 
 
 def _rel(a: float, b: float) -> float:
@@ -109,3 +112,12 @@ def test_preset_settings_in_bf16_match_the_plain_run_within_bf16_tolerance(layou
                     for a, b, m in zip(ra, rb, rm, strict=True) if m)
         assert worst < 0.05, worst  # the response tokens' log-probs in bf16
     _check_resume_exact(runs["preset"])
+
+
+def test_a_new_process_resumes_the_preset_run_exactly(layout):
+    """The checkpoint of the bf16 / distributed-optimizer run, loaded by a fresh process before any step (a requeued
+    job), steps exactly as the uninterrupted run did."""
+    _, runs = layout
+    for first, resumed in zip(runs["preset"], runs["resumed"], strict=True):
+        assert resumed["metrics_resumed"] == first["metrics_a"]
+        assert resumed["lp_resumed"] == first["lp_a"]
