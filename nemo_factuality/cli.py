@@ -8,6 +8,11 @@ input, config or override, a path that does not exist, a bad flag — is printed
 ``nemo-factuality <command>: error: <message>`` on stderr with exit code 2, never a traceback.
 ``--debug`` (anywhere on the command line) or ``NEMO_FACTUALITY_DEBUG=1`` re-raises it with the
 traceback, for bug reports. Commands raise; they do not print errors themselves.
+
+A server that stayed away past its retry window (``ServerUnavailableError``: a training stage checkpointed
+first) is also one line, with exit code 75 (sysexits' ``EX_TEMPFAIL``): "try again later", which the Slurm
+launcher's requeue acts on. Exit codes: 0 done, 2 user error, 75 temporary failure (requeue), 130 interrupted,
+1 anything else (a bug: traceback).
 """
 
 from __future__ import annotations
@@ -111,6 +116,11 @@ def run_command(func: Callable[[list[str]], int | None], argv: Sequence[str], na
         print(f"nemo-factuality {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as err:
+        from nemo_factuality.types import ServerUnavailableError
+
+        if isinstance(err, ServerUnavailableError) and not debug:
+            print(f"nemo-factuality {name}: error: {_one_line(err)} (exit {err.EXIT_CODE})", file=sys.stderr)
+            return err.EXIT_CODE
         if debug or not isinstance(err, _user_error_types()):
             raise
         print(f"nemo-factuality {name}: error: {_one_line(err)}", file=sys.stderr)

@@ -144,6 +144,20 @@ class TrainerConfig:
 
 
 @dataclass
+class RetryConfig:
+    """Waiting for a server (reward, critic) that refuses, drops or times out a request mid-run: the same request is
+    sent again after jittered exponential waits (``initial_s · 2^k``, at most ``max_s`` each, scaled by a factor in
+    ``[1 − jitter, 1]``) until ``max_wait_s`` have passed since the first failure; then the stage writes a checkpoint
+    and exits 75 (EX_TEMPFAIL) for the launcher to requeue. 0 = no waiting. Keep ``max_wait_s`` below the
+    distributed timeout (30 min in torch): under model/data parallelism the other ranks wait in a collective."""
+
+    max_wait_s: float = 600.0
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    jitter: float = 0.5
+
+
+@dataclass
 class RemoteRMEndpoint:
     name: str = "factuality_reward"
     ip: str | None = None
@@ -158,6 +172,7 @@ class RemoteRMConfig:
     reward_model: RemoteRMEndpoint = field(default_factory=RemoteRMEndpoint)
     timeout_s: float = 600.0
     init_timeout_s: float = 60.0
+    retry: RetryConfig = field(default_factory=RetryConfig)  # a server that goes away mid-run
 
     def resolved_url(self) -> str | None:
         if self.url:
@@ -218,6 +233,7 @@ class CriticModelConfig:
     pipeline_model_parallel_size: int = 1
     timeout_s: float = 600.0  # one critic request (a train request holds a whole PPO step's minibatch)
     init_timeout_s: float = 60.0  # waiting for the server to be ready at start-up
+    retry: RetryConfig = field(default_factory=RetryConfig)  # a server that goes away mid-run
     # merged last onto the critic's NeMo model config (Aligner's ``++model.*``): recompute, sequence parallel, …
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -313,6 +329,11 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
     algo = getattr(cfg, "grpo", None)
     if algo is not None and algo.kl_in == "loss" and algo.kl_estimator == "abs":
         problems.append("grpo.kl_estimator=abs only works with grpo.kl_in=reward (the loss needs k1 or k3)")
+    for key in ("remote_rm.retry", "critic.retry"):
+        retry = _get(cfg, key)
+        if retry is not _MISSING and (retry.max_wait_s < 0 or retry.initial_s <= 0 or retry.max_s < retry.initial_s
+                                      or not 0 <= retry.jitter < 1):
+            problems.append(f"{key}: need max_wait_s >= 0, 0 < initial_s <= max_s and 0 <= jitter < 1, got {retry}")
     if cfg.trainer.backend == "hf" and not m.path:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:

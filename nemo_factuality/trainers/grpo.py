@@ -52,6 +52,8 @@ from nemo_factuality.trainers.runtime import (
     PhaseTimer,
     PreemptionFlag,
     RunLogger,
+    StepStart,
+    checkpoint_if_server_gone,
     encode_prompts,
     place_on_tokens,
     records_for_rows,
@@ -94,7 +96,8 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, float]]:
-        """Train until ``trainer.max_steps``, early stopping, or SIGUSR1 (checkpoint + return)."""
+        """Train until ``trainer.max_steps``, early stopping, or SIGUSR1 (checkpoint + return). A reward/critic
+        server gone past its retry window: checkpoint + ``RunStopped`` (exit 75; the rerun redoes the step)."""
         self._maybe_resume()
         history: list[dict[str, float]] = []
         bar = tqdm(total=self.cfg.trainer.max_steps, initial=self.step, desc=self.stage, unit="step",
@@ -102,9 +105,12 @@ class GRPOTrainer:
         stop_reason = "max_steps"
         with PreemptionFlag() as preempted:
             while self.step < self.cfg.trainer.max_steps:
-                metrics = self.train_one_step()
+                with checkpoint_if_server_gone(self._save, step=self.step, start=StepStart(self.sampler, self.critic)):
+                    metrics = self.train_one_step()
                 self.step += 1
-                stop = self._after_step(metrics)
+                done = partial(self.logger.log, self.step, metrics)  # a finished step is logged before its checkpoint
+                with checkpoint_if_server_gone(self._save, step=self.step, before_save=done):
+                    stop = self._after_step(metrics)  # validation scores with the reward too
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
                 log.info("step %d: reward %.4f kl %.5f loss %.4f (%.2f s)", self.step, metrics.get("reward/score", math.nan),

@@ -154,7 +154,7 @@ class HFActor:
     def _to_rollout(self, prompt_ids: Sequence[Sequence[int]], generated: torch.Tensor) -> Rollout:
         """Left-padded generate output → Aligner's right-padded layout, cut after the first EOS."""
         rows, ends = [], []
-        for p, gen in zip(prompt_ids, generated.tolist()):
+        for p, gen in zip(prompt_ids, generated.tolist(), strict=False):
             if self.eos_id in gen:
                 gen, ended = gen[: gen.index(self.eos_id) + 1], True
             else:
