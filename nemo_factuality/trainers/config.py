@@ -334,6 +334,11 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         if retry is not _MISSING and (retry.max_wait_s < 0 or retry.initial_s <= 0 or retry.max_s < retry.initial_s
                                       or not 0 <= retry.jitter < 1):
             problems.append(f"{key}: need max_wait_s >= 0, 0 < initial_s <= max_s and 0 <= jitter < 1, got {retry}")
+    sp = m.sampling_params
+    if cfg.trainer.backend == "aligner" and not sp.use_greedy and sp.temperature != 1.0 and not isinstance(cfg, KTOConfig):
+        problems.append(f"model.sampling_params.temperature={sp.temperature}: NeMo-Aligner's log-probs are at "
+                        "temperature 1, so the PPO ratio and KL would be against another distribution than the one "
+                        "sampled; use 1.0 on trainer.backend=aligner (the hf backend divides its logits by T)")
     if cfg.trainer.backend == "hf" and not m.path:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:

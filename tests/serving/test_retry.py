@@ -76,14 +76,13 @@ def test_no_window_fails_at_once_and_an_error_the_server_answered_is_never_retri
 
 def test_which_pytriton_errors_mean_the_server_went_away():
     pytest.importorskip("pytriton")
+    from geventhttpclient.response import HTTPConnectionClosed
     from pytriton.client.exceptions import (
         PyTritonClientInferenceServerError,
         PyTritonClientModelUnavailableError,
         PyTritonClientTimeoutError,
         PyTritonClientValueError,
     )
-
-    from geventhttpclient.response import HTTPConnectionClosed
 
     assert server_went_away(HTTPConnectionClosed("connection closed."))  # the server died with the request in flight
     assert server_went_away(PyTritonClientTimeoutError("Waiting for server to be ready timed out."))

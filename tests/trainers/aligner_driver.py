@@ -19,6 +19,8 @@ Each rank writes ``<out>/rank<r>.json``. Scenarios:
   one actor, one stage after another: ``--plan FILE`` lists ``{name, stage, config, overrides}`` (KLCF, FSPO,
   KnowRL → GRPO; FactAlign → KTO; RLFH → PPO with the critic server). Records per stage what ``fit`` logged,
   what each reward call returned (the stage's own client) and what it wrote.
+* ``outage``: the planned GRPO stages (``--plan``: ``undisturbed`` then ``restarted``), each from the same initial
+  weights and seed, against a served reward; the test kills and restarts the server during the second.
 """
 
 from __future__ import annotations
@@ -386,6 +388,20 @@ def methods(actor: AlignerActor, args) -> dict:
     return {"stages": {step["name"]: _method_stage(actor, step) for step in json.loads(Path(args.plan).read_text())}}
 
 
+def outage(actor: AlignerActor, args) -> dict:
+    """Each planned stage from the same initial weights (SGD without momentum: the weights are the whole training
+    state) and seed; the test disturbs the reward server while the later ones run."""
+    from nemo_factuality.trainers.runtime import seed_everything
+
+    initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
+    runs = {}
+    for step in json.loads(Path(args.plan).read_text()):
+        actor.model.load_state_dict(initial)
+        seed_everything(args.seed)
+        runs[step["name"]] = _method_stage(actor, step)
+    return {"stages": runs}
+
+
 def _ppo_overrides(args) -> list[str]:
     import json
 
@@ -432,7 +448,7 @@ def main() -> int:
     ap.add_argument("--overrides", default=None, help="JSON list of stage-config key=value (the ppo scenario)")
     ap.add_argument("--plan", default=None, help="JSON list of the methods scenario's stages")
     ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "stage_dp", "kto_dp", "learn",
-                                           "ppo", "methods"), default="core")
+                                           "ppo", "methods", "outage"), default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
     if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
@@ -446,7 +462,7 @@ def main() -> int:
         actor = _actor(args)
     setup_s = time.monotonic() - t0
     scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "stage_dp": stage_dp, "kto_dp": kto_dp,
-                 "learn": learn, "ppo": ppo, "methods": methods}
+                 "learn": learn, "ppo": ppo, "methods": methods, "outage": outage}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

@@ -8,6 +8,10 @@ verdicts (so rewards, advantages and updates are not constant). Three GRPO runs 
   client waits, retries the same request, and the run's metrics and final weights equal the undisturbed run's;
 * the server killed and left down past ``remote_rm.retry.max_wait_s``: checkpoint of the step's start, one
   stderr line, exit 75; the rerun (server back) finishes and equals the undisturbed run.
+
+And on the aligner backend at TP=2 (torchrun, 2 processes, NeMo-Aligner's actor on gloo): the GRPO stage twice
+from the same weights, the second with the server killed mid-request and restarted; the model-parallel source
+rank waits and resends while the other rank waits in the broadcast; both runs log the same metrics.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_factuality.testing.aligner_env import run_in_aligner_venv
 from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
 from nemo_factuality.testing.ports import free_ports
 from nemo_factuality.testing.servers import SERVE_PORT_KEYS, reward_server
@@ -176,3 +181,66 @@ def test_server_down_past_the_window_checkpoints_exits_75_in_one_line_and_the_re
         _serve(outage_env, stack, "serve3")
         assert _run(_args(outage_env, run_dir, 3)) == 0
     _assert_same_run(run_dir, undisturbed)
+
+
+def _disturb(server: dict, stack: ExitStack, env: dict, watch: Path, events: dict) -> None:
+    """Once ``watch`` exists (the run's step 1 is logged), hold the next verification request at the judge, kill the
+    server while it is in flight, and start it again on the same ports."""
+    deadline = time.monotonic() + 600
+    while not watch.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    in_flight = threading.Event()
+    HOLD["armed"] = in_flight
+    if not in_flight.wait(300):
+        return
+    _kill(server)
+    events["killed"] = time.monotonic()
+    time.sleep(2.0)
+    _serve(env, stack, f"serve_{watch.parent.name}")
+    events["back"] = time.monotonic()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_aligner_backend_at_tp2_survives_a_reward_server_restart(outage_env, stage_policy, venv):
+    import json
+
+    out = outage_env["root"] / "aligner_tp2"
+    url = f"http://127.0.0.1:{outage_env['ports']['http_port']}"
+    common = [f"model.restore_from_path={stage_policy}", "trainer.backend=aligner", "trainer.max_steps=2",
+              "trainer.save_interval=0", "trainer.progress_bar=false", "model.tensor_model_parallel_size=2",
+              "grpo.num_prompts_per_step=2", "grpo.num_rollouts_per_prompt=2", "model.micro_batch_size=2",
+              "model.global_batch_size=4", "model.forward_micro_batch_size=4", "model.length_params.max_length=6",
+              "model.dtype=float32", "model.optim.name=sgd", "model.optim.lr=0.05", "model.optim.sched.name=constant",
+              "exp_manager.create_tensorboard_logger=false", "reward=null", f"remote_rm.url={url}",
+              "remote_rm.init_timeout_s=2", "remote_rm.timeout_s=20", "remote_rm.retry.max_wait_s=120",
+              "remote_rm.retry.initial_s=0.5", "remote_rm.retry.max_s=2", "data.format=rlfh",
+              f"data.train={outage_env['data']}"]
+    plan = [{"name": name, "stage": "grpo", "config": "tiny_cpu_klcf",
+             "overrides": [*common, f"exp_manager.explicit_log_dir={out / name}"]} for name in ("undisturbed", "restarted")]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan))
+    events: dict[str, float] = {}
+    with ExitStack() as stack:
+        server = _serve(outage_env, stack, "serve_tp2")
+        chaos = threading.Thread(target=_disturb, args=(server, stack, outage_env, out / "restarted" / "metrics.jsonl", events),
+                                 daemon=True)
+        chaos.start()
+        res = run_in_aligner_venv(venv, ["tests/trainers/aligner_driver.py", f"--nemo={stage_policy}", f"--out={out}",
+                                         "--scenario=outage", f"--plan={out / 'plan.json'}", "--tp=2"], nproc=2, timeout=700)
+        chaos.join(timeout=60)
+    assert res.returncode == 0, res.stdout[-6000:]
+    assert "killed" in events and "back" in events, "the server was not disturbed during the second run"
+    waits = [ln for ln in res.stdout.splitlines() if "retrying the same request" in ln]
+    assert waits and all(url in ln for ln in waits), res.stdout[-4000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        a, b = (_no_timings(rank["stages"][name]["logged"]) for name in ("undisturbed", "restarted"))
+        assert [m["step"] for m in b] == [1, 2] and a == b
+    assert _no_timings(ranks[0]["stages"]["restarted"]["logged"]) == _no_timings(ranks[1]["stages"]["restarted"]["logged"])
+    # at TP=2 one rank (the model-parallel source) talks to the server, the other gets its result
+    assert [len(r["stages"]["restarted"]["calls"]) for r in ranks] == [2, 0]
+
+
+def _no_timings(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]

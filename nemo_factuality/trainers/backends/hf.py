@@ -4,6 +4,13 @@ Reference policy: ``reference="copy"`` keeps a frozen copy of the initial weight
 ``"cpu_weight_swap"`` keeps them as a CPU state dict and swaps them into the model for reference
 log-probs, as NeMo-Aligner does, so only one set of weights sits on the accelerator.
 
+Sampling is exactly the stage's: ``generate`` sees only ``model.sampling_params`` (temperature, top-k, top-p,
+greedy) and ``max_length``, never the checkpoint's ``generation_config.json`` (Qwen2.5-Instruct ships
+repetition_penalty 1.05, top_k 20, top_p 0.8, temperature 0.7; others add suppressed or bad words), which
+transformers would otherwise merge into every call: the rollouts would not come from π. Log-probs (old,
+reference, training) are of the distribution sampled from, ``softmax(logits / T)`` at the sampling temperature
+(as verl does); greedy rollouts use T = 1.
+
 Checkpoints are safetensors (weights, reference) plus ``torch.save`` files of plain tensors/dicts for
 the optimiser and schedule, always read back with ``weights_only=True``: no code runs on load.
 """
@@ -48,10 +55,26 @@ def build_optimizer(params: Sequence[torch.nn.Parameter], cfg: OptimConfig, max_
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``[b, S, V]`` logits, ``[b, S]`` tokens → ``[b, S-1]`` log p(tokens[:, t+1]) (float32)."""
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[b, S, V]`` logits, ``[b, S]`` tokens → ``[b, S-1]`` log softmax(logits / T)(tokens[:, t+1]) (float32)."""
+    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def stage_generation_config(sampling: SamplingParams, eos_id: int, pad_id: int) -> Any:
+    """A ``GenerationConfig`` holding only the stage's sampling: every logits processor transformers would add from a
+    checkpoint's ``generation_config.json`` is set to its no-op value, so none is merged in."""
+    from transformers import GenerationConfig
+
+    neutral = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+               "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_length": 0, "min_new_tokens": 0,
+               "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1, "num_beam_groups": 1,
+               "diversity_penalty": 0.0, "renormalize_logits": False, "num_return_sequences": 1}
+    cfg = GenerationConfig(max_new_tokens=sampling.max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                           do_sample=not sampling.use_greedy, **neutral)
+    if not sampling.use_greedy:
+        cfg.temperature, cfg.top_p, cfg.top_k = sampling.temperature, sampling.top_p, sampling.top_k
+    return cfg
 
 
 def attention_mask(tokens: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
@@ -114,6 +137,8 @@ class HFActor:
         if self.eos_id is None:
             raise ValueError(f"the tokenizer at {cfg.path} has no eos_token; set one so responses can end")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        sp = cfg.sampling_params
+        self.temperature = 1.0 if sp.use_greedy else float(sp.temperature)  # log-probs of what is sampled
         self.optimizer, self.scheduler = build_optimizer(list(self.model.parameters()), cfg.optim, max_steps)
         self._ref_model: Any = None
         self._ref_state: dict[str, torch.Tensor] | None = None
@@ -144,11 +169,19 @@ class HFActor:
         for i, p in enumerate(prompt_ids):
             left[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[i, width - len(p):] = 1
-        kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "eos_token_id": self.eos_id,
-                                  "pad_token_id": self.pad_id, "do_sample": not sampling.use_greedy}
-        if not sampling.use_greedy:
-            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        out = self.model.generate(input_ids=left.to(self.device), attention_mask=mask.to(self.device), **kwargs).cpu()
+        if not sampling.use_greedy and sampling.temperature != self.temperature:
+            raise ValueError(f"generate: sampling at temperature {sampling.temperature} but the log-probs are at "
+                             f"{self.temperature} (model.sampling_params.temperature)")
+        from transformers import GenerationConfig
+
+        # transformers fills what a passed config leaves unset from model.generation_config (the checkpoint's file):
+        # a blank one stands in for it during the call, and the stage's config sets every processor to a no-op
+        checkpoint_config, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        try:
+            out = self.model.generate(input_ids=left.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=stage_generation_config(sampling, self.eos_id, self.pad_id)).cpu()
+        finally:
+            self.model.generation_config = checkpoint_config
         return self._to_rollout(prompt_ids, out[:, width:])
 
     def _to_rollout(self, prompt_ids: Sequence[Sequence[int]], generated: torch.Tensor) -> Rollout:
@@ -173,9 +206,9 @@ class HFActor:
                           need_entropy: bool = False) -> dict[str, torch.Tensor]:
         tokens = tokens.to(self.device)
         logits = model(input_ids=tokens, attention_mask=attention_mask(tokens, lengths)).logits
-        out = {"logprobs": token_logprobs(logits, tokens)}
+        out = {"logprobs": token_logprobs(logits, tokens, self.temperature)}
         if need_entropy:
-            logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+            logp = F.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
             out["entropy"] = -(logp.exp() * logp).sum(-1)
         return out
 
