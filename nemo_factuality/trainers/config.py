@@ -94,9 +94,11 @@ class GRPOAlgoConfig:
     num_epochs: int = 1  # passes over each rollout batch (minibatches of model.global_batch_size)
     advantage_scale: str = "std"  # std (GRPO) | none (Dr.GRPO)
     singleton_groups: str = "zero"  # a group with one valid sample: zero advantage, or "raw" (verl: the reward itself)
-    truncated: str = "mask"  # responses that hit max_length: "mask" (no gradient, as Aligner) | "keep"
+    # responses that hit max_length: "mask" (no gradient, as Aligner's PPO actor's is_end mask; its REINFORCE loss keeps
+    # them and only drops them from the RLOO baseline) | "keep"
+    truncated: str = "mask"
     initial_policy_kl_penalty: float = 0.001  # KL coefficient β (0 = no reference policy needed)
-    kl_estimator: str = "k3"  # k1 | k3 (low_var_kl) | abs
+    kl_estimator: str = "k3"  # k1 | k3 (low_var_kl) | abs; the same estimator in the logged kl and the loss/reward
     kl_in: str = "loss"  # loss (GRPO/verl) | reward (Aligner REINFORCE: r - β·mean_t KL_t)
     fspo_flip: bool = True  # apply FSPO's flip when the reward returns token signs
 
@@ -326,9 +328,6 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
 
         if cfg.reward["name"] not in REWARDS:
             problems.append(f"reward.name={cfg.reward['name']!r} is not a known reward ({', '.join(REWARDS.names())})")
-    algo = getattr(cfg, "grpo", None)
-    if algo is not None and algo.kl_in == "loss" and algo.kl_estimator == "abs":
-        problems.append("grpo.kl_estimator=abs only works with grpo.kl_in=reward (the loss needs k1 or k3)")
     for key in ("remote_rm.retry", "critic.retry"):
         retry = _get(cfg, key)
         if retry is not _MISSING and (retry.max_wait_s < 0 or retry.initial_s <= 0 or retry.max_s < retry.initial_s

@@ -11,7 +11,8 @@ One step:
 3. **advantage** — ``(r - mean_g) / (std_g + ε)`` per group (``grpo.advantage_scale=none``: Dr.GRPO),
    ``r - β·mean_t KL_t`` first when ``grpo.kl_in=reward`` (Aligner's REINFORCE), broadcast to the
    response tokens; FSPO's flip ``A' = where(sign·A ≥ 0, A, -A)`` when the reward returns token signs.
-   Truncated responses (no EOS) are masked (``grpo.truncated=mask``, NeMo-Aligner's rule).
+   Truncated responses (no EOS) are masked (``grpo.truncated=mask``: NeMo-Aligner's PPO actor masks its loss with
+   ``is_end``; its REINFORCE loss keeps them and only leaves them out of the RLOO baseline).
 4. **loss** — PPO clip (ε, ``ratio_eps_high`` for clip-higher, ``clip_ratio_c`` for the dual clip)
    + ``β·KL(π‖π_ref)`` (k3 = verl's low_var_kl) when ``grpo.kl_in=loss``, − entropy bonus; aggregated
    over the optimiser step's global token/sequence counts; ``grpo.num_epochs`` passes over the rollout
@@ -219,7 +220,7 @@ class GRPOTrainer:
                                         entropy=out.get("entropy"), entropy_coef=m.entropy_bonus, **norm)
         metrics = {"loss/policy": loss.item(), **metrics}
         if g.initial_policy_kl_penalty > 0 and g.kl_in == "loss":
-            kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], "k1" if g.kl_estimator == "k1" else "k3", m.loss_agg, **norm)
+            kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], g.kl_estimator, m.loss_agg, **norm)  # the logged estimator
             loss = loss + g.initial_policy_kl_penalty * kl
             metrics["loss/kl"] = kl.item()
         # Each micro batch returns its share of the step's loss; `update` sums the shares back per step.

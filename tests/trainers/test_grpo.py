@@ -158,3 +158,26 @@ def test_kl_in_reward_subtracts_beta_times_mean_token_kl(trainer, monkeypatch):
     exp, _ = _synthetic(trainer, [1.0, 1.0, 0.0, 0.0], [True] * 4)
     # group 0: rewards 1 and 1 − 0.5·2 = 0 → Dr.GRPO advantages +0.5 / −0.5 on every response token
     assert exp["advantages"][0, 1].item() == pytest.approx(0.5) and exp["advantages"][1, 1].item() == pytest.approx(-0.5)
+
+
+def test_kl_estimator_abs_in_the_loss_is_the_logged_estimator(trainer, monkeypatch):
+    """grpo.kl_estimator=abs with kl_in=loss: the loss term and the logged kl are both mean |logπ − logπ_ref| (before,
+    the loss silently used k3 while the metric logged abs)."""
+    from nemo_factuality.trainers.config import load_train_config
+
+    load_train_config(GRPOConfig, None, ["model.path=/m", "remote_rm.url=http://rm:1", "grpo.kl_estimator=abs",
+                                         "grpo.kl_in=loss"])  # accepted at start-up
+    g = trainer.cfg.grpo
+    g.initial_policy_kl_penalty, g.kl_in, g.kl_estimator = 0.5, "loss", "abs"
+    offsets = torch.tensor([0.3, -0.2, 0.1, -0.4])  # per row: log π − log π_ref (both signs: abs ≠ k1, ≠ k3)
+    monkeypatch.setattr(trainer.actor, "reference_logprobs",
+                        lambda rollout: trainer.actor.logprobs(rollout) - offsets.unsqueeze(1))
+    exp, metrics = _synthetic(trainer, [1.0, 0.0, 1.0, 0.0], [True] * 4)
+    mask = exp["mask"]
+    expected = float((offsets.abs().unsqueeze(1) * mask).sum() / mask.sum())
+    assert metrics["kl"] == pytest.approx(expected, abs=1e-6)
+    out = {"logprobs": exp["old_logprobs"]}  # the loss at the rollout's own log-probs
+    _, loss_metrics = trainer.loss_fn(out, exp, global_tokens=float(mask.sum()), global_seqs=4.0)
+    assert loss_metrics["loss/kl"] == pytest.approx(expected, abs=1e-6)
+    k3 = float(((torch.exp(-offsets) - 1 + offsets).unsqueeze(1) * mask).sum() / mask.sum())
+    assert abs(k3 - expected) > 0.05  # what the loss used to compute instead

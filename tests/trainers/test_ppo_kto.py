@@ -62,6 +62,26 @@ def test_scalar_reward_goes_on_the_last_action_like_aligner():
     assert t[0, 4] == 1.5 and t[1, 2] == -2.0 and t.abs().sum() == 3.5  # index response_length - 2
 
 
+def test_a_response_without_tokens_gets_no_reward_position_and_leaves_the_loss(tiny_policy, tmp_path):
+    """Row 0 is empty (response_length == prompt_length): Aligner's clamped index would put its reward on a prompt
+    position (and the old unclamped ``- 2`` on the last column, here position 5 of row 0); it gets none and its
+    sample is out of the loss. Row 1 is only an EOS (one action): the reward sits on it, inside the mask."""
+    rollout = Rollout(torch.tensor([[3, 4, 0, 0, 0, 0, 0], [3, 4, 2, 0, 0, 0, 0]]), torch.tensor([2, 2]),
+                      torch.tensor([2, 3]), torch.tensor([False, True]))
+    t = token_reward_tensor(RewardBatch(np.array([5.0, 1.0])), rollout)
+    mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, 6)
+    assert t[0].abs().sum() == 0 and t[1, 1] == 1.0 and t.abs().sum() == 1.0
+    assert mask[0].sum() == 0 and mask[1, 1] == 1  # no action in row 0; row 1's one action carries the reward
+    cfg = ppo_cfg(tiny_policy, tmp_path / "empty", steps=1)
+    cfg.ppo.initial_policy_kl_penalty, cfg.ppo.normalize_advantages = 0.0, False
+    torch.manual_seed(0)
+    trainer = PPOTrainer(cfg, HFActor(cfg.model, max_steps=1), HFCritic(cfg.critic, cfg.model.path, max_steps=1),
+                         good_tokens_dense, prompts(2), run_dir=tmp_path / "empty")
+    exp, metrics = trainer.make_ppo_experience(rollout, RewardBatch(np.array([5.0, 1.0])))
+    assert exp["mask"][0].sum() == 0 and exp["mask"][1].sum() == 1 and metrics["valid_frac"] == 0.5
+    assert metrics["reward/token_sum"] == 1.0  # the empty sample's 5.0 went nowhere
+
+
 def test_critic_warmup_freezes_the_actor(tiny_policy, tmp_path):
     cfg = ppo_cfg(tiny_policy, tmp_path / "warm", steps=2)
     cfg.ppo.critic_warmup_steps = 2
