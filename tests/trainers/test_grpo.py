@@ -181,3 +181,46 @@ def test_kl_estimator_abs_in_the_loss_is_the_logged_estimator(trainer, monkeypat
     assert loss_metrics["loss/kl"] == pytest.approx(expected, abs=1e-6)
     k3 = float(((torch.exp(-offsets) - 1 + offsets).unsqueeze(1) * mask).sum() / mask.sum())
     assert abs(k3 - expected) > 0.05  # what the loss used to compute instead
+
+
+def test_checkpoints_record_the_initial_reference_instead_of_copying_it(tiny_policy, tmp_path):
+    """GRPO's reference is model.path: a checkpoint holds reference.json (path + fingerprint), no weights copy; the
+    resumed run rebuilds it from the path, and refuses in one line when that checkpoint changed or is gone."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_factuality.trainers.reference import fingerprint
+    from nemo_factuality.types import FactualityInputError
+
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_policy, policy)
+    cfg = grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 1})
+    run(cfg, good_fraction)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert not (ckpt / "reference.safetensors").exists()
+    record = json.loads((ckpt / "reference.json").read_text())
+    assert record == {"kind": "initial", "path": str(policy.resolve()), "key": "model.path", "fingerprint": fingerprint(policy)}
+    history, actor = run(grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 2}), good_fraction, seed=5)
+    assert len(history) == 1 and history[0]["kl"] > 0  # resumed: a reference other than the trained policy
+    weights = load_file(policy / "model.safetensors")
+    ref = actor.reference_logprobs(Rollout(torch.tensor([[5, 6, 7, 8]]), torch.tensor([2]), torch.tensor([4]),
+                                           torch.tensor([True])))
+    fresh = HFActor(grpo_cfg(policy, tmp_path / "x").model, max_steps=1)
+    assert torch.equal(ref, fresh.logprobs(Rollout(torch.tensor([[5, 6, 7, 8]]), torch.tensor([2]), torch.tensor([4]),
+                                                   torch.tensor([True]))))  # the reference is model.path's weights
+    key = next(iter(weights))
+    save_file({**weights, key: weights[key] + 1e-3}, str(policy / "model.safetensors"))  # retrained in place
+    with pytest.raises(FactualityInputError, match="changed since the run started") as err:
+        run(grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
+    assert "\n" not in str(err.value) and "model.path" in str(err.value)
+    shutil.rmtree(policy)
+    shutil.copytree(tiny_policy, tmp_path / "moved")
+    with pytest.raises(FactualityInputError, match=r"initial checkpoint .*/policy \(model.path\), which is missing"):
+        run(grpo_cfg(tmp_path / "moved", tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
+    shutil.copytree(tiny_policy, policy)  # back in place (a copy: new mtimes, same content and fingerprint) ...
+    with pytest.raises(FactualityInputError, match=r"this run started from model.path=.*resume with model.path="):
+        run(grpo_cfg(tmp_path / "moved", tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)  # ... not here
+    history, _ = run(grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
+    assert len(history) == 1

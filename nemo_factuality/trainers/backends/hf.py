@@ -11,8 +11,10 @@ transformers would otherwise merge into every call: the rollouts would not come 
 reference, training) are of the distribution sampled from, ``softmax(logits / T)`` at the sampling temperature
 (as verl does); greedy rollouts use T = 1.
 
-Checkpoints are safetensors (weights, reference) plus ``torch.save`` files of plain tensors/dicts for
-the optimiser and schedule, always read back with ``weights_only=True``: no code runs on load.
+Checkpoints are safetensors (weights) plus ``torch.save`` files of plain tensors/dicts for the optimiser and
+schedule, always read back with ``weights_only=True``: no code runs on load. The reference is not copied while
+it is the initial checkpoint (GRPO, PPO): ``reference.json`` records ``model.path`` and its fingerprint
+(``trainers/reference.py``); after ``reset_reference`` (KTO) it is ``reference.safetensors``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.config import CriticModelConfig, OptimConfig, PolicyModelConfig
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
 
@@ -67,7 +70,7 @@ def stage_generation_config(sampling: SamplingParams, eos_id: int, pad_id: int) 
     from transformers import GenerationConfig
 
     neutral = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
-               "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_length": 0, "min_new_tokens": 0,
+               "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_new_tokens": 0,
                "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1, "num_beam_groups": 1,
                "diversity_penalty": 0.0, "renormalize_logits": False, "num_return_sequences": 1}
     cfg = GenerationConfig(max_new_tokens=sampling.max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
@@ -143,13 +146,23 @@ class HFActor:
         self._ref_model: Any = None
         self._ref_state: dict[str, torch.Tensor] | None = None
         self.reset_reference()
+        # the reference is the checkpoint at model.path until reset_reference(): checkpoints record it, not copy it
+        self.initial_reference = ref_record.initial_record(cfg.path, "model.path") if model is None and cfg.path else None
+        self.reference_is_initial = self.initial_reference is not None
 
     # ------------------------------------------------------------------ reference policy
     def reset_reference(self) -> None:
+        self.reference_is_initial = False
         if self.cfg.reference == "copy":
             self._ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         else:
             self._ref_state = _cpu_copy(self.model)
+
+    def _set_reference(self, state: dict[str, torch.Tensor]) -> None:
+        if self._ref_model is not None:
+            self._ref_model.load_state_dict(state)
+        else:
+            self._ref_state = state
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
         if self._ref_model is not None:
@@ -263,7 +276,11 @@ class HFActor:
 
         path.mkdir(parents=True, exist_ok=True)
         save_file(_cpu_copy(self.model), path / "policy.safetensors")
-        save_file(self._reference_state(), path / "reference.safetensors")
+        if self.reference_is_initial:
+            ref_record.write_record(path, self.initial_reference)
+        else:
+            save_file(self._reference_state(), path / "reference.safetensors")
+            ref_record.write_record(path, ref_record.stored_record("reference.safetensors"))
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                    path / "policy_optim.pt")
 
@@ -271,11 +288,18 @@ class HFActor:
         from safetensors.torch import load_file
 
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
-        ref = load_file(path / "reference.safetensors")
-        if self._ref_model is not None:
-            self._ref_model.load_state_dict(ref)
+        record = ref_record.read_record(path) or ref_record.stored_record("reference.safetensors")  # older checkpoints
+        if record["kind"] == "initial":
+            ref_record.check_initial(record, self.cfg.path, path)
+            if not self.reference_is_initial:  # only a reset in this process moves it; rebuild it from the path
+                from transformers import AutoModelForCausalLM
+
+                initial = AutoModelForCausalLM.from_pretrained(record["path"], dtype=_DTYPES[self.cfg.dtype])
+                self._set_reference(_cpu_copy(initial))
+                self.reference_is_initial = True
         else:
-            self._ref_state = ref
+            self._set_reference(load_file(path / record["where"]))
+            self.reference_is_initial = False
         state = torch.load(path / "policy_optim.pt", weights_only=True, map_location="cpu")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
