@@ -138,6 +138,39 @@ def test_kto_moves_log_ratios_the_expected_way(tiny_policy, tmp_path):
     assert all(math.isfinite(m["loss/kto"]) and math.isfinite(m["loss/fkto"]) for m in logged)
 
 
+def split_labeller(prompts, completions, completion_ids, **_):
+    """Every response desirable, but its second half a false sentence: the sentence labels disagree with the response
+    label, so only fKTO (λ > 0) can tell the halves apart."""
+    label = np.ones(len(completions))
+    spans = [[Span(0, len(c) // 2), Span(len(c) // 2, len(c))] if len(c) >= 4 else [] for c in completions]
+    return RewardBatch(label, {"label": label}, sentence_labels=[[True, False] if sp else [] for sp in spans],
+                       sentence_spans=spans)
+
+
+def test_fkto_weight_lambda_pushes_false_sentences_of_a_desirable_response_down(tiny_policy, tmp_path):
+    def sentence_ratios(lam: float) -> tuple[float, float]:
+        torch.manual_seed(0)
+        cfg = kto_cfg(tiny_policy, tmp_path / f"lam{lam}")
+        cfg.model.length_params.max_length = 8
+        cfg.kto.lam, cfg.kto.prompts_per_iteration, cfg.kto.samples_per_prompt = lam, 4, 4
+        actor = HFActor(cfg.model, max_steps=100)
+        trainer = KTOTrainer(cfg, actor, split_labeller, prompts(4), run_dir=tmp_path / f"lam{lam}")
+        trainer.fit()
+        data = trainer.last_data
+        rollout = Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
+                          torch.ones(len(data["tokens"]), dtype=torch.bool))
+        diff = actor.logprobs(rollout) - actor.reference_logprobs(rollout)
+        sent = sentence_sums(diff, data["sent_start"], data["sent_end"])[data["sent_valid"]]
+        labels = data["sent_label"][data["sent_valid"]]
+        assert labels.any() and (~labels).any()
+        return sent[labels].mean().item(), sent[~labels].mean().item()
+
+    true0, false0 = sentence_ratios(0.0)  # KTO alone: the whole desirable response goes up, both halves
+    true4, false4 = sentence_ratios(4.0)  # + fKTO: the false half goes down although its response is desirable
+    assert false0 > 0 and false4 < 0 < true4, (true0, false0, true4, false4)
+    assert false4 < false0 - 0.5
+
+
 def test_kto_resumes_mid_iteration(tiny_policy, tmp_path):
     def go(run_dir, max_steps, seed):
         torch.manual_seed(seed)

@@ -39,7 +39,7 @@ import torch
 
 from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
-from nemo_factuality.types import FactualityInputError
+from nemo_factuality.types import FactualityInputError, ServerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -666,14 +666,31 @@ def on_model_parallel_source(fn: Any) -> Any:
             box = [("ok", fn())]
         except Exception as err:  # re-raised below, on every rank of the group
             error = err
-            box = [("error", f"{type(err).__name__}: {err}")]
+            box = [(_relay_kind(err), f"{type(err).__name__}: {err}")]
     torch.distributed.broadcast_object_list(box, src=ranks[0], group=group)
     status, value = box[0]
     if error is not None:
         raise error
-    if status == "error":
-        raise RuntimeError(f"model-parallel source rank {ranks[0]} failed: {value}")
-    return value
+    return relayed_result(status, value, ranks[0])
+
+
+def _relay_kind(err: Exception) -> str:
+    """How another rank re-raises a source rank's error: a server gone past its retry window stays one (the stage
+    checkpoints on every rank alike), with its ``checkpoint_safe``; anything else is a failure of that rank."""
+    if isinstance(err, ServerUnavailableError):
+        return "unavailable" if getattr(err, "checkpoint_safe", True) else "unavailable-no-checkpoint"
+    return "error"
+
+
+def relayed_result(status: str, value: Any, source: int) -> Any:
+    """The value another rank broadcast (``status`` "ok"), or its error raised here (see ``_relay_kind``)."""
+    if status == "ok":
+        return value
+    if status.startswith("unavailable"):
+        relayed = ServerUnavailableError(f"{value} (on rank {source})")
+        relayed.checkpoint_safe = status == "unavailable"
+        raise relayed
+    raise RuntimeError(f"model-parallel source rank {source} failed: {value}")
 
 
 def restore_training_state(trainer: Any, scheduler: Any, state_dir: Path) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_factuality.trainers.backends.aligner import on_model_parallel_source
+from nemo_factuality.trainers.backends.aligner import _relay_kind, on_model_parallel_source, relayed_result
 from nemo_factuality.trainers.interfaces import LossFn, Rollout
 from nemo_factuality.types import ServerUnavailableError
 
@@ -166,11 +166,8 @@ class RemoteCritic:
         rows = {"tokens": batch["tokens"].long(), "returns": batch["returns"].float(),
                 "prev_values": batch["old_values"].float(), "mask": batch["mask"].float()}
         gathered = _gather_to_rank0({k: v.numpy() for k, v in rows.items()})
-        loss = None
-        if gathered is not None:
-            sent = _pad_and_concat(gathered)
-            loss = float(self._request(TRAIN, sent, batched=False)["loss_mean"].reshape(-1)[0])
-        loss = _broadcast_from_rank0(loss)
+        loss = _on_rank0(lambda: float(self._request(TRAIN, _pad_and_concat(gathered), batched=False)["loss_mean"]
+                                       .reshape(-1)[0]))
         self.expected_step = None if self.expected_step is None else self.expected_step + 1  # every rank counts it
         # the stages sum ``loss/*`` back over micro batches and data-parallel ranks (each backend reports its mean share)
         shares = max(1, -(-int(batch["tokens"].shape[0]) // micro_batch_size)) * _data_parallel_size()
@@ -178,8 +175,8 @@ class RemoteCritic:
 
     def server_step(self) -> int:
         """The server's optimiser step (asked on rank 0, the same on every rank); this run expects it from now on."""
-        self.expected_step = int(_broadcast_from_rank0(_if_rank0(lambda: int(
-            self._request(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)["step"].reshape(-1)[0]))))
+        self.expected_step = int(_on_rank0(lambda: int(
+            self._request(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)["step"].reshape(-1)[0])))
         return self.expected_step
 
     def _know_step(self) -> None:
@@ -188,7 +185,7 @@ class RemoteCritic:
 
     def save(self, path: Path) -> None:
         """The server writes its own checkpoint; ``critic.json`` records which server step belongs to this one."""
-        _if_rank0(lambda: self._request(SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False))
+        _on_rank0(lambda: self._request(SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False) and None)
         step = self.server_step()
         if _rank() == 0:
             Path(path).mkdir(parents=True, exist_ok=True)
@@ -229,16 +226,22 @@ def _data_parallel_size() -> int:
     return mpu.get_data_parallel_world_size()
 
 
-def _if_rank0(fn: Callable[[], Any]) -> Any:
-    return fn() if _rank() == 0 else None
-
-
-def _broadcast_from_rank0(value: Any) -> Any:
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on global rank 0, its result — or its error, re-raised on every rank (so no rank waits in the
+    broadcast while rank 0 checkpoints or stops) — on every rank."""
     if not torch.distributed.is_initialized():
-        return value
-    box = [value]
+        return fn()
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if _rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as err:
+            error, box = err, [(_relay_kind(err), f"{type(err).__name__}: {err}")]
     torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+    if error is not None:
+        raise error
+    return relayed_result(*box[0], 0)
 
 
 
