@@ -55,6 +55,9 @@ def main() -> None:
         del dummy_var
         return {"step": np.array([step["n"]], dtype=np.int64)}
 
+    from nemo_factuality.serving.server import ensure_python_backend_env
+
+    ensure_python_backend_env()  # Triton's Python-backend stub needs the interpreter's environment, as the real servers
     whole = ModelConfig(batching=False, max_batch_size=0, batcher=None)
     config = TritonConfig(http_address="127.0.0.1", http_port=args.port, allow_grpc=False, allow_metrics=False)
     with Triton(config=config) as triton:

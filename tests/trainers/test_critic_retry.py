@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import torch
 
@@ -28,7 +29,6 @@ from nemo_factuality.trainers.backends.aligner_critic import (
     CriticServerUnavailable,
     RemoteCritic,
 )
-from nemo_factuality.trainers.backends.aligner_reward import check_reward_server
 from nemo_factuality.trainers.config import RetryConfig
 from nemo_factuality.trainers.interfaces import Rollout
 
@@ -49,7 +49,15 @@ class _Critic:
                                           f"--port={self.port}", f"--state={self.state}", *flags],
                                          env=subprocess_env(PYTRITON_HOME=self.home), stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        check_reward_server(f"http://127.0.0.1:{self.port}", "critic_infer", timeout_s=120)
+        deadline = time.monotonic() + 120  # Triton answers 400 until the models are bound: wait for 200
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/v2/models/critic_state/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.3)
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -92,22 +100,42 @@ BATCH = {"tokens": ROLLOUT.tokens, "returns": torch.tensor([[0.0, 1.0, 1.0, 1.0]
          "old_values": torch.zeros(2, 4), "mask": torch.tensor([[0.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.0, 0.0]])}
 
 
-def test_a_critic_back_at_the_runs_step_continues_the_same_requests(critic_server):
+def test_a_critic_that_comes_back_continues_the_step_unless_it_lost_steps_and_one_that_stays_away_ends_the_run(
+        critic_server):
+    """One server, four outages (each a kill and, but for the last, a restart from its checkpoint's step)."""
     critic_server.state.write_text("3")
     critic_server.start()
     critic = _client(critic_server.port, 120)
     before = critic.values(ROLLOUT)
     assert critic.expected_step == 3
+    # 1. back at the same step (a deploy, a node drain): the same values request is sent again and answered
     critic_server.kill()
-    back = critic_server.restart_later(1.0)  # a restart (deploy, node drain) from its checkpoint at the same step
-    again = critic.values(ROLLOUT)  # waits, then resends the same request
-    back.join(timeout=120)
-    assert torch.equal(before, again)
+    critic_server.restart_later(1.0)
+    assert torch.equal(before, critic.values(ROLLOUT))
+    # 2. a train request: sent again once the server is back, applied once
     critic_server.kill()
     critic_server.restart_later(1.0)
     loss = critic.train_step(BATCH, lambda *a: None, micro_batch_size=2)["critic/server_loss"]
-    assert loss == pytest.approx(5.0 / 4)  # the mask-weighted mean of the returns: one step, once
+    assert loss == pytest.approx(6.0 / 4)  # the mask-weighted mean of the returns: one step, once
     assert critic.server_step() == 4 == int(critic_server.state.read_text())
+    # 3. back at an older step (its latest checkpoint is behind the run): no checkpoint may pair them, stop
+    critic_server.kill()
+    critic_server.state.write_text("2")
+    critic_server.restart_later(1.0)
+    with pytest.raises(CriticServerRestarted) as err:
+        critic.values(ROLLOUT)
+    assert err.value.checkpoint_safe is False and err.value.EXIT_CODE == 75
+    assert "step 2" in str(err.value) and "at step 4" in str(err.value)
+    # 4. gone past critic.retry.max_wait_s: a temporary failure (exit 75 after the stage's checkpoint)
+    short = _client(critic_server.port, 2)  # (the server is up again, at step 2)
+    short.server_step()
+    critic_server.kill()
+    t0 = time.monotonic()
+    with pytest.raises(CriticServerUnavailable) as err:
+        short.values(ROLLOUT)
+    assert time.monotonic() - t0 < 30
+    assert f"127.0.0.1:{critic_server.port}" in str(err.value) and "critic.retry.max_wait_s=2" in str(err.value)
+    assert getattr(err.value, "checkpoint_safe", True) and err.value.EXIT_CODE == 75
 
 
 def test_an_update_that_went_through_before_the_connection_dropped_is_not_applied_twice(critic_server):
@@ -122,30 +150,3 @@ def test_an_update_that_went_through_before_the_connection_dropped_is_not_applie
     watcher.join(timeout=120)
     assert math.isnan(out["critic/server_loss"])  # the loss was lost with the connection, and is said to be
     assert critic.expected_step == 8 == critic.server_step() == int(critic_server.state.read_text())
-
-
-def test_a_critic_back_at_an_older_step_stops_the_run_without_a_checkpoint(critic_server):
-    critic_server.state.write_text("5")
-    critic_server.start()
-    critic = _client(critic_server.port, 120)
-    critic.server_step()
-    critic_server.kill()
-    critic_server.state.write_text("2")  # its latest checkpoint is older than the run
-    critic_server.restart_later(1.0)
-    with pytest.raises(CriticServerRestarted) as err:
-        critic.values(ROLLOUT)
-    assert err.value.checkpoint_safe is False and err.value.EXIT_CODE == 75
-    assert "step 2" in str(err.value) and "at step 5" in str(err.value)
-
-
-def test_a_critic_gone_past_the_window_is_a_temporary_failure_naming_the_url_and_key(critic_server):
-    critic_server.start()
-    critic = _client(critic_server.port, 2)
-    critic.server_step()
-    critic_server.kill()
-    t0 = time.monotonic()
-    with pytest.raises(CriticServerUnavailable) as err:
-        critic.values(ROLLOUT)
-    assert time.monotonic() - t0 < 30
-    assert f"127.0.0.1:{critic_server.port}" in str(err.value) and "critic.retry.max_wait_s=2" in str(err.value)
-    assert getattr(err.value, "checkpoint_safe", True) and err.value.EXIT_CODE == 75

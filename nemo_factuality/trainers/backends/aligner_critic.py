@@ -153,7 +153,7 @@ class RemoteCritic:
         inputs = {"tokens": tokens.numpy().astype(np.int64),
                   "sequence_lengths": rollout.response_lengths.long().unsqueeze(1).numpy().astype(np.int64)}
         out = on_model_parallel_source(lambda: self._request(INFER, inputs, batched=True)["values"])
-        values = torch.as_tensor(np.asarray(out), dtype=torch.float32)
+        values = torch.from_numpy(np.array(out, dtype=np.float32))  # a copy: the response buffer is read-only
         assert values.shape[0] == tokens.shape[0] and values.shape[1] >= width - 1, (values.shape, tokens.shape)
         return values[:, : width - 1].contiguous()
 
