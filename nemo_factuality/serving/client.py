@@ -60,9 +60,9 @@ class Backoff:
         return base * (1.0 - self.jitter * rng.random())
 
 
-# An error the server answered is final; these words in a relayed error mean the transport or server went away.
-_GONE_WORDS = ("connection", "refused", "reset", "closed", "broken pipe", "timed out", "timeout", "unavailable",
-               "shutting down", "not healthy", "not ready", "eof")
+# Triton's own answers while a model is (re)loading or going away; an error the model itself raised ("Model execute
+# error", with the server's traceback, e.g. a reward's fail_fast) is final, whatever words its traceback holds.
+_NOT_SERVING = ("unknown model", "not ready", "not healthy", "unavailable", "shutting down")
 
 
 def server_went_away(err: BaseException) -> bool:
@@ -86,7 +86,8 @@ def server_went_away(err: BaseException) -> bool:
         return True
     if isinstance(err, PyTritonClientInferenceServerError):
         text = str(err).lower()
-        return any(word in text for word in _GONE_WORDS)
+        answered = "model execute error" in text or "traceback" in text
+        return not answered and any(words in text for words in _NOT_SERVING)
     return False
 
 

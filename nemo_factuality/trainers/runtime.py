@@ -410,7 +410,7 @@ def place_on_tokens(values: Sequence[np.ndarray] | None, rollout: Rollout, dtype
     for i, v in enumerate(values):
         if len(v):
             start = int(rollout.prompt_lengths[i]) - 1
-            out[i, start : start + len(v)] = torch.as_tensor(np.asarray(v), dtype=dtype)
+            out[i, start : start + len(v)] = torch.as_tensor(np.array(v), dtype=dtype)  # a copy: wire buffers are read-only
     return out
 
 
