@@ -100,7 +100,7 @@ def test_resume_gives_the_same_next_steps(tiny_policy, tmp_path):
     resumed, _ = run(grpo_cfg(tiny_policy, split_dir, **{"trainer.max_steps": 4}), good_fraction, seed=123)
     assert len(resumed) == 2
     keys = ("reward/score", "loss/policy", "loss/kl", "kl", "grad_norm", "response_length/mean")
-    for a, b in zip(full[2:], resumed):
+    for a, b in zip(full[2:], resumed, strict=True):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert [m["step"] for m in read_metrics(split_dir)] == [1, 2, 3, 4]
     assert (split_dir / "final" / "config.json").exists()

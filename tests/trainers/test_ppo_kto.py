@@ -183,5 +183,5 @@ def test_kto_resumes_mid_iteration(tiny_policy, tmp_path):
     go(tmp_path / "split", 2, 0)  # stops inside iteration 0 (4 minibatches per iteration)
     resumed = go(tmp_path / "split", 1000, 7)
     assert [m["step"] for m in resumed] == [m["step"] for m in full]
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         assert a.get("loss/kto") == b.get("loss/kto") and a.get("kto/z0") == b.get("kto/z0")
