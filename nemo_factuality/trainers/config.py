@@ -94,9 +94,11 @@ class GRPOAlgoConfig:
     num_epochs: int = 1  # passes over each rollout batch (minibatches of model.global_batch_size)
     advantage_scale: str = "std"  # std (GRPO) | none (Dr.GRPO)
     singleton_groups: str = "zero"  # a group with one valid sample: zero advantage, or "raw" (verl: the reward itself)
-    truncated: str = "mask"  # responses that hit max_length: "mask" (no gradient, as Aligner) | "keep"
+    # responses that hit max_length: "mask" (no gradient, as Aligner's PPO actor's is_end mask; its REINFORCE loss keeps
+    # them and only drops them from the RLOO baseline) | "keep"
+    truncated: str = "mask"
     initial_policy_kl_penalty: float = 0.001  # KL coefficient β (0 = no reference policy needed)
-    kl_estimator: str = "k3"  # k1 | k3 (low_var_kl) | abs
+    kl_estimator: str = "k3"  # k1 | k3 (low_var_kl) | abs; the same estimator in the logged kl and the loss/reward
     kl_in: str = "loss"  # loss (GRPO/verl) | reward (Aligner REINFORCE: r - β·mean_t KL_t)
     fspo_flip: bool = True  # apply FSPO's flip when the reward returns token signs
 
@@ -148,6 +150,20 @@ class TrainerConfig:
 
 
 @dataclass
+class RetryConfig:
+    """Waiting for a server (reward, critic) that refuses, drops or times out a request mid-run: the same request is
+    sent again after jittered exponential waits (``initial_s · 2^k``, at most ``max_s`` each, scaled by a factor in
+    ``[1 − jitter, 1]``) until ``max_wait_s`` have passed since the first failure; then the stage writes a checkpoint
+    and exits 75 (EX_TEMPFAIL) for the launcher to requeue. 0 = no waiting. Keep ``max_wait_s`` below the
+    distributed timeout (30 min in torch): under model/data parallelism the other ranks wait in a collective."""
+
+    max_wait_s: float = 600.0
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    jitter: float = 0.5
+
+
+@dataclass
 class RemoteRMEndpoint:
     name: str = "factuality_reward"
     ip: str | None = None
@@ -162,6 +178,7 @@ class RemoteRMConfig:
     reward_model: RemoteRMEndpoint = field(default_factory=RemoteRMEndpoint)
     timeout_s: float = 600.0
     init_timeout_s: float = 60.0
+    retry: RetryConfig = field(default_factory=RetryConfig)  # a server that goes away mid-run
 
     def resolved_url(self) -> str | None:
         if self.url:
@@ -222,6 +239,7 @@ class CriticModelConfig:
     pipeline_model_parallel_size: int = 1
     timeout_s: float = 600.0  # one critic request (a train request holds a whole PPO step's minibatch)
     init_timeout_s: float = 60.0  # waiting for the server to be ready at start-up
+    retry: RetryConfig = field(default_factory=RetryConfig)  # a server that goes away mid-run
     # merged last onto the critic's NeMo model config (Aligner's ``++model.*``): recompute, sequence parallel, …
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -331,9 +349,16 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
 
         if cfg.reward["name"] not in REWARDS:
             problems.append(f"reward.name={cfg.reward['name']!r} is not a known reward ({', '.join(REWARDS.names())})")
-    algo = getattr(cfg, "grpo", None)
-    if algo is not None and algo.kl_in == "loss" and algo.kl_estimator == "abs":
-        problems.append("grpo.kl_estimator=abs only works with grpo.kl_in=reward (the loss needs k1 or k3)")
+    for key in ("remote_rm.retry", "critic.retry"):
+        retry = _get(cfg, key)
+        if retry is not _MISSING and (retry.max_wait_s < 0 or retry.initial_s <= 0 or retry.max_s < retry.initial_s
+                                      or not 0 <= retry.jitter < 1):
+            problems.append(f"{key}: need max_wait_s >= 0, 0 < initial_s <= max_s and 0 <= jitter < 1, got {retry}")
+    sp = m.sampling_params
+    if cfg.trainer.backend == "aligner" and not sp.use_greedy and sp.temperature != 1.0 and not isinstance(cfg, KTOConfig):
+        problems.append(f"model.sampling_params.temperature={sp.temperature}: NeMo-Aligner's log-probs are at "
+                        "temperature 1, so the PPO ratio and KL would be against another distribution than the one "
+                        "sampled; use 1.0 on trainer.backend=aligner (the hf backend divides its logits by T)")
     if cfg.trainer.backend == "hf" and not m.path:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:

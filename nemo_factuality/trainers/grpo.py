@@ -11,7 +11,8 @@ One step:
 3. **advantage** — ``(r - mean_g) / (std_g + ε)`` per group (``grpo.advantage_scale=none``: Dr.GRPO),
    ``r - β·mean_t KL_t`` first when ``grpo.kl_in=reward`` (Aligner's REINFORCE), broadcast to the
    response tokens; FSPO's flip ``A' = where(sign·A ≥ 0, A, -A)`` when the reward returns token signs.
-   Truncated responses (no EOS) are masked (``grpo.truncated=mask``, NeMo-Aligner's rule).
+   Truncated responses (no EOS) are masked (``grpo.truncated=mask``: NeMo-Aligner's PPO actor masks its loss with
+   ``is_end``; its REINFORCE loss keeps them and only leaves them out of the RLOO baseline).
 4. **loss** — PPO clip (ε, ``ratio_eps_high`` for clip-higher, ``clip_ratio_c`` for the dual clip)
    + ``β·KL(π‖π_ref)`` (k3 = verl's low_var_kl) when ``grpo.kl_in=loss``, − entropy bonus; aggregated
    over the optimiser step's global token/sequence counts; ``grpo.num_epochs`` passes over the rollout
@@ -53,6 +54,8 @@ from nemo_factuality.trainers.runtime import (
     PhaseTimer,
     PreemptionFlag,
     RunLogger,
+    StepStart,
+    checkpoint_if_server_gone,
     encode_prompts,
     place_on_tokens,
     records_for_rows,
@@ -95,7 +98,8 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, float]]:
-        """Train until ``trainer.max_steps``, early stopping, or SIGUSR1 (checkpoint + return)."""
+        """Train until ``trainer.max_steps``, early stopping, or SIGUSR1 (checkpoint + return). A reward/critic
+        server gone past its retry window: checkpoint + ``RunStopped`` (exit 75; the rerun redoes the step)."""
         self._maybe_resume()
         history: list[dict[str, float]] = []
         bar = tqdm(total=self.cfg.trainer.max_steps, initial=self.step, desc=self.stage, unit="step",
@@ -104,10 +108,13 @@ class GRPOTrainer:
         invalid = InvalidSteps(self.cfg.trainer.max_invalid_steps)
         with PreemptionFlag() as preempted:
             while self.step < self.cfg.trainer.max_steps:
-                metrics = self.train_one_step()
+                with checkpoint_if_server_gone(self._save, step=self.step, start=StepStart(self.sampler, self.critic)):
+                    metrics = self.train_one_step()
                 self.step += 1
                 stalled = invalid.update(metrics.get("valid_frac", 1.0) > 0)
-                stop = self._after_step(metrics)
+                done = partial(self.logger.log, self.step, metrics)  # a finished step is logged before its checkpoint
+                with checkpoint_if_server_gone(self._save, step=self.step, before_save=done):
+                    stop = self._after_step(metrics)  # validation scores with the reward too
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
                 log.info("step %d: reward %.4f kl %.5f loss %.4f (%.2f s)", self.step, metrics.get("reward/score", math.nan),
@@ -220,7 +227,7 @@ class GRPOTrainer:
                                         entropy=out.get("entropy"), entropy_coef=m.entropy_bonus, **norm)
         metrics = {"loss/policy": loss.item(), **metrics}
         if g.initial_policy_kl_penalty > 0 and g.kl_in == "loss":
-            kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], "k1" if g.kl_estimator == "k1" else "k3", m.loss_agg, **norm)
+            kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], g.kl_estimator, m.loss_agg, **norm)  # the logged estimator
             loss = loss + g.initial_policy_kl_penalty * kl
             metrics["loss/kl"] = kl.item()
         # Each micro batch returns its share of the step's loss; `update` sums the shares back per step.

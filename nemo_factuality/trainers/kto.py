@@ -53,7 +53,9 @@ from nemo_factuality.trainers.runtime import (
     PhaseTimer,
     PreemptionFlag,
     RunLogger,
+    StepStart,
     TrainingStalledError,
+    checkpoint_if_server_gone,
     completions_of,
     encode_prompts,
 )
@@ -84,7 +86,7 @@ def pack_examples(rows: list[list[int]], prompt_lens: list[int], desirable: list
     tokens = torch.full((n, width), pad_id, dtype=torch.long)
     out = {"sent_start": torch.zeros(n, k, dtype=torch.long), "sent_end": torch.zeros(n, k, dtype=torch.long),
            "sent_label": torch.zeros(n, k, dtype=torch.bool), "sent_valid": torch.zeros(n, k, dtype=torch.bool)}
-    for i, (r, sents) in enumerate(zip(rows, sentences)):
+    for i, (r, sents) in enumerate(zip(rows, sentences, strict=False)):
         tokens[i, : len(r)] = torch.tensor(r)
         for j, (start, end, label) in enumerate(sents):
             out["sent_start"][i, j], out["sent_end"][i, j] = start, end
@@ -194,7 +196,7 @@ class KTOTrainer:
                 rows.append(rollout.tokens[i, :rlen].tolist())
                 plens.append(plen)
                 desirable.append(bool(label[i]))
-                sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i]) if e > s])
+                sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i], strict=False) if e > s])
                 n_labelled += 1
                 n_good += bool(label[i])
         if self.parallel.size > 1:  # ranks' lists in rank order: the same global set on every rank
@@ -318,7 +320,9 @@ class KTOTrainer:
                     self.actor.reset_reference()  # reference = this iteration's starting policy
                     timer = PhaseTimer()
                     try:
-                        with timer("collect"):
+                        # the labeller's server gone past its retry window: checkpoint the iteration as not yet sampled
+                        with timer("collect"), checkpoint_if_server_gone(self._save, step=self.step,
+                                                                         start=StepStart(self.sampler)):
                             self.data, stats = self.collect()
                     except TrainingStalledError as err:  # nothing labelled, nothing to train on: checkpoint and stop
                         self.logger.close()

@@ -8,7 +8,8 @@ One step:
 1. **rollout** — one response per prompt (``ppo.num_prompts_per_step`` prompts).
 2. **reward** — the RLFH reward's ``token_rewards`` (``r_truth`` at each statement's last token,
    ``r_info`` at each sentence end, the missing-EOS penalty on the last token); a reward without token
-   rewards puts its scalar on the last action, as NeMo-Aligner does (index ``response_length − 2``).
+   rewards puts its scalar on the last action, as NeMo-Aligner does (index ``response_length − 2``); a response
+   without any token has no action to carry it and leaves the loss (Aligner clamps the index onto the prompt).
 3. **advantage** — ``r_t − β·KL_t`` (k3, in the reward: RLFH/OpenRLHF), GAE(γ, λ) against the critic's
    values, returns = advantages + values; advantages whitened over the batch (all data-parallel
    ranks' rows) with the unbiased variance (verl). A NaN score (abstention, failed judge) removes the sample from both losses.
@@ -50,15 +51,25 @@ log = logging.getLogger(__name__)
 
 
 def token_reward_tensor(rewards: RewardBatch, rollout: Rollout) -> torch.Tensor:
-    """``[B, S-1]`` rewards: the reward's token rewards, or its scalar on the last action (``response_length − 2``)."""
+    """``[B, S-1]`` rewards: the reward's token rewards, or its scalar on the last action (``response_length − 2``).
+
+    A response without a single token (``response_length == prompt_length``) has no action to carry a reward: its
+    row stays 0 and the stage takes the sample out of the loss (``has_action``). NeMo-Aligner clamps the index
+    at 0 instead, which puts such a reward on a prompt position the mask drops (and an unclamped ``-1`` would put
+    it on the last column)."""
     dense = place_on_tokens(rewards.token_rewards, rollout)
     if dense is not None:
         return torch.nan_to_num(dense)
     out = torch.zeros(rollout.tokens.shape[0], rollout.tokens.shape[1] - 1)
-    scores = torch.as_tensor(rewards.scores, dtype=torch.float32)
-    rows = torch.arange(len(rollout))
-    out[rows, rollout.response_lengths - 2] = torch.nan_to_num(scores)
+    scores = torch.nan_to_num(torch.as_tensor(rewards.scores, dtype=torch.float32))
+    rows = torch.nonzero(has_action(rollout)).squeeze(1)
+    out[rows, rollout.response_lengths[rows] - 2] = scores[rows]
     return out
+
+
+def has_action(rollout: Rollout) -> torch.Tensor:
+    """``[B]`` bool: the response has at least one token (an action the reward and the loss can sit on)."""
+    return rollout.response_lengths > rollout.prompt_lengths
 
 
 class PPOTrainer(GRPOTrainer):
@@ -87,7 +98,7 @@ class PPOTrainer(GRPOTrainer):
         p = self.cfg.ppo
         s1 = rollout.tokens.shape[1] - 1
         mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, s1)
-        valid = ~torch.isnan(torch.as_tensor(rewards.scores, dtype=torch.float32))
+        valid = ~torch.isnan(torch.as_tensor(rewards.scores, dtype=torch.float32)) & has_action(rollout)
         if p.truncated == "mask":
             valid &= rollout.is_end
         mask = mask * valid.unsqueeze(1).to(mask.dtype)

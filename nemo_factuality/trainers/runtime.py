@@ -7,6 +7,9 @@
   step, data position, counters, early-stopping state and every RNG (torch, numpy, python).
 * ``PreemptionFlag``: SIGUSR1 (Slurm's ``--signal=B:USR1@...``) and SIGTERM set a flag; the stage
   checkpoints at the end of the step and exits 0 so the launcher's requeue resumes it.
+* ``StepStart`` + ``checkpoint_if_server_gone``: a reward or critic server that stayed away past its retry
+  window (the clients wait and retry; ``ServerUnavailableError``) ends the run with a checkpoint of the step's
+  start and ``RunStopped`` (exit 75 at the command boundary), so the requeued job redoes that step.
 * ``score_rollout``: decode a rollout, call the reward, place token rewards/signs on ``[B, S-1]``.
 """
 
@@ -32,7 +35,7 @@ from nemo_factuality.fileio import respect_umask
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.trainers.interfaces import Rollout
 from nemo_factuality.trainers.parallel import DataParallel
-from nemo_factuality.types import FactualityInputError, RewardBatch
+from nemo_factuality.types import FactualityInputError, RewardBatch, ServerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,15 @@ def set_rng_state(tensors: Mapping[str, torch.Tensor], js: Mapping[str, Any]) ->
     torch.set_rng_state(tensors["torch"])
     if "cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(tensors["cuda"]))
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Put back what ``rng_state()`` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def seed_everything(seed: int) -> None:
@@ -275,6 +287,63 @@ class InvalidSteps:
             "fix the reward (its judges / server, the reward.* and remote_rm.* URLs) and rerun the same command to resume")
 
 
+class RunStopped(ServerUnavailableError):
+    """The stage stopped because a server stayed away past its retry window (after writing a checkpoint when it
+    could); the command boundary prints it as one line and exits 75 so the launcher requeues the job."""
+
+
+class StepStart:
+    """What a step changes before its first optimiser update — the prompt sampler's position and the RNG streams —
+    captured at its start, so a step abandoned before any update can be checkpointed as not yet begun.
+
+    ``updated()``: the critic server took an optimiser step since (PPO's later minibatches); the weights are then
+    mid-step and no checkpoint of the step's start exists."""
+
+    def __init__(self, sampler: Any, critic: Any = None) -> None:
+        self.sampler, self.critic = sampler, critic
+        self.sampler_state, self.rng = sampler.state_dict(), rng_state()
+        self.critic_step = getattr(critic, "expected_step", None)
+
+    def restore(self) -> None:
+        self.sampler.load_state_dict(self.sampler_state)
+        restore_rng(self.rng)
+
+    def updated(self) -> bool:
+        return getattr(self.critic, "expected_step", None) != self.critic_step
+
+
+@contextmanager
+def checkpoint_if_server_gone(save: Callable[[], Path], *, step: int, before_save: Callable[[], None] | None = None,
+                              start: StepStart | None = None) -> Iterator[None]:
+    """Run the block; a ``ServerUnavailableError`` from it (a client's retry window ran out) becomes: ``start``
+    restored (the abandoned step not begun) or ``before_save()`` (a finished step's metrics logged), ``save()``, and
+    ``RunStopped`` naming the server and the checkpoint. No checkpoint when the error says one would be
+    inconsistent (``checkpoint_safe = False``: a restarted critic behind the actor) or the step had updated weights.
+
+    Under data parallelism every rank's client gives up within moments of the others (same server, same window),
+    and the checkpoint is collective; a server back at the very end of the window can still split the ranks,
+    which then fail on the distributed timeout and resume from the previous checkpoint."""
+    try:
+        yield
+    except ServerUnavailableError as err:
+        if isinstance(err, RunStopped):
+            raise
+        if not getattr(err, "checkpoint_safe", True) or (start is not None and start.updated()):
+            raise RunStopped(f"{_one_line(err)}; no checkpoint written at step {step} (the weights were mid-step or "
+                             "the critic lost its state): the rerun resumes from the last checkpoint") from err
+        if start is not None:
+            start.restore()
+        if before_save is not None:
+            before_save()
+        path = save()
+        raise RunStopped(f"{_one_line(err)}; checkpoint {path.name} written: rerun (Slurm requeue) to resume at "
+                         f"step {step + 1}") from err
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
 class EarlyStopping:
     def __init__(self, cfg: Any) -> None:
         self.cfg, self.best, self.best_step, self.bad = cfg, None, None, 0
@@ -357,7 +426,7 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
             continue
         if values is None:
             continue
-        for i, (v, x) in enumerate(zip(values, ids)):
+        for i, (v, x) in enumerate(zip(values, ids, strict=False)):
             if len(v) != len(x):
                 raise RuntimeError(f"reward {attr}[{i}] has {len(v)} entries for {len(x)} response tokens")
     return batch, completions
@@ -371,7 +440,7 @@ def place_on_tokens(values: Sequence[np.ndarray] | None, rollout: Rollout, dtype
     for i, v in enumerate(values):
         if len(v):
             start = int(rollout.prompt_lengths[i]) - 1
-            out[i, start : start + len(v)] = torch.as_tensor(np.asarray(v), dtype=dtype)
+            out[i, start : start + len(v)] = torch.as_tensor(np.array(v), dtype=dtype)  # a copy: wire buffers are read-only
     return out
 
 
@@ -382,7 +451,7 @@ def build_reward(cfg: Any, tokenizer: Any) -> Any:
         from nemo_factuality.serving.client import RemoteFactualityReward
 
         reward = RemoteFactualityReward(url, model_name=cfg.remote_rm.reward_model.name, timeout_s=cfg.remote_rm.timeout_s,
-                                        init_timeout_s=cfg.remote_rm.init_timeout_s)
+                                        init_timeout_s=cfg.remote_rm.init_timeout_s, retry=backoff(cfg.remote_rm.retry))
         down = {k: v for k, v in reward.health().items() if v}
         if down:
             raise FactualityInputError(f"remote_rm: the reward server is not ready: {'; '.join(down.values())} "
@@ -420,6 +489,14 @@ def _location_keys(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
                 yield key, v
             else:
                 yield from _location_keys(v, key)
+
+
+def backoff(retry: Any) -> Any:
+    """A ``RetryConfig`` (``remote_rm.retry`` / ``critic.retry``) as the clients' ``Backoff``."""
+    from nemo_factuality.serving.client import Backoff
+
+    return Backoff(max_wait_s=float(retry.max_wait_s), initial_s=float(retry.initial_s), max_s=float(retry.max_s),
+                   jitter=float(retry.jitter))
 
 
 def records_for_rows(records: Sequence[PromptRecord], repeats: int) -> list[PromptRecord]:

@@ -19,6 +19,11 @@ Each rank writes ``<out>/rank<r>.json``. Scenarios:
   one actor, one stage after another: ``--plan FILE`` lists ``{name, stage, config, overrides}`` (KLCF, FSPO,
   KnowRL → GRPO; FactAlign → KTO; RLFH → PPO with the critic server). Records per stage what ``fit`` logged,
   what each reward call returned (the stage's own client) and what it wrote.
+* ``ckpt_save``: train, save ``initial_ref`` (reference = the restored .nemo), ``reset_reference`` (KTO's case),
+  train, save ``stored_ref``; each checkpoint's bytes and the log-probs / reference log-probs of fixed
+  sequences at each save. ``ckpt_load --ckpt DIR``: load both (another layout), the same log-probs, one more step.
+* ``outage``: the planned GRPO stages (``--plan``: ``undisturbed`` then ``restarted``), each from the same initial
+  weights and seed, against a served reward; the test kills and restarts the server during the second.
 """
 
 from __future__ import annotations
@@ -386,6 +391,78 @@ def methods(actor: AlignerActor, args) -> dict:
     return {"stages": {step["name"]: _method_stage(actor, step) for step in json.loads(Path(args.plan).read_text())}}
 
 
+def _fixed_rollout(actor: AlignerActor) -> Rollout:
+    """Every prompt + 3 fixed tokens, the same on every rank and layout (what log-probs are compared on)."""
+    rows = [actor.tokenizer.encode(p) + [11, 12, 13] for p in PROMPTS]
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), actor.pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    return Rollout(tokens, torch.tensor([len(r) - 3 for r in rows]), torch.tensor([len(r) for r in rows]),
+                   torch.ones(len(rows), dtype=torch.bool))
+
+
+def _probe(actor: AlignerActor) -> dict:
+    fixed = _fixed_rollout(actor)
+    return {"lp": _rows(actor.logprobs(fixed)), "ref": _rows(actor.reference_logprobs(fixed)),
+            "prompt_lengths": _rows(fixed.prompt_lengths), "response_lengths": _rows(fixed.response_lengths)}
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def ckpt_save(actor: AlignerActor, args) -> dict:
+    prompts, advantages, _ = _my_prompts(actor)
+    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    batch = _batch(actor, rollout, advantages, actor.logprobs(rollout))
+    out, result = Path(args.out), {}
+    actor.train_step(batch, policy_loss, micro_batch_size=1)
+    actor.save(out / "initial_ref")  # GRPO/PPO: the reference is the restored .nemo
+    result["initial_ref"] = _probe(actor)
+    actor.reset_reference()  # KTO: the reference is the iteration's starting policy
+    actor.train_step(batch, policy_loss, micro_batch_size=1)
+    actor.save(out / "stored_ref")
+    result["stored_ref"] = _probe(actor)
+    torch.distributed.barrier()
+    for name in ("initial_ref", "stored_ref"):
+        result[name]["bytes"] = _bytes(out / name)
+        result[name]["files"] = sorted(str(f.relative_to(out / name)) for f in (out / name).iterdir())
+    return result
+
+
+def ckpt_load(actor: AlignerActor, args) -> dict:
+    from nemo_factuality.types import FactualityInputError
+
+    result = {}
+    for name in ("initial_ref", "stored_ref"):
+        actor.load(Path(args.ckpt) / name)
+        result[name] = _probe(actor)
+        prompts, advantages, _ = _my_prompts(actor)
+        rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+        result[name]["step"] = actor.train_step(_batch(actor, rollout, advantages, actor.logprobs(rollout)), policy_loss,
+                                                micro_batch_size=1)
+    try:  # the stored reference is loaded; asking for the initial one now needs a fresh process, said in one line
+        actor.load(Path(args.ckpt) / "initial_ref")
+    except FactualityInputError as err:
+        result["refused"] = str(err)
+    return result
+
+
+def outage(actor: AlignerActor, args) -> dict:
+    """Each planned stage from the same initial weights (SGD without momentum: the weights are the whole training
+    state) and seed; the test disturbs the reward server while the later ones run."""
+    from nemo_factuality.trainers.runtime import seed_everything
+
+    initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
+    runs = {}
+    for step in json.loads(Path(args.plan).read_text()):
+        actor.model.load_state_dict(initial)
+        seed_everything(args.seed)
+        runs[step["name"]] = _method_stage(actor, step)
+    return {"stages": runs}
+
+
 def _ppo_overrides(args) -> list[str]:
     import json
 
@@ -431,8 +508,10 @@ def main() -> int:
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")  # the learn scenario's optimiser
     ap.add_argument("--overrides", default=None, help="JSON list of stage-config key=value (the ppo scenario)")
     ap.add_argument("--plan", default=None, help="JSON list of the methods scenario's stages")
+    ap.add_argument("--ckpt", default=None, help="the ckpt_load scenario's checkpoints (ckpt_save's --out)")
     ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "stage_dp", "kto_dp", "learn",
-                                           "ppo", "methods"), default="core")
+                                           "ppo", "methods", "outage", "ckpt_save", "ckpt_load"),
+                    default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
     if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
@@ -446,7 +525,8 @@ def main() -> int:
         actor = _actor(args)
     setup_s = time.monotonic() - t0
     scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "stage_dp": stage_dp, "kto_dp": kto_dp,
-                 "learn": learn, "ppo": ppo, "methods": methods}
+                 "learn": learn, "ppo": ppo, "methods": methods, "outage": outage,
+                 "ckpt_save": ckpt_save, "ckpt_load": ckpt_load}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

@@ -175,8 +175,16 @@ def _finite(values) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
 
-def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_run):
+def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_run, served, record_property):
     r0, r1 = layout_run["ranks"]
+    # the measured times go into the report (``-rP`` / junit properties); the stages ran inside the torchrun
+    stages = {m: round(s["wall_s"], 1) for m, s in r0["stages"].items()}
+    record_property("startup_s", round(served["startup_s"], 1))
+    record_property(f"{layout_run['name']}_s", round(layout_run["wall_s"], 1))
+    print(f"layout {layout_run['name']}: {layout_run['wall_s']:.1f} s (stages {stages}); servers up in "
+          f"{served['startup_s']:.1f} s")
+    assert set(stages) == set(METHODS) and all(t > 0 for t in stages.values())
+    assert sum(stages.values()) < layout_run["wall_s"]
     assert r0["dp_size"] == r1["dp_size"] == layout_run["dp"]  # TP=2 / PP=2: one replica; dp2: two replicas
     for method, (stage, _) in METHODS.items():
         s0, s1 = r0["stages"][method], r1["stages"][method]
@@ -188,7 +196,8 @@ def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_ru
         assert s0["final"] and "latest" in s0["checkpoints"], (method, s0["checkpoints"])
         for m in s0["logged"]:
             # GRPO's gradient needs rewards that differ within a group: KLCF's do (its judge below), FSPO's and KnowRL's
-            # are constant for this untrained policy (only the KL term's rounding noise is left)
+            # are constant for this untrained policy (only the KL term's rounding noise is left); served FSPO/KnowRL rewards
+            # that vary within a group, and FSPO's flip, are tested on formatted responses in test_stages_cli.py
             assert math.isfinite(m["grad_norm"]) and (m["grad_norm"] > 0 or stage == "grpo"), (method, m)
             assert m.get("optimizer_steps", 1) >= 1, (method, m)
             losses = {k: v for k, v in m.items() if k.startswith("loss")}
@@ -266,12 +275,3 @@ def test_the_ppo_stage_trained_the_critic_server(layout_run):
         rlfh = r["stages"]["rlfh"]
         assert rlfh["server_step_after"] == rlfh["server_step_before"] + 2  # one critic_train per PPO step
         assert all(math.isfinite(m["loss/value"]) and m["actor_trained"] == 1.0 for m in rlfh["logged"])
-
-
-def test_wall_time(layout_run, served, record_property):
-    """Not a speed test: the measured times go into the report (``-rP`` / junit properties)."""
-    record_property("startup_s", round(served["startup_s"], 1))
-    record_property(f"{layout_run['name']}_s", round(layout_run["wall_s"], 1))
-    stages = {m: round(s["wall_s"], 1) for m, s in layout_run["ranks"][0]["stages"].items()}
-    print(f"layout {layout_run['name']}: {layout_run['wall_s']:.1f} s (stages {stages}); servers up in "
-          f"{served['startup_s']:.1f} s")

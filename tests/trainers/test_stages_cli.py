@@ -14,8 +14,10 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
@@ -322,3 +324,85 @@ def test_ppo_on_the_aligner_backend_without_a_critic_server_is_refused_at_start(
                 "model.restore_from_path=/x.nemo", f"exp_manager.explicit_log_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "critic.url must name the critic server" in err and len(err.strip().splitlines()) == 1
+
+
+def _rollout_of(tokenizer, prompt_ids: list[int], responses: list[str]):
+    """One prompt's group: the prompt followed by each response's tokens and EOS (Aligner's right-padded layout)."""
+    import torch
+
+    from nemo_factuality.trainers.interfaces import Rollout
+
+    rows = [prompt_ids + tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in responses]
+    tokens = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_token_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    return Rollout(tokens, torch.tensor([len(prompt_ids)] * len(rows)), torch.tensor([len(r) for r in rows]),
+                   torch.ones(len(rows), dtype=torch.bool))
+
+
+@pytest.mark.slow
+def test_served_fspo_and_knowrl_rewards_vary_within_a_group_and_fspo_flips(tiny_policy, tiny_nli, judge, kb, tmp_path):
+    """The served FSPO and KnowRL rewards (``nemo-factuality serve``) on one group of formatted / unformatted, right /
+    wrong responses (an untrained policy never writes the tags, so its rewards are constant): the scores differ,
+    the group advantages are not 0, FSPO's token signs come over the wire and its flip runs, and the update moves
+    the weights."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from nemo_factuality.serving.client import RemoteFactualityReward
+    from nemo_factuality.testing.servers import reward_server
+    from nemo_factuality.trainers.backends.hf import HFActor
+    from nemo_factuality.trainers.config import GRPOConfig, load_train_config
+    from nemo_factuality.trainers.data import load_prompts
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.trainers.runtime import encode_prompts, records_for_rows, score_rollout
+
+    template = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\nLet me solve this step by step.\n<think>"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": template.format(q="Who was born in 1917?")}],
+                                          "reward_model": {"style": "rule", "ground_truth": "Ada Varga"},
+                                          "knowledge": FACTS[0][3], "data_source": "HotpotQA"}]), tmp_path / "fspo.parquet")
+    (tmp_path / "knowrl.json").write_text(json.dumps([{"question": "When was Ada Varga born?", "answers": "1917",
+                                                       "title": "Ada Varga;Lev Novak"}]))
+    groups = {  # right, wrong, right with a second step, no format
+        "fspo": [" Ada Varga was born in 1917.</think><answer>Ada Varga</answer>",
+                 " Lev Novak was born in 1850.</think><answer>Lev Novak</answer>",
+                 " Ada Varga was born in 1917. She wrote poems.</think><answer>Ada Varga</answer>", "no tags at all"],
+        "knowrl": ["<think>Ada Varga was born in 1917.</think><answer>1917</answer>",
+                   "<think>She was born long ago.</think><answer>1850</answer>",
+                   "<think>Ada Varga was born in 1917 in Pécs.</think><answer>1917</answer>", "no tags at all"]}
+    serve = {"fspo": [f"reward.verifier.model_path={tiny_nli}"],
+             "knowrl": [f"reward.judge.base_url={judge.url}", f"reward.pipeline.evidence.store_path={kb}",
+                        f"reward.pipeline.verifier.model_path={tiny_nli}"]}
+    data = {"fspo": ("fspo", tmp_path / "fspo.parquet"), "knowrl": ("knowrl", tmp_path / "knowrl.json")}
+    with ExitStack() as stack:
+        servers = {m: stack.enter_context(reward_server(m, [f"policy_tokenizer={tiny_policy}", *serve[m]], tmp_path / m, {}))
+                   for m in groups}
+        for server in servers.values():
+            server["wait_ready"]()
+        for method, responses in groups.items():
+            cfg = load_train_config(GRPOConfig, f"tiny_cpu_{method}", [
+                f"model.path={tiny_policy}", "reward=null", f"remote_rm.url={servers[method]['url']}",
+                f"data.format={data[method][0]}", f"data.train={data[method][1]}", "grpo.num_prompts_per_step=1",
+                "grpo.num_rollouts_per_prompt=4", "model.global_batch_size=4", "model.micro_batch_size=4",
+                f"exp_manager.explicit_log_dir={tmp_path / ('run_' + method)}", "grpo.truncated=keep"])
+            records = load_prompts(cfg.data.train, cfg.data.format)
+            torch.manual_seed(0)
+            actor = HFActor(cfg.model, max_steps=1)
+            reward = RemoteFactualityReward(servers[method]["url"])
+            trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=tmp_path / f"run_{method}")
+            prompt_ids = encode_prompts(records, actor.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_tokens)[0]
+            rollout = _rollout_of(actor.tokenizer, prompt_ids, responses)
+            batch, _ = score_rollout(reward, rollout, records_for_rows(records, 4), actor.tokenizer, actor.eos_id)
+            assert len(set(batch.scores.round(6).tolist())) >= 2, (method, batch.scores)  # the rewards differ
+            exp, metrics = trainer.make_experience(rollout, batch.scores, batch.token_signs)
+            assert metrics["advantage/abs_mean"] > 0, method
+            if method == "fspo":
+                assert batch.token_signs is not None and any(np.any(s != 0) for s in batch.token_signs)
+                assert metrics["fspo/flip_frac"] > 0  # some token's sign disagrees with its sample's advantage
+                plain, _ = trainer.make_experience(rollout, batch.scores, None)  # the same group without the flip
+                assert ((exp["advantages"] * plain["advantages"]) < 0).any()  # ... and its advantage was turned around
+            before = [p.detach().clone() for p in actor.model.parameters()]
+            result = trainer.update(exp)
+            assert result["optimizer_steps"] == 1 and result["grad_norm"] > 0, method
+            assert any(not torch.equal(a, b) for a, b in zip(before, actor.model.parameters(), strict=True))

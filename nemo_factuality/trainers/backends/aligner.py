@@ -16,6 +16,13 @@ NeMo averages gradients over data-parallel ranks; the stage's losses are already
 global count, so the loss handed to Megatron is multiplied back by both and the result is the plain
 sum of gradients over micro batches and DP ranks. ``all_reduce_sum`` gives the stage its global counts.
 
+Checkpoints: NeMo's distributed checkpoint of weights, optimiser and schedule (each tensor written once,
+whatever the layout). The reference policy is not written while it is the initial ``.nemo`` (GRPO, PPO):
+``reference.json`` records ``model.restore_from_path`` and its fingerprint, and a resumed run's restore of
+that path is the reference again (on any layout). After ``reset_reference`` (KTO) it is a Megatron
+distributed checkpoint of its own (``reference/``): written once (data-parallel replicas deduplicated),
+sharded like the policy, and loaded into whatever TP/PP/DP the resumed run has.
+
 Importing this module imports nothing from NeMo; the heavy stack loads in ``AlignerActor.__init__``.
 """
 
@@ -30,7 +37,9 @@ from typing import Any
 
 import torch
 
+from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
+from nemo_factuality.types import FactualityInputError, ServerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +328,10 @@ class AlignerActor:
         pad = getattr(hf_tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos_id
         self._eos_text = hf_tokenizer.convert_ids_to_tokens(self.eos_id)
+        # Aligner's init_policy_state_dict is the restored .nemo until reset_reference(): checkpoints record, not copy it
+        self.restore_path = str(path)
+        self.initial_reference = ref_record.initial_record(path, "model.restore_from_path")
+        self.reference_is_initial = True
 
     # ---- parallel layout -------------------------------------------------------------------------
     @property
@@ -432,6 +445,7 @@ class AlignerActor:
     def reset_reference(self) -> None:
         from nemo_aligner.utils.utils import retrieve_model_state_dict_in_cpu
 
+        self.reference_is_initial = False
         self.model.init_policy_state_dict = retrieve_model_state_dict_in_cpu(self.model, megatron_amp_O2=self.model.megatron_amp_O2)
 
     # ---- training ----------------------------------------------------------------------------------
@@ -480,15 +494,56 @@ class AlignerActor:
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        """NeMo's distributed checkpoint (weights, optimiser, LR schedule) + this rank's reference shard."""
+        """NeMo's distributed checkpoint (weights, optimiser, LR schedule) + the reference: its record while it is the
+        initial .nemo, else its own distributed checkpoint (``reference/``, once, sharded like the policy)."""
         path = Path(path)
         self._check_optimizer_state_is_shardable()
         path.mkdir(parents=True, exist_ok=True)
         self.trainer.save_checkpoint(str(path / "state.ckpt"))
-        rank = torch.distributed.get_rank()
-        if self.model.init_policy_state_dict is not None:
-            torch.save(self.model.init_policy_state_dict, path / f"reference.rank{rank}.pt")
+        if self.reference_is_initial:
+            record = self.initial_reference
+        else:
+            self._save_reference(path / "reference")
+            record = ref_record.stored_record("reference")
+        if torch.distributed.get_rank() == 0:
+            ref_record.write_record(path, record)
         torch.distributed.barrier()
+
+    def _reference_shards(self, state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The policy's sharded state dict (its layout: TP/PP shards, DP replica ids) with ``state``'s tensors as the
+        data: Megatron's ``model.<name>`` keys are Aligner's state-dict names (TE's ``_extra_state`` objects left out;
+        SwiGLU's fused ``linear_fc1`` is a factory that shards its two halves separately, so TP can change)."""
+        from dataclasses import replace
+
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        prefix = "model."
+        shards = {k: replace(v, data=state[k[len(prefix):]]) for k, v in self.model.sharded_state_dict().items()
+                  if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and k.startswith(prefix)
+                  and k[len(prefix):] in state}
+        left = [k for k, v in state.items() if torch.is_tensor(v) and not k.endswith("_extra_state")
+                and prefix + k not in shards]
+        if left:  # a weight the reference checkpoint would silently not hold
+            raise RuntimeError(f"reference weights without a sharded-state entry: {left}")
+        return shards
+
+    def _save_reference(self, where: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        if torch.distributed.get_rank() == 0:
+            where.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self._reference_shards(self.model.init_policy_state_dict), str(where))
+
+    def _load_reference(self, where: Path) -> None:
+        """The stored reference into this run's layout (any TP/PP/DP): the current reference's tensors (the right
+        local shapes) are the buffers Megatron loads this rank's shards into."""
+        from megatron.core import dist_checkpointing
+
+        current = self.model.init_policy_state_dict
+        template = self._reference_shards({k: v.clone() for k, v in current.items() if torch.is_tensor(v)})
+        loaded = dist_checkpointing.load(template, str(where))
+        self.model.init_policy_state_dict = {**current, **{k[len("model."):]: v.cpu() for k, v in loaded.items()}}
 
     def _check_optimizer_state_is_shardable(self) -> None:
         """NeMo 2.2 shards a plain torch optimizer's per-parameter state like the parameter itself, so a 0-dim
@@ -509,9 +564,35 @@ class AlignerActor:
         if not (path / "state" / "metadata.json").is_file():  # NeMo stores "<name>.ckpt" as the directory <name>/
             raise FileNotFoundError(f"{path / 'state'} holds no distributed checkpoint: not written by AlignerActor.save")
         restore_training_state(self.trainer, self.scheduler, path / "state")
-        reference = path / f"reference.rank{torch.distributed.get_rank()}.pt"
+        record = ref_record.read_record(path)
+        if record is None:
+            self._load_legacy_reference(path)
+        elif record["kind"] == "initial":
+            ref_record.check_initial(record, self.restore_path, path)
+            if not self.reference_is_initial:
+                raise FactualityInputError(f"{path}: its reference is the initial checkpoint, but this process reset its "
+                                           "reference since the restore; load the checkpoint in a fresh run")
+        else:
+            self._load_reference(path / record["where"])
+            self.reference_is_initial = False
+
+    def _load_legacy_reference(self, path: Path) -> None:
+        """Checkpoints written before ``reference.json``: one ``reference.rank<r>.pt`` shard per rank, readable only on
+        the layout that wrote them (never a silent ``None``)."""
+        files = sorted(path.glob("reference.rank*.pt"))
+        world = torch.distributed.get_world_size()
+        if len(files) != world:
+            raise FactualityInputError(f"{path} holds {len(files)} per-rank reference shards (an older checkpoint "
+                                       f"format) but this run has {world} ranks: resume it on the layout that wrote it")
         # tensors and plain containers only: a checkpoint file never runs code
-        self.model.init_policy_state_dict = torch.load(reference, weights_only=True) if reference.exists() else None
+        own = torch.load(path / f"reference.rank{torch.distributed.get_rank()}.pt", weights_only=True)
+        current = self.model.init_policy_state_dict
+        if {k: tuple(v.shape) for k, v in own.items() if torch.is_tensor(v)} != \
+                {k: tuple(v.shape) for k, v in current.items() if torch.is_tensor(v)}:
+            raise FactualityInputError(f"{path}: its per-rank reference shards (an older checkpoint format) were written "
+                                       "on another TP/PP layout: resume it on the layout that wrote it")
+        self.model.init_policy_state_dict = own
+        self.reference_is_initial = False
 
     def load_weights(self, path: Path) -> None:
         """Only the policy weights of a ``save`` directory (the stages' restore-best-on-early-stop)."""
@@ -677,14 +758,31 @@ def on_model_parallel_source(fn: Any) -> Any:
             box = [("ok", fn())]
         except Exception as err:  # re-raised below, on every rank of the group
             error = err
-            box = [("error", f"{type(err).__name__}: {err}")]
+            box = [(_relay_kind(err), f"{type(err).__name__}: {err}")]
     torch.distributed.broadcast_object_list(box, src=ranks[0], group=group)
     status, value = box[0]
     if error is not None:
         raise error
-    if status == "error":
-        raise RuntimeError(f"model-parallel source rank {ranks[0]} failed: {value}")
-    return value
+    return relayed_result(status, value, ranks[0])
+
+
+def _relay_kind(err: Exception) -> str:
+    """How another rank re-raises a source rank's error: a server gone past its retry window stays one (the stage
+    checkpoints on every rank alike), with its ``checkpoint_safe``; anything else is a failure of that rank."""
+    if isinstance(err, ServerUnavailableError):
+        return "unavailable" if getattr(err, "checkpoint_safe", True) else "unavailable-no-checkpoint"
+    return "error"
+
+
+def relayed_result(status: str, value: Any, source: int) -> Any:
+    """The value another rank broadcast (``status`` "ok"), or its error raised here (see ``_relay_kind``)."""
+    if status == "ok":
+        return value
+    if status.startswith("unavailable"):
+        relayed = ServerUnavailableError(f"{value} (on rank {source})")
+        relayed.checkpoint_safe = status == "unavailable"
+        raise relayed
+    raise RuntimeError(f"model-parallel source rank {source} failed: {value}")
 
 
 def restore_training_state(trainer: Any, scheduler: Any, state_dir: Path) -> None:
