@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_factuality.types import ServerUnavailableError
+
 log = logging.getLogger(__name__)
 
 STAGES = {
@@ -81,24 +83,33 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo", **runtime)
     reward = build_reward(cfg, actor.tokenizer)
     try:
-        if stage == "grpo":
-            from nemo_factuality.trainers.grpo import GRPOTrainer
-
-            GRPOTrainer(cfg, actor, reward, train, run_dir=run_dir, val_data=val).fit()
-        elif stage == "ppo":
-            from nemo_factuality.trainers.ppo import PPOTrainer
-
-            PPOTrainer(cfg, actor, critic, reward, train, run_dir=run_dir, val_data=val).fit()
-        else:
-            from nemo_factuality.trainers.kto import KTOTrainer
-
-            KTOTrainer(cfg, actor, reward, train, general_pairs=pairs, run_dir=run_dir).fit()
+        _fit(stage, cfg, actor, critic, reward, train, val, pairs, run_dir)
+    except ServerUnavailableError as err:
+        # the Slurm launcher requeues on this file as well as on exit 75 (srun may report a killed rank's code)
+        (run_dir / "REQUEUE").write_text(f"{' '.join(str(err).split())}\n", encoding="utf-8")
+        raise
     finally:
         for client in (reward, critic):  # served rewards / the critic server: no client thread outlives the run
             close = getattr(client, "close", None)
             if callable(close):
                 close()
     return 0
+
+
+def _fit(stage: str, cfg: Any, actor: Any, critic: Any, reward: Any, train: list, val: list | None, pairs: list,
+         run_dir: Path) -> None:
+    if stage == "grpo":
+        from nemo_factuality.trainers.grpo import GRPOTrainer
+
+        GRPOTrainer(cfg, actor, reward, train, run_dir=run_dir, val_data=val).fit()
+    elif stage == "ppo":
+        from nemo_factuality.trainers.ppo import PPOTrainer
+
+        PPOTrainer(cfg, actor, critic, reward, train, run_dir=run_dir, val_data=val).fit()
+    else:
+        from nemo_factuality.trainers.kto import KTOTrainer
+
+        KTOTrainer(cfg, actor, reward, train, general_pairs=pairs, run_dir=run_dir).fit()
 
 
 def _preset(name: str | None, stage: str) -> tuple[list[str], dict]:

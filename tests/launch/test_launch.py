@@ -427,6 +427,24 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert "requeueing job" in _sbatch_log(tmp_path, job) and "start 1 " in _sbatch_log(tmp_path, job)
 
 
+def test_exit_75_requeues_the_job(slurm, tmp_path):
+    """A trainer that stops because a server stayed away (exit 75, the REQUEUE file beside its checkpoints) is
+    requeued by the rendered script; the restarted job runs on (here: a trainer standing in for the resumed stage)."""
+    trainer = ("bash -c 'if [ \"$SLURM_RESTART_COUNT\" != 1 ]; then mkdir -p \"$CKPT_DIR\" && "
+               "echo reward server gone past its retry window > \"$CKPT_DIR/REQUEUE\"; exit 75; fi; echo resumed'")
+    job = _submit(slurm, tmp_path, _write_stage(tmp_path / "stage.yaml", trainer_command=trainer))
+    deadline = time.time() + 120
+    while "requeueing job" not in _sbatch_log(tmp_path, job) and time.time() < deadline:
+        time.sleep(0.3)
+    slurm.wait(job, ("PENDING",), 60)  # requeued (held back about two minutes by slurmctld: release it now)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 120) == "COMPLETED", _sbatch_log(tmp_path, job)
+    log = _sbatch_log(tmp_path, job)
+    assert "trainer finished with exit code 75" in log and "reward server gone past its retry window" in log
+    assert "a server stayed away; requeueing job" in log and "start 1 " in log
+    assert "resumed" in _log(tmp_path, job, "trainer")
+
+
 def test_max_restarts_guard(slurm, tmp_path):
     job = _submit(slurm, tmp_path, _write_stage(tmp_path / "stage.yaml"), SLURM_RESTART_COUNT="5")
     assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 60) == "FAILED"

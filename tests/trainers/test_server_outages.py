@@ -177,6 +177,9 @@ def test_server_down_past_the_window_checkpoints_exits_75_in_one_line_and_the_re
     assert "remote_rm.retry.max_wait_s=3" in lines[0] and "checkpoint step_000001 written" in lines[0]
     assert (run_dir / "checkpoints" / "latest").read_text() == "step_000001"
     assert [m["step"] for m in read_metrics(run_dir)] == [1]
+    # the marker the Slurm launcher requeues on (besides exit 75), holding the same line
+    assert (run_dir / "REQUEUE").read_text().strip() in lines[0]
+    (run_dir / "REQUEUE").unlink()  # the launcher removes it before requeueing
     with ExitStack() as stack:  # the requeued job, the server back
         _serve(outage_env, stack, "serve3")
         assert _run(_args(outage_env, run_dir, 3)) == 0
