@@ -267,3 +267,22 @@ def test_one_layers_working_set_is_within_a_factor_2_of_the_formula_and_the_pres
             lay = Layout(tp=tp, pp=pp, dp=dp, **preset[method]["layout"])
             working_set = 34 * lay.seq_len * lay.micro_batch * arch.hidden / tp
             assert (training_bytes(arch, lay)["total"] + (2.0 - 1.0) * working_set) / GIB <= BUDGET_GIB, (path.stem, method)
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_each_preset_writes_its_rollout_batch_and_checkpoint_bytes_next_to_it(path):
+    """The comment lines beside each method: the budgeted rollout batch and the checkpoint the stage writes."""
+    import re
+
+    text, preset = path.read_text(), yaml.safe_load(path.read_text())
+    model = preset["common"]["model"]
+    tp, pp = model["tensor_model_parallel_size"], model["pipeline_model_parallel_size"]
+    dp = preset["nodes"] * preset["gpus_per_node"] // (tp * pp)
+    for method in ("grpo", "ppo", "kto"):
+        section = text.split(f"\n{method}:\n", 1)[1].split("\n  layout:", 1)[0]
+        batch = re.search(r"# rollout batch: min\((\d+) rollouts .* = (\d+)\) = (\d+)\n", section + "\n")
+        assert batch and int(batch.group(3)) == preset[method]["layout"]["rollout_micro_batch"], (method, section)
+        assert int(batch.group(3)) == min(int(batch.group(1)), int(batch.group(2)))
+        ckpt = re.search(r"# checkpoint \(the job's, on disk\): .* = ([0-9.]+) GB", section)
+        want = checkpoint_bytes(Arch(**preset["arch"]), method, tp=tp, pp=pp, dp=dp)["total"] / 1e9
+        assert ckpt and float(ckpt.group(1)) == pytest.approx(want, abs=0.06), (method, section)
