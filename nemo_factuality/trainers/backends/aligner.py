@@ -72,7 +72,7 @@ def _plain(cfg: Any) -> dict:
 
 
 def nemo_optim(optim: Mapping[str, Any], max_steps: int) -> dict:
-    """The stage's ``model.optim`` (adamw|sgd|distributed_fused_adam; constant|cosine) as NeMo's ``model.optim``."""
+    """The stage's ``model.optim`` (adamw|sgd, or mcore_distributed_optim via the model overrides; constant|cosine) as NeMo's ``model.optim``."""
     sched = optim.get("sched") or {}
     name = sched.get("name", "constant")
     if name == "cosine":
@@ -556,7 +556,7 @@ class AlignerActor:
             scalars = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 0)
             if scalars:
                 raise ValueError(f"{type(self.optimizer).__name__} keeps 0-dim per-parameter state {scalars} that NeMo "
-                                 "2.2's distributed checkpoint cannot shard: use adamw, sgd or distributed_fused_adam "
+                                 "2.2's distributed checkpoint cannot shard: use adamw, sgd or mcore_distributed_optim "
                                  "(model.optim.name / AlignerRuntime.model_overrides optim.name)")
 
     def load(self, path: Path) -> None:
