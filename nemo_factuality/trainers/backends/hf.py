@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_factuality.trainers.config import CriticModelConfig, OptimConfig, PolicyModelConfig
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -151,10 +151,17 @@ class HFActor:
         out = self.model.generate(input_ids=left.to(self.device), attention_mask=mask.to(self.device), **kwargs).cpu()
         return self._to_rollout(prompt_ids, out[:, width:])
 
+    def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
+        """``generate`` over consecutive slices of ``model.rollout_micro_batch_size`` prompt rows, each yielded when done."""
+        size = max(1, self.cfg.rollout_micro_batch_size)
+        for start in range(0, len(prompt_ids), size):
+            rows = list(range(start, min(start + size, len(prompt_ids))))
+            yield RolloutChunk(rows, self.generate([prompt_ids[i] for i in rows], sampling))
+
     def _to_rollout(self, prompt_ids: Sequence[Sequence[int]], generated: torch.Tensor) -> Rollout:
         """Left-padded generate output → Aligner's right-padded layout, cut after the first EOS."""
         rows, ends = [], []
-        for p, gen in zip(prompt_ids, generated.tolist()):
+        for p, gen in zip(prompt_ids, generated.tolist(), strict=True):
             if self.eos_id in gen:
                 gen, ended = gen[: gen.index(self.eos_id) + 1], True
             else:
