@@ -189,7 +189,7 @@ class KTOTrainer:
 
     def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Generate, label and pack this iteration's examples (labelled samples + general pairs), with their
-        reference log-probs (``reference_logprobs``).
+        reference log-probs (``iteration_references``).
 
         Under data parallelism each rank samples and labels its slice of the iteration's prompts; the
         labelled examples are then gathered, so every rank holds the same global set (and counts)."""
@@ -239,13 +239,13 @@ class KTOTrainer:
         stats.update(times)
         data = pack_examples(rows, plens, desirable, sentences, self.actor.pad_id)
         if k.precompute_reference:
-            data.update(self.reference_logprobs(data))
+            data.update(self.iteration_references(data))
         else:  # every rank, the whole set; z0's pairs get theirs at every optimiser step
             data["ref_logprobs"] = self.actor.reference_logprobs(_as_rollout(data))
         return data, stats
 
     # ------------------------------------------------------------------ reference log-probs, once per iteration
-    def reference_logprobs(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def iteration_references(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The reference policy's log-probs the iteration's optimiser steps need, in one forward pass split over the
         data-parallel ranks (each rank its contiguous part of the sequences, then gathered):
 
@@ -277,7 +277,7 @@ class KTOTrainer:
 
     def _reference_part(self, seqs: Sequence[torch.Tensor], plens: torch.Tensor, mine: Sequence[int], n: int,
                         pairs: Sequence[Mapping[str, torch.Tensor]], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This rank's share of ``reference_logprobs``: the full log-probs of its example rows (``< n``) and the
+        """This rank's share of ``iteration_references``: the full log-probs of its example rows (``< n``) and the
         response / sentence sums (``[P]``, ``[P, k]``) of its pair rows (``≥ n``)."""
         width = max(len(x) for x in seqs)
         if not mine:
@@ -462,7 +462,7 @@ class KTOTrainer:
             bools = ("desirable", "sent_label", "sent_valid")
             self.data = {k: (v.to(torch.bool) if k in bools else v) for k, v in raw.items()}
             if self.cfg.kto.precompute_reference and "kl_ref_resp" not in self.data:  # written without them
-                self.data.update(self.reference_logprobs(self.data))
+                self.data.update(self.iteration_references(self.data))
         self.logger.truncate_after(self.step)
         log.info("resumed from %s (iteration %d, step %d)", latest, self.iteration, self.step)
 
