@@ -5,9 +5,12 @@
 
 One step:
 
-1. **rollout** — ``grpo.num_prompts_per_step`` prompts, ``grpo.num_rollouts_per_prompt`` samples each.
+1. **rollout** — ``grpo.num_prompts_per_step`` prompts, ``grpo.num_rollouts_per_prompt`` samples each, streamed
+   in micro batches by the actor.
 2. **reward** — ``reward(prompts, completions, completion_ids=..., is_end=..., **columns)``; a NaN score
-   (abstention, failed judge) takes the sample out of its group and out of the loss.
+   (abstention, failed judge) takes the sample out of its group and out of the loss. With
+   ``grpo.overlap_reward`` each micro batch is scored in a worker as soon as it is generated, and the
+   old/reference log-probs are computed while the rewards are in flight (``trainers/scoring.py``).
 3. **advantage** — ``(r - mean_g) / (std_g + ε)`` per group (``grpo.advantage_scale=none``: Dr.GRPO),
    ``r - β·mean_t KL_t`` first when ``grpo.kl_in=reward`` (Aligner's REINFORCE), broadcast to the
    response tokens; FSPO's flip ``A' = where(sign·A ≥ 0, A, -A)`` when the reward returns token signs.
@@ -15,7 +18,8 @@ One step:
 4. **loss** — PPO clip (ε, ``ratio_eps_high`` for clip-higher, ``clip_ratio_c`` for the dual clip)
    + ``β·KL(π‖π_ref)`` (k3 = verl's low_var_kl) when ``grpo.kl_in=loss``, − entropy bonus; aggregated
    over the optimiser step's global token/sequence counts; ``grpo.num_epochs`` passes over the rollout
-   in minibatches of ``model.global_batch_size`` sequences.
+   in minibatches of ``model.global_batch_size`` sequences. Exactly on-policy (one epoch, one minibatch)
+   the old log-probs are the training forward's own, detached (``reuses_training_logprobs``).
 """
 
 from __future__ import annotations

@@ -470,7 +470,7 @@ class _RecordingReward:
 
         batch = self.reward(prompts, completions, **columns)
         as_list = lambda a: [None if np.isnan(x) else float(x) for x in np.asarray(a, dtype=float)]  # noqa: E731
-        self.calls.append({"n": len(batch), "scores": as_list(batch.scores),
+        self.calls.append({"n": len(batch), "scores": as_list(batch.scores), "prompts": list(prompts),
                            "components": {k: as_list(v) for k, v in batch.components.items()},
                            "n_ids": [len(x) for x in columns["completion_ids"]],
                            "token_rewards": None if batch.token_rewards is None else [as_list(t) for t in batch.token_rewards],
