@@ -287,6 +287,18 @@ class RewardBatch:
             details=_join("details"),
         )
 
+    def take(self, indices: Sequence[int]) -> RewardBatch:
+        """The samples at ``indices``, in that order (every per-sample field; a reordering or a subset)."""
+        idx = [int(i) for i in indices]
+
+        def _pick(values: list | None) -> list | None:
+            return None if values is None else [values[i] for i in idx]
+
+        return RewardBatch(scores=self.scores[idx], components={k: v[idx] for k, v in self.components.items()},
+                           token_rewards=_pick(self.token_rewards), token_signs=_pick(self.token_signs),
+                           sentence_labels=_pick(self.sentence_labels), sentence_spans=_pick(self.sentence_spans),
+                           details=_pick(self.details))
+
     def log_dict(self, prefix: str = "reward") -> dict[str, float]:
         """Mean of the score and every component over non-NaN samples, keyed ``prefix/name``."""
         out = {f"{prefix}/score": _nanmean(self.scores), f"{prefix}/abstain_frac": float(np.isnan(self.scores).mean())}

@@ -66,6 +66,9 @@ class PolicyModelConfig:
     micro_batch_size: int = 4  # sequences per forward/backward
     global_batch_size: int = 32  # sequences per optimiser step
     forward_micro_batch_size: int = 8  # sequences per no-grad forward (log-probs, values)
+    # hf backend: prompt rows per generate call; each chunk goes to the reward as soon as it is generated
+    # (the aligner backend's is ``aligner_runtime.rollout_micro_batch_size``, from its preset's KV budget)
+    rollout_micro_batch_size: int = 64
     # "copy": a frozen copy of the initial weights; "cpu_weight_swap": keep them on CPU and swap them in
     # for reference log-probs (NeMo-Aligner's approach; halves accelerator memory).
     reference: str = "copy"
@@ -101,6 +104,9 @@ class GRPOAlgoConfig:
     kl_estimator: str = "k3"  # k1 | k3 (low_var_kl) | abs; the same estimator in the logged kl and the loss/reward
     kl_in: str = "loss"  # loss (GRPO/verl) | reward (Aligner REINFORCE: r - β·mean_t KL_t)
     fspo_flip: bool = True  # apply FSPO's flip when the reward returns token signs
+    # score each rollout micro batch in a worker as soon as it is generated, compute log-probs while the rewards
+    # are in flight, wait only for the advantages (false: generate → reward → log-probs, one after the other)
+    overlap_reward: bool = True
 
 
 @dataclass
@@ -114,6 +120,7 @@ class PPOAlgoConfig:
     initial_policy_kl_penalty: float = 0.01  # in the token reward (RLFH / OpenRLHF / Aligner)
     kl_estimator: str = "k3"  # RLFH uses k3; Aligner's default is abs
     truncated: str = "keep"  # RLFH penalises a missing EOS in the reward instead of masking
+    overlap_reward: bool = True  # as grpo.overlap_reward (the critic's values are computed while the reward runs)
 
 
 @dataclass
@@ -130,6 +137,11 @@ class KTOAlgoConfig:
     w_f_desirable: float = 1.0
     w_f_undesirable: float = 1.0
     general_data_ratio: float = 1.0  # general preference pairs per labelled sample (0 = none)
+    overlap_reward: bool = True  # label each generated micro batch in a worker while the next one is generated
+    # reference log-probs of the iteration's examples and of every minibatch's mismatched (z0) pairs, computed once
+    # per iteration and split over data-parallel ranks (FactAlign precomputes them); false: the z0 pairs' reference
+    # forward (a cpu_weight_swap on the aligner backend) at every optimiser step, as before
+    precompute_reference: bool = True
 
 
 @dataclass
@@ -161,6 +173,17 @@ class RetryConfig:
     initial_s: float = 1.0
     max_s: float = 30.0
     jitter: float = 0.5
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout.*``: which engine generates the rollouts (aligner backend)."""
+
+    # megatron: NeMo's generation on the training weights; trtllm: NeMo-Aligner 0.7.0's TensorRT-LLM engine
+    # (GPTGenerateTRTLLM), refit after every update and rebuilt after a checkpoint load — only in the NeMo-Aligner
+    # container (TensorRT-LLM + a CUDA GPU); elsewhere the stage stops at start-up saying so
+    engine: str = "megatron"
+    trtllm_model_type: str = "llama"  # TensorRT-LLM's model family for the engine build (Aligner's trt_llm.model_type)
 
 
 @dataclass
@@ -217,6 +240,7 @@ class GRPOConfig:
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     reward: dict[str, Any] | None = None  # in-process reward: {name: klcf, ...} (conf/serve's reward block)
     remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
 
@@ -252,6 +276,7 @@ class PPOConfig:
     critic: CriticModelConfig = field(default_factory=CriticModelConfig)
     reward: dict[str, Any] | None = None
     remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
 
@@ -263,6 +288,7 @@ class KTOConfig:
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     reward: dict[str, Any] | None = None  # the labeller (factalign)
     remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
 
@@ -283,6 +309,7 @@ _CHOICES = {
     "ppo.kl_estimator": ("k1", "k3", "abs"),
     "ppo.truncated": ("mask", "keep"),
     "data.format": ("jsonl", "klcf", "rlfh", "fspo", "knowrl", "factalign"),
+    "rollout.engine": ("megatron", "trtllm"),
 }
 
 
@@ -292,7 +319,7 @@ _COUNTS = {
     "trainer.max_steps": 1, "trainer.val_check_interval": 0, "trainer.save_interval": 0, "trainer.max_invalid_steps": 0,
     "trainer.early_stopping.patience": 1,
     "model.micro_batch_size": 1, "model.global_batch_size": 1, "model.forward_micro_batch_size": 1,
-    "model.tensor_model_parallel_size": 1, "model.pipeline_model_parallel_size": 1,
+    "model.rollout_micro_batch_size": 1, "model.tensor_model_parallel_size": 1, "model.pipeline_model_parallel_size": 1,
     "model.length_params.max_length": 1, "model.optim.sched.warmup_steps": 0,
     "grpo.num_prompts_per_step": 1, "grpo.num_rollouts_per_prompt": 1, "grpo.num_epochs": 1,
     "ppo.num_prompts_per_step": 1, "ppo.num_epochs": 1, "ppo.critic_warmup_steps": 0,
@@ -361,6 +388,8 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
                         "sampled; use 1.0 on trainer.backend=aligner (the hf backend divides its logits by T)")
     if cfg.trainer.backend == "hf" and not m.path:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
+    if cfg.rollout.engine == "trtllm" and cfg.trainer.backend != "aligner":
+        problems.append("rollout.engine=trtllm is NeMo-Aligner's TensorRT-LLM generation: it needs trainer.backend=aligner")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:
         problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
     if problems:

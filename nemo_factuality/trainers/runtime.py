@@ -410,6 +410,13 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
     ``records[i]`` is the prompt record of rollout row ``i``. Token-level outputs must have one entry
     per response token (``completion_ids``); anything else is a reward bug and raises.
     """
+    batch, completions, ids = call_reward(reward, rollout, records, tokenizer, eos_id)
+    return check_token_outputs(batch, ids), completions
+
+
+def call_reward(reward: Any, rollout: Rollout, records: Sequence[PromptRecord], tokenizer: Any,
+                eos_id: int) -> tuple[RewardBatch, list[str], list[list[int]]]:
+    """The reward call of ``score_rollout`` alone: (the reward's batch as returned, completions, completion ids)."""
     completions, ids = completions_of(rollout, tokenizer, eos_id)
     names = sorted({k for r in records for k in r.columns})
     columns = {k: [r.columns.get(k) for r in records] for k in names}
@@ -417,11 +424,17 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
                    is_end=[bool(x) for x in rollout.is_end.tolist()], **columns)
     if len(batch) != len(rollout):
         raise RuntimeError(f"reward returned {len(batch)} scores for {len(rollout)} completions")
+    return batch, completions, ids
+
+
+def check_token_outputs(batch: RewardBatch, ids: Sequence[Sequence[int]]) -> RewardBatch:
+    """``batch`` with its token-level outputs checked against the response token ``ids`` (one entry per token).
+
+    A served reward always sends token rewards/signs; all-empty rows mean the method has none (e.g. a scalar
+    labeller), not "zero reward on every token", so they become ``None``."""
     for attr in ("token_rewards", "token_signs"):
         values = getattr(batch, attr)
         if values is not None and any(ids) and not any(len(v) for v in values):
-            # The served reward's wire format always carries these outputs; all-empty rows mean the
-            # method has none (e.g. a scalar labeller), not "zero reward on every token".
             setattr(batch, attr, None)
             continue
         if values is None:
@@ -429,7 +442,7 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
         for i, (v, x) in enumerate(zip(values, ids, strict=False)):
             if len(v) != len(x):
                 raise RuntimeError(f"reward {attr}[{i}] has {len(v)} entries for {len(x)} response tokens")
-    return batch, completions
+    return batch
 
 
 def place_on_tokens(values: Sequence[np.ndarray] | None, rollout: Rollout, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:

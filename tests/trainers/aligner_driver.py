@@ -11,7 +11,10 @@ Each rank writes ``<out>/rank<r>.json``. Scenarios:
 * ``sample``: sampled (not greedy) rollouts, twice with the same seed.
 * ``stage`` / ``stage_dp``: the GRPO stage itself, 2 steps then a resumed 3rd (``stage_dp``: prompts
   sharded over data-parallel ranks).
-* ``kto_dp``: the KTO stage at DP=2 (each rank labels its prompts; the examples are gathered).
+* ``kto_dp``: the KTO stage at DP=2 (each rank labels its prompts; the examples are gathered; the reference
+  log-probs once per iteration, split over the ranks); at world 1 also the per-step reference path.
+* ``rollout``: rollout micro batches bucketed by prompt length, forward steps counted, early end on EOS.
+* ``overlap``: the GRPO step with the reward overlapped vs in line, and KTO's labelling likewise (TP=2).
 * ``ppo``: the RLFH PPO stage (``PPOTrainer``, dense toy reward) on this actor and the critic server the test
   started (``RemoteCritic``), 2 steps then a resumed 3rd; ``--overrides FILE`` holds the stage config's
   ``key=value`` list, the same the critic server was started with.
@@ -205,6 +208,7 @@ def stage_dp(actor: AlignerActor, args) -> dict:
     fit(2)
     first_run_lines = len(read_metrics(run_dir))
     fit(3)  # resumes from step 2's checkpoint
+    validation = _split_validation(actor, args)
     ckpt = run_dir / "checkpoints"
     fixed = [actor.tokenizer.encode(p) for p in PROMPTS[:2]]
     width = max(len(x) for x in fixed)
@@ -214,7 +218,34 @@ def stage_dp(actor: AlignerActor, args) -> dict:
             "checkpoints": sorted(p.name for p in ckpt.iterdir()),
             "step3_files": sorted(p.name for p in (ckpt / "step_000003").iterdir()),
             "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters())),
-            "fixed_logprobs": _rows(actor.logprobs(rollout)), "seed": seeds[0]}
+            "fixed_logprobs": _rows(actor.logprobs(rollout)), "seed": seeds[0], "validation": validation}
+
+
+def _split_validation(actor: AlignerActor, args) -> dict:
+    """The GRPO stage's validation of 5 prompts under data parallelism (each rank its part: 2 + 3), and the old
+    way on this rank (every prompt generated here and scored together) for comparison."""
+    from nemo_factuality.testing.training import good_fraction, prompts
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.trainers.interfaces import SamplingParams as Sampling
+    from nemo_factuality.trainers.runtime import encode_prompts, score_rollout
+
+    seen: list[str] = []
+
+    def reward(prompts_, completions, **columns):
+        seen.extend(prompts_)
+        return good_fraction(prompts_, completions, **columns)
+
+    run_dir = Path(args.out) / "val"
+    cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=1, prompts_per_step=4,
+                                                               global_batch_size=16))
+    val = prompts(5)
+    trainer = GRPOTrainer(cfg, actor, reward, prompts(8), run_dir=run_dir, val_data=val)
+    split = trainer._validate_reward(0)
+    mine = list(seen)
+    ids = encode_prompts(val, actor.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_tokens)
+    every = actor.generate(ids, Sampling(cfg.model.length_params.max_length, use_greedy=True))
+    whole = score_rollout(good_fraction, every, val, actor.tokenizer, actor.eos_id)[0].log_dict("reward")
+    return {"split": split, "scored_here": mine, "whole": whole}
 
 
 def kto_dp(actor: AlignerActor, args) -> dict:
@@ -245,18 +276,137 @@ def kto_dp(actor: AlignerActor, args) -> dict:
         labelled.extend(prompts_)
         return half_good_labeller(prompts_, completions, **kw)
 
+    initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
+    reference = actor.reference_logprobs
+    rows_referenced: list[int] = []  # the rows of each reference_logprobs call on this rank
+
+    def counted(rollout):
+        rows_referenced.append(len(rollout))
+        return reference(rollout)
+
+    actor.reference_logprobs = counted
     trainer = KTOTrainer(load_train_config(KTOConfig, None, overrides), actor, labeller, prompts(4), run_dir=run_dir)
     log_step = trainer.logger.log
     trainer.logger.log = lambda step, m: (logged.append({"step": step, **{k: _jsonable(v) for k, v in m.items()}}),
                                           log_step(step, m))[-1]
     trainer.fit()
     data = trainer.last_data
-    return {"labelled": labelled, "logged": logged, "metrics": read_metrics(run_dir), "seed": trainer.cfg.trainer.seed,
-            "data_tokens": _rows(data["tokens"]), "desirable": _rows(data["desirable"]),
-            "prompt_lengths": _rows(data["prompt_lengths"]), "response_lengths": _rows(data["response_lengths"]),
-            "lp": _rows(actor.logprobs(Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
-                                               torch.ones(len(data["tokens"]), dtype=torch.bool)))),
-            "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters()))}
+    out = {"labelled": labelled, "logged": logged, "metrics": read_metrics(run_dir), "seed": trainer.cfg.trainer.seed,
+           "data_tokens": _rows(data["tokens"]), "desirable": _rows(data["desirable"]),
+           "prompt_lengths": _rows(data["prompt_lengths"]), "response_lengths": _rows(data["response_lengths"]),
+           "lp": _rows(actor.logprobs(Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
+                                              torch.ones(len(data["tokens"]), dtype=torch.bool)))),
+           "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters())),
+           "reference_rows": list(rows_referenced)}
+    if actor.data_parallel_size == 1:  # the per-step reference path, from the same weights and seed
+        actor.model.load_state_dict(initial)
+        old_dir = Path(args.out) / "kto_old"
+        old = [o for o in overrides if not o.startswith("exp_manager.explicit_log_dir=")]
+        trainer = KTOTrainer(load_train_config(KTOConfig, None, [*old, f"exp_manager.explicit_log_dir={old_dir}",
+                                                                 "kto.precompute_reference=false"]),
+                             actor, half_good_labeller, prompts(4), run_dir=old_dir)
+        rows_referenced.clear()
+        trainer.fit()
+        out.update(old_metrics=read_metrics(old_dir), old_reference_rows=list(rows_referenced))
+    return out
+
+
+def rollout(actor: AlignerActor, args) -> dict:
+    """Rollout micro batches (world 1, ``rollout_micro_batch_size=3``): greedy rollouts of PROMPTS × 2 in the given
+    order and reversed, with the number of model forward steps each ``generate`` took; then the same after making
+    the model end every response at once (the residual stream reduced to the token embedding, whose dimension 0
+    points every next-token prediction at EOS), to see each batch stop when all its sequences have ended."""
+    model = actor.model.model[0] if isinstance(actor.model.model, list) else actor.model.model
+    steps = {"n": 0}
+    model.register_forward_pre_hook(lambda *_: steps.__setitem__("n", steps["n"] + 1))
+    prompts = [actor.tokenizer.encode(p) for p in PROMPTS * 2]
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True)
+
+    def run(rows):
+        steps["n"] = 0
+        r = actor.generate(rows, greedy)
+        return {"tokens": _rows(r.tokens), "response_lengths": _rows(r.response_lengths), "is_end": _rows(r.is_end),
+                "steps": steps["n"]}
+
+    out = {"prompt_lengths": [len(p) for p in prompts], "rollout_micro_batch_size": actor.runtime.rollout_micro_batch_size,
+           "max_new": MAX_NEW, "eos_id": actor.eos_id, "given": run(prompts), "reversed": run(prompts[::-1])}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "linear_proj" in name or "linear_fc2" in name:
+                param.zero_()  # attention and MLP add nothing: the residual stream is the token embedding
+        embedding = model.embedding.word_embeddings.weight
+        embedding[:, 0] = 10.0
+        embedding[actor.eos_id, 0] = 20.0  # tied output: EOS's logit is twice any other's
+        output = getattr(model, "output_layer", None)
+        if output is not None and output.weight is not embedding and not actor.model.cfg.get("share_embeddings_and_output_weights"):
+            output.weight[:, 0] = 0.0
+            output.weight[actor.eos_id, 0] = 10.0
+    out["eos_model"] = run(prompts)
+    return out
+
+
+def overlap(actor: AlignerActor, args) -> dict:
+    """At TP=2: the GRPO stage's overlapped step against the sequential one (2 steps each, from the same weights
+    and seed), and the KTO stage's overlapped labelling against the in-line one, on a reward with a judge's
+    latency. Records per mode the rewards, advantages and metrics of every step, the trained weights' checksum
+    and which rank/thread called the reward."""
+    import threading
+
+    import nemo_factuality.trainers.kto as kto_module
+    from nemo_factuality.testing.training import good_fraction, half_good_labeller, prompts
+    from nemo_factuality.trainers.config import KTOConfig
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.trainers.kto import KTOTrainer
+    from nemo_factuality.trainers.runtime import seed_everything
+
+    initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
+
+    def slow(reward, calls):
+        def call(prompts_, completions, **columns):
+            calls.append([threading.current_thread().name, len(completions)])
+            time.sleep(0.2)
+            return reward(prompts_, completions, **columns)
+        return call
+
+    class Recording(GRPOTrainer):
+        def _experience(self, rollout, rewards, logprobs):
+            exp, metrics = super()._experience(rollout, rewards, logprobs)
+            self.seen.append({"scores": [None if x != x else x for x in rewards.scores.tolist()],
+                              "advantages": _rows(exp["advantages"]), "tokens": _rows(rollout.tokens)})
+            return exp, metrics
+
+    out = {}
+    for mode in (False, True):
+        actor.model.load_state_dict(initial)
+        actor.reset_reference()
+        seed_everything(args.seed)
+        calls: list = []
+        run_dir = Path(args.out) / f"grpo_{mode}"
+        cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=2) + [f"grpo.overlap_reward={mode}"])
+        trainer = Recording(cfg, actor, slow(good_fraction, calls), prompts(4), run_dir=run_dir)
+        trainer.seen = []
+        metrics = [{k: v for k, v in trainer.train_one_step().items()} for _ in range(2)]
+        out[f"grpo_{mode}"] = {"seen": trainer.seen, "metrics": metrics, "calls": calls,
+                               "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters()))}
+    kto_module._GEN_CHUNK = 4  # two labeller calls for the 8 samples
+    for mode in (False, True):
+        actor.model.load_state_dict(initial)
+        actor.reset_reference()
+        seed_everything(args.seed)
+        calls = []
+        overrides = [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "kto.prompts_per_iteration=4",
+                     "kto.samples_per_prompt=2", "model.micro_batch_size=1", "model.global_batch_size=4",
+                     "model.length_params.max_length=6", "model.dtype=float32", "remote_rm.url=http://127.0.0.1:5555",
+                     f"exp_manager.explicit_log_dir={Path(args.out) / f'kto_{mode}'}", f"kto.overlap_reward={mode}",
+                     "exp_manager.create_tensorboard_logger=false", "trainer.progress_bar=false"]
+        trainer = KTOTrainer(load_train_config(KTOConfig, None, overrides), actor, slow(half_good_labeller, calls),
+                             prompts(4), run_dir=Path(args.out) / f"kto_{mode}")
+        actor.reset_reference()
+        data, stats = trainer.collect()
+        out[f"kto_{mode}"] = {"data": {k: _rows(v) for k, v in data.items()}, "calls": calls,
+                              "stats": {k: v for k, v in stats.items() if not k.startswith("time/")},
+                              "times": {k: v for k, v in stats.items() if k.startswith("time/")}}
+    return out
 
 
 def learn(actor: AlignerActor, args) -> dict:
@@ -325,7 +475,7 @@ class _RecordingReward:
 
         batch = self.reward(prompts, completions, **columns)
         as_list = lambda a: [None if np.isnan(x) else float(x) for x in np.asarray(a, dtype=float)]  # noqa: E731
-        self.calls.append({"n": len(batch), "scores": as_list(batch.scores),
+        self.calls.append({"n": len(batch), "scores": as_list(batch.scores), "prompts": list(prompts),
                            "components": {k: as_list(v) for k, v in batch.components.items()},
                            "n_ids": [len(x) for x in columns["completion_ids"]],
                            "token_rewards": None if batch.token_rewards is None else [as_list(t) for t in batch.token_rewards],
@@ -510,7 +660,7 @@ def main() -> int:
     ap.add_argument("--plan", default=None, help="JSON list of the methods scenario's stages")
     ap.add_argument("--ckpt", default=None, help="the ckpt_load scenario's checkpoints (ckpt_save's --out)")
     ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "stage_dp", "kto_dp", "learn",
-                                           "ppo", "methods", "outage", "ckpt_save", "ckpt_load"),
+                                           "ppo", "methods", "outage", "ckpt_save", "ckpt_load", "rollout", "overlap"),
                     default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -526,7 +676,7 @@ def main() -> int:
     setup_s = time.monotonic() - t0
     scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "stage_dp": stage_dp, "kto_dp": kto_dp,
                  "learn": learn, "ppo": ppo, "methods": methods, "outage": outage,
-                 "ckpt_save": ckpt_save, "ckpt_load": ckpt_load}
+                 "ckpt_save": ckpt_save, "ckpt_load": ckpt_load, "rollout": rollout, "overlap": overlap}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

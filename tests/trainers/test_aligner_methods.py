@@ -206,12 +206,14 @@ def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_ru
 
 def test_the_rewards_came_from_the_servers_once_per_replica(layout_run):
     """At TP=2 / PP=2 the two ranks hold one replica and the same rollout: the model-parallel source rank alone
-    scores it (once per step), the other gets its result; at DP=2 each replica scores its own prompts. Each
+    scores it (once per rollout micro batch), the other gets its result; at DP=2 each replica scores its own prompts. Each
     server's own request counter rose by exactly those calls, and every logged reward metric is finite."""
     r0, r1 = layout_run["ranks"]
     for method, (stage, _) in METHODS.items():
         calls = len(r0["stages"][method]["calls"])
-        assert calls == (2 if stage != "kto" else 1), method
+        # one call per rollout micro batch (3 prompts: aligner_driver's actor) per step; KTO: one labeller group
+        per_step = math.ceil(4 // layout_run["dp"] / 3)
+        assert calls == (2 * per_step if stage != "kto" else 1), method
         assert len(r1["stages"][method]["calls"]) == (calls if layout_run["dp"] == 2 else 0), method
         requests, samples = layout_run["served"][method]
         # the server scored exactly the samples the stages sent; Triton's dynamic batcher may merge the two DP
@@ -229,13 +231,31 @@ def _samples(layout_run: dict, method: str, key: str) -> list:
     return [v for c in calls for v in (c["scores"] if key == "score" else c["components"][key])]
 
 
+def _mixed_groups(layout_run: dict, method: str, steps: int = 2) -> list[bool]:
+    """Per GRPO step: whether some prompt's samples got different scores (both ranks' calls; each step made one call
+    per rollout micro batch of 3 of the rank's 4 / DP samples)."""
+    per_step = math.ceil(4 // layout_run["dp"] / 3)
+    out = []
+    for step in range(steps):
+        scores: dict[str, set] = {}
+        for rank in layout_run["ranks"]:
+            for call in rank["stages"][method]["calls"][step * per_step : (step + 1) * per_step]:
+                for prompt, score in zip(call["prompts"], call["scores"], strict=True):
+                    scores.setdefault(prompt, set()).add(score)
+        out.append(any(len(v) > 1 for v in scores.values()))
+    return out
+
+
 def test_each_reward_is_its_methods_pipeline_on_the_scripted_judge(layout_run):
     """Values only the method's pipeline (with the scripted judge's replies) gives — not a default or a zero."""
     # KLCF: the judge covers the checklist item or not (recall 1 or 0) and calls every claim true; w_rm=0
     recall, precision = _samples(layout_run, "klcf", "checklist_recall"), _samples(layout_run, "klcf", "truthfulness_precision")
     assert set(recall) == {0.0, 1.0} and set(precision) == {1.0}
     assert _samples(layout_run, "klcf", "score") == [r + p for r, p in zip(recall, precision, strict=True)]
-    assert any(m["advantage/abs_mean"] > 0 and m["grad_norm"] > 0 for m in layout_run["ranks"][0]["stages"]["klcf"]["logged"])
+    # GRPO's update moves the policy exactly in the steps where some prompt's samples got different rewards (the
+    # verdict hashes the sampled response, so which steps those are depends on the samples)
+    for m, mixed in zip(layout_run["ranks"][0]["stages"]["klcf"]["logged"], _mixed_groups(layout_run, "klcf"), strict=True):
+        assert (m["advantage/abs_mean"] > 0) == mixed and (m["grad_norm"] > 0 or not mixed), (m, mixed)
     # FSPO and KnowRL: the untrained policy never writes the answer/think tags (their format penalties)
     assert set(_finite(_samples(layout_run, "fspo", "format"))) == {-2.0}
     assert set(_finite(_samples(layout_run, "knowrl", "format"))) == {-1.0}

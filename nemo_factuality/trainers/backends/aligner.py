@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from nemo_factuality.trainers import reference as ref_record
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.types import FactualityInputError, ServerUnavailableError
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,23 @@ CONVERTED_CHECKPOINT_KEYS = {
 _PRECISION = {"float32": 32, "bfloat16": "bf16-mixed", "float16": "16-mixed"}
 
 
-def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> dict:
-    """Aligner's ``model`` section for the REINFORCE actor, from the stage's ``model.*`` (wins over the checkpoint)."""
+def trt_llm_section(engine: str, runtime: AlignerRuntime, *, model_type: str = "llama", max_input_len: int = 1024) -> dict:
+    """Aligner's ``reinforce.trt_llm`` section: ``rollout.engine=trtllm`` turns on its ``GPTGenerateTRTLLM`` (engine
+    built at the first rollout, refit after every update, rebuilt after a checkpoint load: ``AlignerActor``).
+
+    ``max_input_len`` is the longest prompt (``data.max_prompt_tokens``); the engine's batch is the rollout micro
+    batch (``reinforce.rollout_micro_batch_size``). The engine stays loaded during training (``unload_engine_train``
+    false: the stages open an inference window per call) and the pipeline stages are not resharded (``reshard``
+    false: that reshapes the data-parallel layout, which the stages own)."""
+    if engine not in ("megatron", "trtllm"):
+        raise ValueError(f"rollout.engine={engine!r}: choose megatron or trtllm")
+    return {"enable": engine == "trtllm", "max_input_len": max_input_len, "model_type": model_type,
+            "unload_engine_train": False, "reshard": False, "seed": runtime.seed}
+
+
+def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime, trt_llm: Mapping[str, Any] | None = None) -> dict:
+    """Aligner's ``model`` section for the REINFORCE actor, from the stage's ``model.*`` (wins over the checkpoint);
+    ``trt_llm``: its ``reinforce.trt_llm`` section (``trt_llm_section``; default: NeMo's generation)."""
     sampling, length = model_cfg.get("sampling_params", {}), model_cfg.get("length_params", {})
     precision = _PRECISION[model_cfg.get("dtype", "float32")]
     out = {
@@ -114,7 +129,7 @@ def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> di
         "optim": nemo_optim(model_cfg.get("optim", {"lr": 1e-6}), runtime.max_steps),
         **CONVERTED_CHECKPOINT_KEYS,
         "reinforce": {
-            "rollout_micro_batch_size": model_cfg.get("forward_micro_batch_size", 8),
+            "rollout_micro_batch_size": runtime.rollout_micro_batch_size,  # TensorRT-LLM's engine batch
             "forward_micro_batch_size": model_cfg.get("forward_micro_batch_size", 8),
             "offload_adam_states": True,  # only acts with the distributed optimizer
             "sampling_params": {"use_greedy": sampling.get("use_greedy", False), "temperature": sampling.get("temperature", 1.0),
@@ -122,7 +137,7 @@ def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> di
                                 "repetition_penalty": 1.0, "add_BOS": False, "all_probs": False,
                                 "compute_logprob": False, "end_strings": []},
             "length_params": {"max_length": length.get("max_length", 256), "min_length": 1},
-            "trt_llm": {"enable": False},
+            "trt_llm": dict(trt_llm) if trt_llm is not None else trt_llm_section("megatron", runtime),
         },
     }
     return _merge(out, runtime.model_overrides)
@@ -148,6 +163,19 @@ def _stage_actor_class():
     class StageReinforceActor(MegatronGPTReinforceActorModel):
         stage_loss_fn: LossFn | None = None
         stage_need_entropy: bool = False
+        trtllm_stale: bool = True  # the TensorRT-LLM engine lags the weights (set by updates and checkpoint loads)
+
+        def prepare_for_inference(self):
+            """Aligner's, except that the TensorRT-LLM engine is refit only when the weights changed since the last
+            refit: the stages open an inference window per call (log-probs too), Aligner's trainer one per step."""
+            trtllm, self.use_trtllm_generation = self.use_trtllm_generation, False
+            try:
+                super().prepare_for_inference()
+            finally:
+                self.use_trtllm_generation = trtllm
+            if trtllm and self.trtllm_stale:
+                self.trtllm_generate.refit(self.model)  # builds the engine the first time
+                self.trtllm_stale = False
 
         def get_actor_forward_output_and_loss_func(self):
             loss_fn, need_entropy = self.stage_loss_fn, self.stage_need_entropy
@@ -312,7 +340,7 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 class AlignerActor:
     """``PolicyActor`` on NeMo-Aligner's Megatron REINFORCE actor; one instance per rank (torchrun/srun)."""
 
-    def __init__(self, model_cfg: Any, runtime: AlignerRuntime | None = None) -> None:
+    def __init__(self, model_cfg: Any, runtime: AlignerRuntime | None = None, *, trt_llm: Mapping[str, Any] | None = None) -> None:
         self.runtime = runtime or AlignerRuntime()
         plain = _plain(model_cfg)
         path = plain.get("restore_from_path")
@@ -320,8 +348,8 @@ class AlignerActor:
             raise FileNotFoundError(f"model.restore_from_path={path!r} is not a .nemo file or extracted directory: "
                                     "write one with `nemo-factuality convert hf-to-nemo --extracted`")
         self.forward_micro_batch_size = int(plain.get("forward_micro_batch_size", 8))
-        self.model, self.trainer, self.optimizer, self.scheduler = _restore(str(path), model_overrides(plain, self.runtime),
-                                                                            self.runtime)
+        overrides = model_overrides(plain, self.runtime, trt_llm)
+        self.model, self.trainer, self.optimizer, self.scheduler = _restore(str(path), overrides, self.runtime)
         hf_tokenizer = getattr(self.model.tokenizer, "tokenizer", self.model.tokenizer)
         self.tokenizer = hf_tokenizer
         self.eos_id = int(self.model.tokenizer.eos_id)
@@ -371,6 +399,13 @@ class AlignerActor:
         torch.distributed.all_gather_object(out, obj, group=mpu.get_data_parallel_group())
         return out
 
+    @property
+    def is_model_parallel_source(self) -> bool:
+        """Whether this rank is its model replica's source rank (the one that calls the reward)."""
+        from megatron.core import parallel_state as mpu
+
+        return torch.distributed.get_rank() == min(torch.distributed.get_process_group_ranks(mpu.get_model_parallel_group()))
+
     def on_model_parallel_source(self, fn: Any) -> Any:
         """``fn()`` once per model replica (its model-parallel source rank), the result broadcast to the replica's
         other ranks: the stages score a rollout, which every rank of a replica holds, through this."""
@@ -385,16 +420,30 @@ class AlignerActor:
 
     # ---- rollouts and log-probs -----------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
-        """Rollouts in chunks of ``rollout_micro_batch_size`` prompts, right-padded with ``pad_id`` to one width."""
+        """``generate_chunks`` assembled in prompt order, right-padded with ``pad_id`` to one width."""
+        return assemble_rollout(list(self.generate_chunks(prompt_ids, sampling)), self.pad_id)
+
+    def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
+        """Rollouts in micro batches of ``rollout_micro_batch_size`` prompts (the preset's KV budget), prompts
+        bucketed by length (a stable sort: a batch wastes no steps on short prompts waiting for long ones, and a
+        prompt's samples stay together), each batch yielded as soon as it is generated. NeMo's generation loop
+        ends a batch at the step where all its sequences have ended. One inference window for all batches (with
+        TensorRT-LLM: one engine refit)."""
+        if not prompt_ids:
+            raise ValueError("generate: no prompts")
+        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         step = max(1, self.runtime.rollout_micro_batch_size)
-        parts = [self._generate_chunk(prompt_ids[i:i + step], sampling) for i in range(0, len(prompt_ids), step)]
-        if len(parts) == 1:
-            return parts[0]
-        width = max(p.tokens.shape[1] for p in parts)
-        tokens = torch.cat([torch.nn.functional.pad(p.tokens, (0, width - p.tokens.shape[1]), value=self.pad_id) for p in parts])
-        return Rollout(tokens=tokens, prompt_lengths=torch.cat([p.prompt_lengths for p in parts]),
-                       response_lengths=torch.cat([p.response_lengths for p in parts]),
-                       is_end=torch.cat([p.is_end for p in parts]))
+        m = self.model
+        m._length_params = {"max_length": sampling.max_new_tokens, "min_length": 1}
+        m._sampling_params = dict(m._sampling_params, use_greedy=sampling.use_greedy, temperature=sampling.temperature,
+                                  top_k=sampling.top_k, top_p=sampling.top_p, end_strings=[self._eos_text])
+        m.prepare_for_inference()
+        try:
+            for start in range(0, len(order), step):
+                rows = order[start : start + step]
+                yield RolloutChunk(rows, self._generate_chunk([prompt_ids[i] for i in rows], sampling))
+        finally:
+            m.finish_inference()
 
     def _generate_chunk(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
         from nemo_aligner.utils.utils import batch_pad_to_fixed_len
@@ -405,15 +454,7 @@ class AlignerActor:
         # as Aligner's collate: EOS-padded to the longest prompt + the tokens to generate
         text = batch_pad_to_fixed_len([torch.as_tensor(list(p), dtype=torch.long) for p in prompt_ids],
                                       int(lengths.max()) + sampling.max_new_tokens, self.eos_id)
-        m = self.model
-        m._length_params = {"max_length": sampling.max_new_tokens, "min_length": 1}
-        m._sampling_params = dict(m._sampling_params, use_greedy=sampling.use_greedy, temperature=sampling.temperature,
-                                  top_k=sampling.top_k, top_p=sampling.top_p, end_strings=[self._eos_text])
-        m.prepare_for_inference()
-        try:
-            out = m.infer({"text": text.to(self._device()), "length": lengths.to(self._device())})
-        finally:
-            m.finish_inference()
+        out = self.model.infer({"text": text.to(self._device()), "length": lengths.to(self._device())})
         tokens = out["response_tokens"].cpu().long()
         response_lengths = out["response_lengths"].cpu().long()
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
@@ -477,6 +518,7 @@ class AlignerActor:
         if grad_norm is None and isinstance(stepped, tuple) and len(stepped) == 3:
             grad_norm = stepped[1]  # Megatron's distributed optimizer clips inside its step: (loss, norm, zeros)
         self.scheduler.step()
+        m.trtllm_stale = True  # TensorRT-LLM: refit at the next inference window
         m.finish_training()
         return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": float(lr)}
 
@@ -564,6 +606,7 @@ class AlignerActor:
         if not (path / "state" / "metadata.json").is_file():  # NeMo stores "<name>.ckpt" as the directory <name>/
             raise FileNotFoundError(f"{path / 'state'} holds no distributed checkpoint: not written by AlignerActor.save")
         restore_training_state(self.trainer, self.scheduler, path / "state")
+        self._rebuild_trtllm_engine()
         record = ref_record.read_record(path)
         if record is None:
             self._load_legacy_reference(path)
@@ -603,6 +646,14 @@ class AlignerActor:
         connector.resume_start(str(path / "state"))
         connector.restore_model()
         connector.resume_end()
+        self._rebuild_trtllm_engine()
+
+    def _rebuild_trtllm_engine(self) -> None:
+        """After a checkpoint load the TensorRT-LLM engine is built anew at the next rollout (Aligner's generator
+        builds when not compiled, else refits), not refit from weights that were replaced under it."""
+        if getattr(self.model, "use_trtllm_generation", False):
+            self.model.trtllm_generate._trtllm_model_compiled = False
+        self.model.trtllm_stale = True
 
     def export(self, path: Path) -> None:
         """A ``.nemo`` (NeMo's ``save_to``; every rank takes part) that ``convert nemo-to-hf`` turns into HF.
@@ -701,7 +752,29 @@ def build_actor(cfg: Any, **runtime: Any) -> AlignerActor:
                 "num_nodes": int(os.environ.get("SLURM_NNODES", 1)),
                 "max_steps": runtime.pop("max_steps", getattr(trainer, "max_steps", 100)),
                 "gradient_clip_val": getattr(trainer, "gradient_clip_val", 1.0), "seed": getattr(trainer, "seed", 1234)}
-    return AlignerActor(cfg.model, AlignerRuntime(**{**defaults, **runtime}))
+    placed = AlignerRuntime(**{**defaults, **runtime})
+    rollout = getattr(cfg, "rollout", None)
+    engine = getattr(rollout, "engine", "megatron")
+    if engine == "trtllm":
+        require_trtllm()
+    data = getattr(cfg, "data", None)
+    trt_llm = trt_llm_section(engine, placed, model_type=getattr(rollout, "trtllm_model_type", "llama"),
+                              max_input_len=getattr(data, "max_prompt_tokens", 1024))
+    return AlignerActor(cfg.model, placed, trt_llm=trt_llm)
+
+
+def require_trtllm() -> None:
+    """``rollout.engine=trtllm`` needs TensorRT-LLM and a CUDA GPU (the NeMo-Aligner container): say so at start-up,
+    before NeMo loads anything, rather than when the first rollout builds the engine."""
+    import importlib.util
+
+    from nemo_factuality.config import ConfigError
+
+    missing = [what for what, ok in (("the tensorrt_llm package", importlib.util.find_spec("tensorrt_llm") is not None),
+                                      ("a CUDA GPU", torch.cuda.is_available())) if not ok]
+    if missing:
+        raise ConfigError(f"rollout.engine=trtllm needs {' and '.join(missing)} (NeMo-Aligner's TensorRT-LLM generation "
+                          "runs in the NeMo-Aligner container); use rollout.engine=megatron here")
 
 
 PRESET_DIR = Path(__file__).resolve().parents[3] / "conf" / "train" / "aligner"

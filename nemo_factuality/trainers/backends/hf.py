@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.config import CriticModelConfig, OptimConfig, PolicyModelConfig
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,13 @@ class HFActor:
         finally:
             self.model.generation_config = checkpoint_config
         return self._to_rollout(prompt_ids, out[:, width:])
+
+    def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
+        """``generate`` over consecutive slices of ``model.rollout_micro_batch_size`` prompt rows, each yielded when done."""
+        size = max(1, self.cfg.rollout_micro_batch_size)
+        for start in range(0, len(prompt_ids), size):
+            rows = list(range(start, min(start + size, len(prompt_ids))))
+            yield RolloutChunk(rows, self.generate([prompt_ids[i] for i in rows], sampling))
 
     def _to_rollout(self, prompt_ids: Sequence[Sequence[int]], generated: torch.Tensor) -> Rollout:
         """Left-padded generate output → Aligner's right-padded layout, cut after the first EOS."""
