@@ -209,7 +209,12 @@ class KTOTrainer:
                 n_dropped += 1  # the labeller could not judge it: no label rather than a guessed one
                 continue
             plen, rlen = int(rollout.prompt_lengths[i]), int(rollout.response_lengths[i])
-            ranges = sentence_token_ranges(self.actor.tokenizer, completions[i], ids[i], labels.sentence_spans[i], plen)
+            try:
+                ranges = sentence_token_ranges(self.actor.tokenizer, completions[i], ids[i], labels.sentence_spans[i], plen)
+            except FactualityInputError as err:  # its ids do not align to its text: this sample alone is dropped
+                log.warning("kto: sample %d dropped, its sentences cannot be placed on its tokens: %s", i, err)
+                n_dropped += 1
+                continue
             rows.append(rollout.tokens[i, :rlen].tolist())
             plens.append(plen)
             desirable.append(bool(label[i]))
