@@ -241,8 +241,9 @@ def test_aligner_backend_at_tp2_survives_a_reward_server_restart(outage_env, sta
         a, b = (_no_timings(rank["stages"][name]["logged"]) for name in ("undisturbed", "restarted"))
         assert [m["step"] for m in b] == [1, 2] and a == b
     assert _no_timings(ranks[0]["stages"]["restarted"]["logged"]) == _no_timings(ranks[1]["stages"]["restarted"]["logged"])
-    # at TP=2 one rank (the model-parallel source) talks to the server, the other gets its result
-    assert [len(r["stages"]["restarted"]["calls"]) for r in ranks] == [2, 0]
+    # at TP=2 one rank (the model-parallel source) talks to the server, the other gets its result; each step's 4
+    # rollouts come in micro batches of at most 3 (the driver's rollout_micro_batch_size), each scored as generated
+    assert [len(r["stages"]["restarted"]["calls"]) for r in ranks] == [4, 0]
 
 
 def _no_timings(rows: list[dict]) -> list[dict]:
