@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,7 +51,7 @@ def uptime() -> str:
 def judge_worker(delay_file: Path, capacity: int) -> None:
     """``--judge-worker``: the scripted method judge, ``capacity`` requests at a time, each taking the latency (ms)
     written in ``delay_file`` (read per request, so the benchmark can calibrate it without a restart)."""
-    from nemo_factuality.testing.fake_openai import ScriptedOpenAIServer
+    from nemo_factuality.testing.fake_openai import ScriptedOpenAIServer, serve_until_terminated
     from nemo_factuality.testing.methods import method_judge
 
     busy = threading.Semaphore(capacity)
@@ -64,14 +63,7 @@ def judge_worker(delay_file: Path, capacity: int) -> None:
             time.sleep(delay)
         return reply
 
-    server = ScriptedOpenAIServer(script).start()
-    print(f"PORT {server.port}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    finally:
-        server.stop()
+    serve_until_terminated(ScriptedOpenAIServer(script))
 
 
 class Judge:

@@ -241,7 +241,6 @@ def main(argv: list[str] | None = None) -> None:
     """
     import argparse
     import importlib
-    import signal
 
     ap = argparse.ArgumentParser(prog="python -m nemo_factuality.testing.fake_openai")
     ap.add_argument("--replies", default="{}", help="JSON object: substring of the last message -> reply text")
@@ -260,7 +259,15 @@ def main(argv: list[str] | None = None) -> None:
         script = getattr(importlib.import_module(module), func)
     server = ScriptedOpenAIServer(script, by_substring=replies, default=Reply(args.default, delay_s=delay),
                                   model=args.served_model_name or "judge", require_model=args.served_model_name is not None,
-                                  host=args.host, port=args.port).start()
+                                  host=args.host, port=args.port)
+    serve_until_terminated(server)
+
+
+def serve_until_terminated(server: ScriptedOpenAIServer) -> None:
+    """Start ``server``, print ``PORT <n>`` (what a parent process waits for) and serve until SIGTERM."""
+    import signal
+
+    server.start()
     print(f"PORT {server.port}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
