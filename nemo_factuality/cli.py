@@ -6,8 +6,14 @@ Each target is ``module:function`` taking ``argv: list[str]`` and returning an e
 This module is the one error boundary of every command (``run_command``): a user error — bad
 input, config or override, a path that does not exist, a bad flag — is printed as one line
 ``nemo-factuality <command>: error: <message>`` on stderr with exit code 2, never a traceback.
-``--debug`` (anywhere on the command line) or ``NEMO_FACTUALITY_DEBUG=1`` re-raises it with the
-traceback, for bug reports. Commands raise; they do not print errors themselves.
+An error with an integer ``exit_code`` attribute (a run that had to stop without a result) is printed the
+same way, ending ``(exit N)``, and exits with that code: ``trainers.runtime.TrainingStalledError`` (3: no valid
+sample for ``trainer.max_invalid_steps`` steps) and ``ServerUnavailableError`` (75, sysexits' ``EX_TEMPFAIL``: a
+server stayed away past its retry window; a training stage checkpointed first; "try again later", which the
+Slurm launcher's requeue acts on). ``--debug`` (anywhere on the command line) or ``NEMO_FACTUALITY_DEBUG=1``
+re-raises it with the traceback, for bug reports. Commands raise; they do not print errors themselves.
+Exit codes: 0 done, 2 user error, 3 stalled training, 75 temporary failure (requeue), 130 interrupted,
+1 anything else (a bug: traceback).
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` to an option's help unless there is no default to speak of (None, False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False, argparse.SUPPRESS) or action.required or "%(default)" in (action.help or ""):
+        # identity, not ==: 0 and 0.0 equal False but are defaults worth showing
+        if any(action.default is v for v in (None, False, argparse.SUPPRESS)) or action.required \
+                or "%(default)" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -111,8 +119,12 @@ def run_command(func: Callable[[list[str]], int | None], argv: Sequence[str], na
         print(f"nemo-factuality {name}: interrupted", file=sys.stderr)
         return 130
     except Exception as err:
-        if debug or not isinstance(err, _user_error_types()):
+        code = getattr(err, "exit_code", None)  # a run that stopped without a result: stalled, or a server gone
+        if debug or not (isinstance(err, _user_error_types()) or isinstance(code, int)):
             raise
+        if isinstance(code, int):  # says which exit, so a reader of the log knows it was a stop, not a crash
+            print(f"nemo-factuality {name}: error: {_one_line(err)} (exit {code})", file=sys.stderr)
+            return code
         print(f"nemo-factuality {name}: error: {_one_line(err)}", file=sys.stderr)
         return 2
 

@@ -14,6 +14,7 @@ from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
@@ -64,8 +65,11 @@ def load_config(
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"Overrides must look like key=value, got {bad}")
-        source = f"command-line overrides {list(overrides)}"
-        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
+        base_source = source
+        for override in overrides:  # one at a time, so an error names the override it comes from
+            source = f"override {override!r}"
+            merged = OmegaConf.merge(merged, parse_override(override))
+        source = f"{base_source} with the command-line overrides" if overrides else base_source
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except ConfigKeyError as err:  # a typo in a key: name it and the closest valid keys
         raise ConfigError(f"unknown config key {getattr(err, 'full_key', None) or err} in {source}"
@@ -74,15 +78,40 @@ def load_config(
         key = getattr(err, "full_key", None) or "?"
         raise ConfigError(f"{key} has no value: add {key}=... to the command line "
                           f"(config {config_name or 'defaults'} leaves it to you)") from err
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"Invalid config from {source}: {err}") from err
+    except OmegaConfBaseException as err:  # a value of the wrong type: name the key, drop OmegaConf's debug lines
+        reason = str(getattr(err, "msg", None) or err).splitlines()[0]
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"Invalid config from {source}: {f'{key}: ' if key else ''}{reason}") from err
+
+
+def parse_override(override: str) -> DictConfig:
+    """``key=value`` → a one-key config (the value parsed as YAML: ``[1, 2]``, ``{a: 1}``, ``null``, ``3e-4``);
+    a value YAML cannot read is a ``ConfigError`` naming the override."""
+    try:
+        return OmegaConf.from_dotlist([override.lstrip("+")])
+    except yaml.YAMLError as err:
+        value = override.split("=", 1)[1]
+        raise ConfigError(f"override {override!r}: cannot parse the value {value!r} ({_yaml_problem(err)}); values are "
+                          "YAML: [1, 2], {a: 1}, null, 3e-4; quote a string that looks like one") from err
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The one-line reason of a YAML error (PyYAML's message spans several lines with a caret)."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    if mark is None:
+        return str(problem)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark.line else f"{problem} at column {mark.column + 1}"
 
 
 def _load_with_defaults(path: Path, group: str | None, chain: tuple[Path, ...]) -> DictConfig:
     """A YAML file with Hydra-style ``defaults: [base, ...]`` (names in the same group) merged underneath it."""
     if path in chain:
         raise ConfigError(f"config {path} includes itself through defaults: {' -> '.join(map(str, chain + (path,)))}")
-    node = OmegaConf.load(path)
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config {path} is not valid YAML: {_yaml_problem(err)}") from err
     bases = node.pop("defaults", None) if isinstance(node, DictConfig) else None
     if bases is None:
         return node

@@ -68,7 +68,10 @@ def merged_health(parts: Sequence[Any]) -> dict[str, str | None]:
     for part in parts:
         fn = getattr(part, "health", None)
         if callable(fn):
-            out.update(fn())
+            for name, failure in fn().items():
+                # two parts may report the same name (one judge model behind two URLs): keep every failure
+                known = out.get(name)
+                out[name] = failure if not known or known == failure else (f"{known}; {failure}" if failure else known)
     return out
 
 
@@ -170,20 +173,33 @@ def _build(registry: Registry, spec: Mapping[str, Any], judge: Any, shared_judge
     role_judge = spec.pop("judge", None)
     if role_judge:  # this role's own endpoint, key by key over the shared judge block
         judge = role_judge if hasattr(role_judge, "complete_batch") else build_judge({**dict(shared_judge_cfg or {}), **dict(role_judge)})
-    factory = registry.get(spec["name"]) if "name" in spec else None
-    extra = {}
-    if factory is not None and judge is not None:
-        try:
-            if "client" in inspect.signature(factory).parameters:
-                extra["client"] = judge
-        except (TypeError, ValueError):
-            pass
-    if factory is not None and "client" in _required(factory) and judge is None:
+    extra = {"client": judge} if judge is not None and _takes_client(registry.get(spec["name"])) else {}
+    return registry.build(spec, **extra)
+
+
+def _takes_client(factory: Any) -> bool:
+    try:
+        return "client" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_stage(registry: Registry, spec: Mapping[str, Any], has_judge: bool) -> None:
+    """What building one stage from ``spec`` would reject, without building it (no store opened, no model loaded)."""
+    spec = dict(spec)
+    role_judge = spec.pop("judge", None)
+    if isinstance(role_judge, Mapping):
+        _check_judge_keys(role_judge)
+    has_judge = has_judge or role_judge is not None
+    if "name" not in spec:
+        registry.check(spec)  # raises: the stage needs a name
+    factory = registry.get(spec["name"])
+    if "client" in _required(factory) and not has_judge:
         raise FactualityInputError(f"{registry.kind} {spec['name']!r} needs an LLM judge: set pipeline.judge.base_url/model")
     for key, value in spec.items():
         if value == "???":
             raise FactualityInputError(f"{registry.kind} {spec['name']!r}: option {key!r} must be set (e.g. {key}=...)")
-    return registry.build(dict(spec), **extra)
+    registry.check(spec, **({"client": None} if has_judge and _takes_client(factory) else {}))
 
 
 def _required(factory: Any) -> set[str]:
@@ -194,18 +210,43 @@ def _required(factory: Any) -> set[str]:
     return {n for n, p in params.items() if p.default is inspect.Parameter.empty and n != "self"}
 
 
+def _check_judge_keys(cfg: Mapping[str, Any]) -> None:
+    unknown = set(dict(cfg)) - {f.name for f in fields(JudgeConfig)}
+    if unknown:
+        raise FactualityInputError(f"judge config: unknown key(s) {sorted(unknown)}; expected some of "
+                                   f"{sorted(f.name for f in fields(JudgeConfig))}")
+
+
 def build_judge(cfg: JudgeConfig | Mapping[str, Any]) -> Any:
     """An ``OpenAIJudgeClient`` from a judge config block."""
     from nemo_factuality.judge.client import OpenAIJudgeClient
 
     if not isinstance(cfg, JudgeConfig):
-        unknown = set(dict(cfg)) - {f.name for f in fields(JudgeConfig)}
-        if unknown:
-            raise FactualityInputError(f"judge config: unknown key(s) {sorted(unknown)}; expected some of "
-                                       f"{sorted(f.name for f in fields(JudgeConfig))}")
+        _check_judge_keys(cfg)
     c = cfg if isinstance(cfg, JudgeConfig) else JudgeConfig(**dict(cfg))
     return OpenAIJudgeClient(c.base_url, c.model, api_key=c.api_key, concurrency=c.concurrency, timeout_s=c.timeout_s,
                              max_retries=c.max_retries, backoff_s=c.backoff_s, cache=c.cache_path)
+
+
+_STAGES = (("segmenter", SEGMENTERS), ("extractor", EXTRACTORS), ("evidence", EVIDENCE), ("verifier", VERIFIERS))
+
+
+def check_pipeline_config(cfg: PipelineConfig | Mapping[str, Any], *, has_judge: bool = False) -> dict[str, Any]:
+    """The config with defaults filled in, after every check ``build_pipeline`` makes on the config itself
+    (keys, stage names, their options, judge blocks) — without building a part: a command calls it before
+    any work. ``has_judge``: the caller supplies a judge client or shared judge block."""
+    raw = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
+    defaults = asdict(PipelineConfig())
+    unknown = set(raw) - set(defaults)
+    if unknown:
+        raise FactualityInputError(f"pipeline config: unknown key(s) {sorted(unknown)}; expected {sorted(defaults)}")
+    merged = {**defaults, **raw}
+    shared = merged.get("judge")
+    if isinstance(shared, Mapping):
+        _check_judge_keys(shared)
+    for role, registry in _STAGES:
+        _check_stage(registry, merged[role], has_judge or shared is not None)
+    return merged
 
 
 def build_pipeline(cfg: PipelineConfig | Mapping[str, Any], judge_client: Any = None,
@@ -215,12 +256,7 @@ def build_pipeline(cfg: PipelineConfig | Mapping[str, Any], judge_client: Any = 
     A stage's own ``judge:`` block is laid over ``cfg.judge`` (or ``judge_defaults``, the caller's
     shared judge block) and gets its own client.
     """
-    raw = asdict(cfg) if is_dataclass(cfg) else dict(cfg)
-    defaults = asdict(PipelineConfig())
-    unknown = set(raw) - set(defaults)
-    if unknown:
-        raise FactualityInputError(f"pipeline config: unknown key(s) {sorted(unknown)}; expected {sorted(defaults)}")
-    merged = {**defaults, **raw}
+    merged = check_pipeline_config(cfg, has_judge=judge_client is not None or bool(judge_defaults))
     judge = judge_client
     shared = merged.get("judge") or judge_defaults
     shared = asdict(shared) if is_dataclass(shared) else shared

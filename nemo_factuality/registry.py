@@ -71,6 +71,15 @@ class Registry(Generic[T]):
 
     def build(self, spec: Mapping[str, Any] | str, **extra: Any) -> T:
         """Build from ``"name"`` or ``{"name": ..., **kwargs}``; ``extra`` kwargs are added (e.g. a judge client)."""
+        factory, kwargs = self._checked(spec, extra)
+        return factory(**kwargs)
+
+    def check(self, spec: Mapping[str, Any] | str, **extra: Any) -> Callable[..., T]:
+        """Raise what ``build`` would about ``spec`` (unknown name, unknown or missing options) without building
+        anything; returns the factory. Lets a command validate its whole config before doing any work."""
+        return self._checked(spec, extra)[0]
+
+    def _checked(self, spec: Mapping[str, Any] | str, extra: Mapping[str, Any]) -> tuple[Callable[..., T], dict[str, Any]]:
         if isinstance(spec, str):
             name, kwargs = spec, {}
         else:
@@ -81,7 +90,7 @@ class Registry(Generic[T]):
         factory = self.get(name)
         kwargs.update(extra)
         _check_kwargs(self.kind, name, factory, kwargs)
-        return factory(**kwargs)
+        return factory, kwargs
 
     def names(self) -> list[str]:
         self._ensure_loaded()

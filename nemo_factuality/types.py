@@ -30,6 +30,18 @@ class FactualityInputError(ValueError):
     """
 
 
+class ServerUnavailableError(RuntimeError):
+    """A server (reward, critic) stayed unreachable past its retry window.
+
+    A temporary failure, not a bug or bad input: a rerun once the server is back may succeed. The command
+    boundary (``nemo_factuality.cli``) prints it as one line and exits ``exit_code`` (75, sysexits'
+    ``EX_TEMPFAIL``), which a launcher reads as "requeue".
+    """
+
+    EXIT_CODE = 75
+    exit_code = EXIT_CODE  # the attribute the command boundary reads from any error that stops a run
+
+
 @dataclass(frozen=True)
 class Span:
     """Half-open character span ``[start, end)`` into the response text."""
@@ -228,7 +240,7 @@ class RewardBatch:
                     raise FactualityInputError(f"RewardBatch.token_signs[{i}] must be in {{-1, 0, +1}}")
             self.token_signs = signs
         if self.token_rewards is not None and self.token_signs is not None:
-            for i, (r, s) in enumerate(zip(self.token_rewards, self.token_signs)):
+            for i, (r, s) in enumerate(zip(self.token_rewards, self.token_signs, strict=False)):
                 if r.shape != s.shape:
                     raise FactualityInputError(
                         f"RewardBatch sample {i}: token_rewards has {r.shape[0]} tokens but token_signs has {s.shape[0]}"
@@ -274,6 +286,18 @@ class RewardBatch:
             sentence_spans=_join("sentence_spans"),
             details=_join("details"),
         )
+
+    def take(self, indices: Sequence[int]) -> RewardBatch:
+        """The samples at ``indices``, in that order (every per-sample field; a reordering or a subset)."""
+        idx = [int(i) for i in indices]
+
+        def _pick(values: list | None) -> list | None:
+            return None if values is None else [values[i] for i in idx]
+
+        return RewardBatch(scores=self.scores[idx], components={k: v[idx] for k, v in self.components.items()},
+                           token_rewards=_pick(self.token_rewards), token_signs=_pick(self.token_signs),
+                           sentence_labels=_pick(self.sentence_labels), sentence_spans=_pick(self.sentence_spans),
+                           details=_pick(self.details))
 
     def log_dict(self, prefix: str = "reward") -> dict[str, float]:
         """Mean of the score and every component over non-NaN samples, keyed ``prefix/name``."""

@@ -18,7 +18,7 @@ from nemo_factuality.config import REPO_ROOT
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
 ENV.pop("NEMO_FACTUALITY_DEBUG", None)
-FILES = ["existing.txt", "hf_corrupt", "kb.sqlite", "kb.sqlite.bm25", "labelled.jsonl", "unlabelled.jsonl"]
+FILES = ["bad.yaml", "empty.jsonl", "existing.txt", "hf_corrupt", "kb.sqlite", "kb.sqlite.bm25", "labelled.jsonl", "unlabelled.jsonl"]
 
 
 def _cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -35,6 +35,8 @@ def work(tmp_path_factory):
     (root / "labelled.jsonl").write_text(json.dumps({"id": 1, "prompt": "p", "response": "r",
                                                      "claims": [{"text": "c", "label": "supported"}]}) + "\n")
     (root / "existing.txt").write_text("not a report\n")
+    (root / "empty.jsonl").write_text("\n")
+    (root / "bad.yaml").write_text("trainer: {max_steps: [1,\n")
     data = REPO_ROOT / "nemo_factuality" / "data"
     build_store(data / "demo_passages.jsonl", root / "kb.sqlite", facts_jsonl=data / "demo_facts.jsonl", progress=False)
     (root / "hf_corrupt").mkdir()
@@ -59,11 +61,36 @@ CASES = {  # name: (argv, a phrase the one line must contain)
     "launch_unknown_stage": (["launch", "nope", "--dry-run"], "Config 'nope' not found"),
     "launch_unknown_cluster": (["launch", "grpo_klcf", "--cluster", "nope", "--dry-run"], "Config 'nope' not found"),
     "launch_misspelled_override": (["launch", "grpo_klcf", "--dry-run", "actor_nodez=4"], "did you mean 'actor_nodes'"),
-    "launch_gpu_stage_on_local_cpu": (["launch", "grpo_klcf", "--cluster", "local_cpu", "--dry-run"], "nodes have none"),
+    "launch_gpu_stage_on_local_cpu": (["launch", "ppo_rlfh", "--cluster", "local_cpu", "--dry-run", "params.policy_model=/p",
+                                       "params.train_data=/d", "params.judge_model=/j"], "trainer.device=cuda but the profile"),
+    "launch_required_params": (["launch", "grpo_fspo", "--dry-run"], "grpo_fspo needs params.policy_model, params.train_data"),
     "convert_corrupt_config": (["convert", "hf-to-nemo", "--hf", "hf_corrupt", "--out", "x.nemo"], "config.json:1:"),
     "convert_missing_directory": (["convert", "hf-to-nemo", "--hf", "nope", "--out", "x.nemo"], "--hf nope does not exist"),
     "convert_nemo_to_hf_missing": (["convert", "nemo-to-hf", "--nemo", "nope.nemo", "--out", "o"], "--nemo nope.nemo does not exist"),
     "unknown_command": (["evaluate"], "unknown command 'evaluate'"),
+    # a value YAML cannot parse: one line naming the override, in every command taking overrides
+    "train_malformed_override": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "trainer.max_steps=[1,"],
+                                 "override 'trainer.max_steps=[1,': cannot parse the value '[1,'"),
+    "eval_malformed_override": (["eval", "--demo", "--output", "out", "pipeline.evidence.k=[1,"],
+                                "override 'pipeline.evidence.k=[1,'"),
+    "serve_malformed_override": (["serve", "--config-name", "demo", "http_port=[1,"], "override 'http_port=[1,'"),
+    "launch_malformed_override": (["launch", "cpu_standin", "--dry-run", "actor_nodes=[1,"], "override 'actor_nodes=[1,'"),
+    "train_malformed_config_file": (["train", "grpo", "--config-name", "bad.yaml"], "config bad.yaml is not valid YAML"),
+    # counts that would run nothing are config errors, not an untrained final/
+    "train_max_steps_zero": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "trainer.max_steps=0"],
+                             "trainer.max_steps must be >= 1, got 0"),
+    "train_max_steps_negative": (["train", "ppo", "--config-name", "tiny_cpu_rlfh", "trainer.max_steps=-1"],
+                                 "trainer.max_steps must be >= 1, got -1"),
+    "train_kto_zero_iterations": (["train", "kto", "--config-name", "tiny_cpu_factalign", "kto.num_iterations=0"],
+                                  "kto.num_iterations must be >= 1, got 0"),
+    "kb_build_empty_passages": (["kb", "build", "--passages", "empty.jsonl", "--out", "x.sqlite"],
+                                "empty.jsonl has no passages"),
+    "serve_same_port_twice": (["serve", "--config-name", "demo", "grpc_port=5555"], "grpc_port=5555 is also http_port"),
+    # flags and overrides are checked before the demo store is built into --output
+    "eval_demo_bad_k": (["eval", "--demo", "--output", "out", "--k", "0"], "--k values must be positive"),
+    "eval_demo_unknown_key": (["eval", "--demo", "--output", "out", "pipeline.verifer.name=x"], "unknown key(s) ['verifer']"),
+    "eval_demo_unknown_option": (["eval", "--demo", "--output", "out", "pipeline.verifier.bogus=1"],
+                                 "unknown option(s) ['bogus']"),
 }
 
 
@@ -95,6 +122,7 @@ def test_version_and_help_texts(work):
         assert "[key=value ...]" in helps[command].stdout.splitlines()[0], helps[command].stdout
     assert "(default: 64,100,178)" in helps["eval"].stdout and "(default: h100_pyxis)" in helps["launch"].stdout
     assert "(default: 5)" in helps["kb query"].stdout and "(default: float32)" in helps["convert hf-to-nemo"].stdout
+    assert "(default: 0.0)" in " ".join(helps["eval"].stdout.split())  # a zero default is a default too
 
 
 def test_the_recipes_the_errors_give_work(work, tmp_path):

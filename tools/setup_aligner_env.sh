@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-key=$(cat requirements/aligner.txt requirements/aligner-constraints.txt | sha256sum | cut -c1-12)
+key=$(cat requirements/aligner.txt requirements/aligner-constraints.txt requirements/aligner-test.txt | sha256sum | cut -c1-12)
 root=${ALIGNER_VENV_ROOT:-$HOME/.cache/nemo_factuality}
 venv="$root/aligner-venv-$key"
 if [ "${1:-}" = "--path" ]; then
@@ -24,22 +24,37 @@ if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then
 fi
 
 mkdir -p "$root"
+# One build at a time per venv: a second caller (another checkout's test run) waits for it, then reuses it.
+exec 9>"$root/.aligner-venv-$key.lock"
+if command -v flock >/dev/null && ! flock -n 9; then
+  echo "waiting for another build of $venv to finish" >&2
+  flock 9
+fi
+if [ -x "$venv/bin/python" ] && [ -f "$venv/.complete" ]; then
+  echo "$venv"
+  exit 0
+fi
 build="$venv.build.$$"
 trap 'rm -rf "$build"' EXIT
 start=$(date +%s)
+step() { echo "[$1/4 after $(( $(date +%s) - start )) s] $2" >&2; }
 echo "building the NeMo-Aligner venv in $venv (about 8 min)" >&2
 "$PY" -m venv "$build"
 pip=("$build/bin/python" -m pip install -q --progress-bar off)
 # The CPU torch first; the constraints keep it (nemo's extras would pull a CUDA torch 2.14 otherwise).
+step 1 "torch 2.13.0 (CPU)"
 nice -n 19 "${pip[@]}" torch==2.13.0
-nice -n 19 "${pip[@]}" -c requirements/aligner-constraints.txt -r requirements/aligner.txt
+step 2 "nemo-toolkit, nemo-aligner, megatron-core and their pins (the long step)"
+nice -n 19 "${pip[@]}" -c requirements/aligner-constraints.txt -r requirements/aligner.txt -r requirements/aligner-test.txt
 # Whatever the resolver did, the CPU torch is what runs (a no-op when it was kept).
+step 3 "keeping the CPU torch"
 nice -n 19 "${pip[@]}" --no-deps torch==2.13.0
 # torchvision (pulled by nvidia-modelopt) is a CUDA build whose ops do not register on the CPU torch, and
 # torchmetrics imports it when present; nothing NeMo's GPT/Aligner path uses needs it.
 "$build/bin/python" -m pip uninstall -q -y torchvision
+step 4 "checking that torch, nemo, nemo_aligner, megatron.core, pytriton and trl import"
 "$build/bin/python" - <<'EOF'
-import torch, nemo, nemo_aligner, megatron.core, pytriton  # noqa: F401  (the build is usable)
+import torch, nemo, nemo_aligner, megatron.core, pytriton, trl  # noqa: F401  (the build is usable)
 assert not torch.cuda.is_available() and "+cpu" in torch.__version__, torch.__version__
 EOF
 touch "$build/.complete"

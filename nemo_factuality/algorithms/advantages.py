@@ -63,7 +63,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLKind 
 
 def scalar_rewards_with_kl(rewards: torch.Tensor, response_lengths: torch.Tensor, kl: torch.Tensor,
                            coef: float) -> torch.Tensor:
-    """Aligner's PPO reward: ``-coef * kl`` per token plus the scalar reward at index ``response_length - 2``.
+    """Aligner's PPO reward: ``-coef * kl`` per token plus the scalar reward at index ``response_length - 2``, clamped
+    at 0 as Aligner's ``calculate_ppo_rewards`` does (a response without tokens gets its reward on position 0, a
+    prompt position; the PPO stage's ``token_reward_tensor`` handles that case explicitly instead).
 
     Args:
         rewards: ``[B]`` sequence rewards.
@@ -76,7 +78,7 @@ def scalar_rewards_with_kl(rewards: torch.Tensor, response_lengths: torch.Tensor
     check_shape("rewards", rewards, (kl.shape[0],))
     out = -coef * kl
     rows = torch.arange(kl.shape[0], device=kl.device)
-    out[rows, response_lengths - 2] += rewards.to(out.dtype)
+    out[rows, (response_lengths - 2).clamp(min=0)] += rewards.to(out.dtype)
     return out
 
 

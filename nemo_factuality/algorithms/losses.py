@@ -117,10 +117,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * aggregate(per_token, mask, "token-mean", global_tokens=global_tokens)
 
 
-def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, kind: Literal["k1", "k3"] = "k3",
-            agg: Aggregation = "token-mean", *, global_tokens: float | None = None,
+def kl_loss(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor,
+            kind: Literal["k1", "k3", "abs"] = "k3", agg: Aggregation = "token-mean", *, global_tokens: float | None = None,
             global_seqs: float | None = None) -> torch.Tensor:
-    """GRPO's KL-in-loss term (``k3`` = verl's ``low_var_kl``, clamped to [-10, 10] for stability)."""
+    """GRPO's KL-in-loss term with the same estimator the stage logs (``k3`` = verl's ``low_var_kl``, clamped to
+    [-10, 10] for stability; ``abs`` = ``|logπ − logπ_ref|``, verl's ``abs``, gradient ``sign(k1)·∇logπ``)."""
     kl = kl_penalty(logprobs, ref_logprobs, kind)
     if kind == "k3":
         kl = torch.clamp(kl, -10, 10)

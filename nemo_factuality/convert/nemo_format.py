@@ -460,5 +460,5 @@ def ensure_process_group() -> None:
     cpu.apply()
     if dist.is_initialized():
         return
-    store = tempfile.mkdtemp(prefix="nf_pg_")
-    dist.init_process_group("gloo", init_method=f"file://{store}/store", rank=0, world_size=1)
+    # an in-memory store: one process needs no rendezvous, and a file store would leave its directory behind
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +39,7 @@ from nemo_factuality.evaluation.report import (
     parse_record,
     to_json_safe,
 )
+from nemo_factuality.fileio import atomic_write
 from nemo_factuality.jsonl import iter_jsonl
 from nemo_factuality.types import FactualityInputError, Label
 
@@ -146,18 +145,6 @@ def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig,
     return failed
 
 
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _ints(text: str, flag: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(",") if x.strip())
@@ -218,31 +205,42 @@ def _report_path(output: Path) -> Path:
     return output / "report.json"
 
 
-def _demo_inputs(workdir: Path) -> tuple[Path, list[str]]:
-    """Build the demo knowledge store in ``workdir`` and return the demo records + pipeline overrides."""
+def _demo_store(workdir: Path) -> tuple[Path, list[str]]:
+    """Where the demo knowledge store goes (in ``workdir``) and the pipeline overrides pointing at it."""
+    kb = workdir / "demo_kb.sqlite"
+    return kb, [f"pipeline.verifier.store_path={kb}", "pipeline.evidence.name=none"]
+
+
+def _build_demo_store(kb: Path) -> None:
     from nemo_factuality.knowledge.store import build_store
 
-    kb = workdir / "demo_kb.sqlite"
     if not kb.exists():
         build_store(DATA_DIR / "demo_passages.jsonl", kb, facts_jsonl=DATA_DIR / "demo_facts.jsonl", progress=False)
-    return DATA_DIR / "demo_eval.jsonl", [f"pipeline.verifier.store_path={kb}", "pipeline.evidence.name=none"]
 
 
 def main(argv: Sequence[str]) -> int:
     args, overrides = _parse_args(argv)
+    # every flag and override is checked before anything is built or written
     out_json = _report_path(args.output)
     input_path = args.input
     if input_path is not None and not input_path.is_file():
         raise UsageError(f"--input {input_path} does not exist or is not a file")
-    if args.demo:
-        input_path, demo_overrides = _demo_inputs(out_json.parent)
-        overrides = demo_overrides + overrides
-        args.group_by = args.group_by or "domain"
-    cfg = load_config(EvalConfig, args.config_name, overrides, group="eval")
-    opts = EvalOptions(ks=_ints(args.k, "--k"), gammas=_floats(args.gamma, "--gamma"), hallulens_k=args.hallulens_k,
-                       extra={"input": str(input_path), "group_by": args.group_by})
     if not 0.0 <= args.max_failed_fraction <= 1.0:
         raise UsageError(f"--max-failed-fraction must be in [0, 1], got {args.max_failed_fraction}")
+    ks, gammas = _ints(args.k, "--k"), _floats(args.gamma, "--gamma")
+    if args.demo:
+        demo_kb, demo_overrides = _demo_store(out_json.parent)
+        input_path, overrides = DATA_DIR / "demo_eval.jsonl", demo_overrides + overrides
+        args.group_by = args.group_by or "domain"
+    cfg = load_config(EvalConfig, args.config_name, overrides, group="eval")
+    if args.demo or args.config_name:  # a pipeline was asked for: its stages' names and options too
+        from nemo_factuality.pipeline import check_pipeline_config
+
+        check_pipeline_config(cfg.pipeline)
+    opts = EvalOptions(ks=ks, gammas=gammas, hallulens_k=args.hallulens_k,
+                       extra={"input": str(input_path), "group_by": args.group_by})
+    if args.demo:
+        _build_demo_store(demo_kb)
     rows = read_jsonl(input_path)
     for where, raw in rows:  # all input checked before any (slow) fact-checking
         check_core_fields(raw, where=where)
@@ -269,10 +267,10 @@ def main(argv: Sequence[str]) -> int:
         report = {"options": {"k": list(opts.ks), "gamma": list(opts.gammas), "hallulens_k": opts.hallulens_k, **opts.extra},
                   "groups": {}}
     report["failures"] = failure_block(failed, len(rows), args.max_failed_fraction)
-    _atomic_write(out_json, lambda p: p.write_text(json.dumps(report, indent=2), encoding="utf-8"))
+    atomic_write(out_json, lambda p: p.write_text(json.dumps(report, indent=2), encoding="utf-8"))
     markdown = render_markdown(report) + _failures_markdown(report["failures"])
-    _atomic_write(out_json.with_suffix(".md"), lambda p: p.write_text(markdown, encoding="utf-8"))
-    _atomic_write(out_json.parent / "precision_vs_claims.png", lambda p: render_plot(records, p))
+    atomic_write(out_json.with_suffix(".md"), lambda p: p.write_text(markdown, encoding="utf-8"))
+    atomic_write(out_json.parent / "precision_vs_claims.png", lambda p: render_plot(records, p))
     print(markdown)
     log.info("wrote %s, %s and %s", out_json, out_json.with_suffix(".md"), out_json.parent / "precision_vs_claims.png")
     block = report["failures"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,21 +68,80 @@ def group_label(name: str, members: Sequence[EvalRecord]) -> str:
     return f"{name}: n={len(members)}, {abstained} abstained" + (f", {unplotted} without S/NS" if unplotted else "")
 
 
-def _bubbles(ax, points: list[tuple[float, float]], x_of, color, label: str) -> None:
-    """One marker per distinct (x, y) with area ∝ count and the count written on it when > 1."""
+@dataclass
+class _Count:
+    """A count to write on (or beside) its marker once the layout is final."""
+
+    ax: Any
+    x: float
+    y: float
+    n: int
+    radius_pt: float
+    color: Any
+
+
+def _bubbles(ax, points: list[tuple[float, float]], x_of, color, label: str, area: Callable[[int], float],
+             counts_out: list[_Count]) -> None:
+    """One marker per distinct (x, y) with ``area(count)``; counts > 1 are queued in ``counts_out`` to be written."""
     counts = point_counts(points)
     xs = [x_of(x) for x, _ in counts]
-    ax.scatter(xs, [y for _, y in counts], s=[40 + 25 * n for n in counts.values()], color=color, alpha=0.55,
+    ax.scatter(xs, [y for _, y in counts], s=[area(n) for n in counts.values()], color=color, alpha=0.55,
                edgecolors="black", linewidths=0.5, label=label)
-    for (x, y), n in counts.items():
-        if n > 1:
-            ax.annotate(str(n), (x_of(x), y), ha="center", va="center", fontsize=7)
+    counts_out += [_Count(ax, x_of(x), y, n, math.sqrt(area(n)) / 2, color) for (x, y), n in counts.items() if n > 1]
+
+
+# Where a count goes when its marker's centre would overprint another count: above, below, right, left,
+# then the corners, each just outside the marker (offsets in units of its radius + a gap).
+_LABEL_SPOTS = ((0, 0), (0, 1), (0, -1), (1, 0), (-1, 0), (1, 1), (-1, 1), (1, -1), (-1, -1))
+
+
+class _BoxGrid:
+    """Pixel boxes of the counts written so far, bucketed in a grid: an overlap test looks at a few cells,
+    so placing N counts costs O(N), not O(N²)."""
+
+    def __init__(self, cell: float = 32.0) -> None:
+        self.cell, self.cells = cell, {}
+
+    def _keys(self, box) -> list[tuple[int, int]]:
+        c = self.cell
+        return [(i, j) for i in range(int(box.x0 // c), int(box.x1 // c) + 1) for j in range(int(box.y0 // c), int(box.y1 // c) + 1)]
+
+    def overlaps(self, box) -> bool:
+        return any(box.overlaps(other) for key in self._keys(box) for other in self.cells.get(key, ()))
+
+    def add(self, box) -> None:
+        for key in self._keys(box):
+            self.cells.setdefault(key, []).append(box)
+
+
+def _write_counts(fig, counts: list[_Count]) -> tuple[list[tuple[str, tuple[float, float, float, float]]], int]:
+    """Write each count on its marker, or just outside it where the centre would overprint a count already
+    written (largest counts first); a count with no free spot inside its axes is left out. Returns the
+    written ``(text, pixel box)`` pairs and how many were left out."""
+    renderer = fig.canvas.get_renderer()
+    grid, written, left_out = _BoxGrid(), [], 0
+    for c in sorted(counts, key=lambda c: -c.n):
+        inside = c.ax.get_window_extent(renderer)
+        for dx, dy in _LABEL_SPOTS:
+            gap = c.radius_pt + 5
+            text = c.ax.annotate(str(c.n), (c.x, c.y), xytext=(dx * gap, dy * gap), textcoords="offset points",
+                                 ha="center", va="center", fontsize=7, color="black" if (dx, dy) == (0, 0) else c.color)
+            box = text.get_window_extent(renderer).padded(2)  # >= 4 px between two counts
+            if not grid.overlaps(box) and inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1):
+                grid.add(box)
+                written.append((str(c.n), tuple(box.extents)))
+                break
+            text.remove()
+        else:
+            left_out += 1
+    return written, left_out
 
 
 # Legend cost grows with the number and length of its labels (matplotlib lays out every glyph):
 # past these caps groups are drawn together as "other" and names are shortened.
 MAX_PLOTTED_GROUPS = 10
 MAX_LEGEND_CHARS = 40
+MAX_AREA_COUNT = 14  # above this many responses at one point, marker areas are scaled down to keep the largest this big
 
 
 def legend_label(name: str) -> str:
@@ -102,13 +163,15 @@ def plotted_groups(records: Sequence[EvalRecord]) -> list[tuple[str, list[EvalRe
     return series
 
 
-def render_plot(records: Sequence[EvalRecord], path: Path) -> None:
+def render_plot(records: Sequence[EvalRecord], path: Path) -> list[tuple[str, tuple[float, float, float, float]]]:
     """Two panels (PNG): SAFE precision per group (distribution + mean) and precision vs. claims per response.
 
     Identical points are drawn once, sized by and labelled with their count; the legend gives each group's
     size and how many responses abstained or had no supported/not-supported claim (not plotted: no precision).
-    Cost is linear in the number of records whatever the groups: at most ``MAX_PLOTTED_GROUPS`` + 1
-    series (the rest drawn together, in grey), names of at most ``MAX_LEGEND_CHARS`` characters.
+    Counts never overprint each other (one that would is written beside its marker); returns each written
+    count with its pixel box ``(x0, y0, x1, y1)``. Cost is linear in the number of records whatever the
+    groups: at most ``MAX_PLOTTED_GROUPS`` + 1 series (the rest drawn together, in grey), names of at most
+    ``MAX_LEGEND_CHARS`` characters.
     """
     import matplotlib
 
@@ -119,17 +182,29 @@ def render_plot(records: Sequence[EvalRecord], path: Path) -> None:
     series = plotted_groups(records)
     colors = plt.get_cmap("tab10").colors
     fig, (dist, scatter) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100, gridspec_kw={"width_ratios": [1, 1.3]})
+    # marker area grows with the count up to MAX_AREA_COUNT responses, then the scale shrinks to keep the largest there
+    largest = max([n for _, members in series for n in point_counts([(0, y) for _, y in precision_points(members)]).values()]
+                  or [1])
+    scale = min(1.0, MAX_AREA_COUNT / largest)
+
+    def area(n: int) -> float:
+        return 40 + 25 * n * scale
+
+    counts: list[_Count] = []
+    # claim counts are integers: groups sit side by side within ±0.3 of theirs
+    spacing = min(0.25, 0.6 / (len(series) - 1)) if len(series) > 1 else 0.0
     for k, (name, members) in enumerate(series):
         pts = precision_points(members)
         label = group_label(name, members)
         color = "grey" if k == MAX_PLOTTED_GROUPS else colors[k % len(colors)]
-        _bubbles(dist, [(k, y) for _, y in pts], lambda x: x, color, label)
+        _bubbles(dist, [(k, y) for _, y in pts], lambda x: x, color, label, area, counts)
         if pts:
             mean = sum(y for _, y in pts) / len(pts)
             dist.hlines(mean, k - 0.3, k + 0.3, color=color, linewidth=2)
-        shift = (k - (len(series) - 1) / 2) * 0.12  # claim counts are integers: keep groups side by side
-        _bubbles(scatter, pts, lambda x, s=shift: x + s, color, label)
+        shift = (k - (len(series) - 1) / 2) * spacing
+        _bubbles(scatter, pts, lambda x, s=shift: x + s, color, label, area, counts)
     dist.set_xticks(range(len(series)), [name for name, _ in series], rotation=20)
+    dist.set_xlim(-0.6, len(series) - 0.4)
     claim_counts = sorted({len(r.claims) for r in records if r.claims})
     if len(claim_counts) <= 12:  # few distinct counts: tick exactly those
         scatter.set_xticks(claim_counts)
@@ -138,14 +213,18 @@ def render_plot(records: Sequence[EvalRecord], path: Path) -> None:
     scatter.set_xlabel("claims per response")
     scatter.set_title("Precision vs. claims per response")
     for ax in (dist, scatter):
-        ax.set_ylim(-0.08, 1.08)
+        ax.set_ylim(-0.12, 1.12)
         ax.grid(alpha=0.3)
     handles = [Line2D([], [], marker="o", linestyle="", color="grey" if k == MAX_PLOTTED_GROUPS else colors[k % len(colors)],
                       alpha=0.55, label=label)
                for k, label in enumerate(scatter.get_legend_handles_labels()[1])]  # fixed-size markers in the legend
     fig.legend(handles=handles, loc="lower center", ncol=min(3, max(1, len(handles))), fontsize=8, frameon=False)
-    fig.text(0.5, 0.955, "marker area and number = responses at that point", ha="center", fontsize=8, color="dimgray")
+    note = fig.text(0.5, 0.955, "marker area and number = responses at that point", ha="center", fontsize=8, color="dimgray")
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
+    written, left_out = _write_counts(fig, counts)  # after the layout: positions are final
+    if left_out:
+        note.set_text(f"{note.get_text()} ({left_out} crowded counts not written: see report.json)")
     with open(path, "wb") as fh:  # explicit handle: the temp name has no .png suffix
         fig.savefig(fh, format="png")
     plt.close(fig)
+    return written

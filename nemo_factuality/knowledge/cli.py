@@ -82,7 +82,8 @@ def main(argv: Sequence[str]) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             if args.factscore_db is not None:
                 passages = Path(tmp) / "passages.jsonl"
-                docdb_to_jsonl(args.factscore_db, passages)
+                if not docdb_to_jsonl(args.factscore_db, passages):
+                    raise UsageError(f"--factscore-db {args.factscore_db} has no passages (its documents table is empty)")
             out = build_store(passages, args.out, facts_jsonl=args.facts, batch_size=args.batch_size, heap_mb=args.heap_mb)
         if args.dense:
             from nemo_factuality.knowledge.dense import build_dense_index

@@ -21,6 +21,7 @@ canonical sentence stating the fact; the exact verifier derives claim templates 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import numbers
@@ -371,15 +372,23 @@ def _fsync(path: Path) -> None:
 
 
 def write_store(out_path: str | Path, passages: Iterable[tuple], facts: Iterable[tuple] = (), *,
-                batch_size: int = 10_000, progress: bool = True, heap_mb: int = 256, threads: int | None = None) -> Path:
+                batch_size: int = 10_000, progress: bool = True, heap_mb: int = 256, threads: int | None = None,
+                source: str = "the passages given") -> Path:
     """Write a new store at ``out_path`` from ``(id | None, title, text, source)`` passage rows and
-    ``(subject, relation, value, text | None)`` fact rows; swapped in atomically when complete.
+    ``(subject, relation, value, text | None)`` fact rows; swapped in atomically when complete. No passage
+    at all is a ``FactualityInputError`` naming ``source`` (a store that finds nothing is never a result).
 
     Memory is bounded by ``heap_mb`` (tantivy's indexing buffer) plus ``batch_size`` rows, whatever
     the number of passages. Older index generations of the same store are removed after the swap.
     """
     if heap_mb < 16:
         raise FactualityInputError(f"heap_mb must be >= 16 (tantivy needs a few MB per indexing thread), got {heap_mb}")
+    passages = iter(passages)
+    first = next(passages, None)  # before anything is created
+    if first is None:
+        raise FactualityInputError(f"{source} has no passages: a knowledge store needs at least one "
+                                   '{"title", "text"} line')
+    passages = itertools.chain([first], passages)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     generation = uuid.uuid4().hex
@@ -432,7 +441,7 @@ def build_store(passages_jsonl: str | Path, out_path: str | Path, *, facts_jsonl
     """Stream passages (and facts) from JSONL into a new store at ``out_path`` (atomic swap)."""
     facts = jsonl_facts(Path(facts_jsonl)) if facts_jsonl is not None else ()
     return write_store(out_path, jsonl_passages(Path(passages_jsonl)), facts, batch_size=batch_size,
-                       progress=progress, heap_mb=heap_mb, threads=threads)
+                       progress=progress, heap_mb=heap_mb, threads=threads, source=str(passages_jsonl))
 
 
 def docdb_to_jsonl(docdb_path: str | Path, out_jsonl: str | Path) -> int:

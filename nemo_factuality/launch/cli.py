@@ -3,7 +3,8 @@
 Renders ``slurm/het_job.sbatch.j2`` from ``conf/launch/<stage>.yaml`` and ``conf/cluster/<profile>.yaml``.
 ``--dry-run`` prints the script and writes it to ``--out`` (default ``./<stage>.sbatch``) and nowhere
 else; a real submit writes it under the profile's ``log_root`` (or ``--out``) and runs ``sbatch``.
-Overrides address the stage (``actor_nodes=4``) or the profile (``cluster.partition=batch``).
+Overrides address the stage (``params.policy_model=/models/x``, ``preset=qwen2.5-14b``) or the profile
+(``cluster.partition=batch``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ def _parser() -> ArgumentParser:
                                    "(conf/cluster) and submit it with sbatch. --dry-run prints it and writes it to --out "
                                    "or ./<stage>.sbatch only.",
                        usage="nemo-factuality launch STAGE [--cluster PROFILE] [--dry-run] [--out FILE] [key=value ...]",
-                       epilog="key=value overrides change the stage (actor_nodes=4, tensor_parallel=8) or, prefixed "
-                              "with cluster., the profile (cluster.partition=batch, cluster.account=me).")
+                       epilog="key=value overrides change the stage (its required values: params.policy_model=/models/x "
+                              "params.train_data=...; preset=qwen2.5-14b) or, prefixed with cluster., the profile "
+                              "(cluster.partition=batch, cluster.account=me). A dry run without a required value names "
+                              "every one still missing.")
     p.add_argument("stage", help=f"conf/launch/<stage>.yaml ({_names('launch')}) or a YAML path")
     p.add_argument("--cluster", default="h100_pyxis", help=f"conf/cluster/<profile>.yaml ({_names('cluster')}) or a YAML path")
     p.add_argument("--dry-run", action="store_true", help="print and write the script without submitting")

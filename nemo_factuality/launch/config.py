@@ -15,7 +15,10 @@ class ClusterProfile:
     cpus_per_task: int | None = None
     mem: str | None = None  # e.g. "0" = all memory of the node
     time_limit: str = "04:00:00"
-    container_image: str | None = None  # pyxis/enroot image (squashfs path or registry URI); None = bare metal
+    # pyxis/enroot images (squashfs path or registry URI) by the name a step asks for (ServerSpec.image; the
+    # trainer runs `trainer`): `trainer` = `docker build .`, `judge` = `docker build --target judge .` (vLLM).
+    # Empty = bare metal: every step runs in the submitting environment.
+    images: dict[str, str] = field(default_factory=dict)
     container_mounts: list[str] = field(default_factory=list)
     container_workdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # NCCL / TE / HF settings exported to every step
@@ -25,16 +28,26 @@ class ClusterProfile:
 
 @dataclass
 class ServerSpec:
-    """One long-running server step (reward server, critic, vLLM judge) in a het group."""
+    """One long-running server step (reward server, judge, critic) in a het group.
+
+    ``command`` may use ``{port}``, ``{gpus}``, ``{served_model_name}`` (vLLM's ``--served-model-name``: the model
+    name the reward config asks for on the keys this server serves), ``{ckpt_dir}``, ``{preset}`` and every
+    ``params`` key of the stage.
+    """
 
     name: str = "server"
-    command: str = ""  # shell command; {port} is substituted
+    command: str = ""
     port: int = 5555
     health_port: int | None = None  # where health_path is served, if not on `port` (our reward server: health_port)
     health_path: str = "/health"
     ready_deadline_s: int = 900
-    nodes: int = 1
-    gpus: int = 0
+    nodes: int = 1  # the critic only: its Megatron ranks span nodes; every other server is one task on one node
+    gpus: int = 0  # GPUs of its node this server gets (CUDA_VISIBLE_DEVICES is split between a node's servers)
+    image: str = "trainer"  # which of the profile's images runs it (vLLM lives in `judge`)
+    # Reward-config blocks this server answers, e.g. [reward.judge, reward.pipeline.extractor.judge]: the launcher
+    # points each block's base_url (OpenAI judges: http://host:port/v1) or url (a served general RM) at this
+    # server, in the command of every reward server (`nemo-factuality serve`) whose config has the block.
+    serves: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -42,17 +55,22 @@ class LaunchConfig:
     """``conf/launch/<stage>.yaml``: the het-job topology of one training stage."""
 
     job_name: str = "factuality"
+    # Site-specific values the commands use as {key}: the policy, the training data, each judge's checkpoint.
+    # A null value is required: rendering stops until it is set (`params.policy_model=/models/...`).
+    params: dict[str, str | None] = field(default_factory=dict)
     # group 0: the policy actor (trainer). An aligner-backend stage names a model preset
     # (conf/train/aligner/<preset>.yaml): the job then takes its nodes, TP and PP from the preset and
     # starts one trainer task per GPU (Megatron ranks), and the trainer command passes `--preset {preset}`
-    # so the trainer builds NeMo's trainer with the same layout. Without a preset: one task per node.
+    # so the trainer builds NeMo's trainer with the same layout. Without a preset (hf backend): one process
+    # on one node and (on a GPU profile) one GPU.
     preset: str | None = None
     actor_nodes: int | None = None  # None: the preset's nodes, else 1
     tensor_parallel: int | None = None  # None: the preset's TP, else 1
     pipeline_parallel: int | None = None  # None: the preset's PP, else 1
     trainer_command: str = "python -m nemo_factuality.launch.standins trainer --ckpt-dir {ckpt_dir} --steps 100"
     ckpt_dir: str = "checkpoints/{job_name}"
-    # group 1: factuality reward server(s); group 2: vLLM judges (omitted when empty)
+    # group 1: factuality reward server(s); group 2: judges (vLLM, a served general RM; omitted when empty).
+    # Servers of a group are packed onto its nodes in order (first fit by GPUs).
     reward_servers: list[ServerSpec] = field(default_factory=list)
     judges: list[ServerSpec] = field(default_factory=list)
     # its own group (last): NeMo-Aligner's PPO critic server, one task per GPU (`gpus` per node) on `nodes`

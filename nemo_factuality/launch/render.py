@@ -1,4 +1,10 @@
-"""Render the sbatch script for a stage + cluster profile from the Jinja2 template in ``slurm/``."""
+"""Render the sbatch script for a stage + cluster profile from the Jinja2 template in ``slurm/``.
+
+Before anything is rendered the stage is resolved into steps and checked as a whole: required ``params`` set,
+the actor layout (preset or the hf backend's single process), each server placed on a node of its het group
+with its own GPUs, every endpoint of the served rewards wired to a server of the job (``launch.wiring``), each
+step's image present in the profile, and every ``python -m nemo_factuality.*`` module present.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ import yaml
 
 from nemo_factuality.config import REPO_ROOT, conf_dir
 from nemo_factuality.launch.config import ClusterProfile, LaunchConfig, ServerSpec
+from nemo_factuality.launch.wiring import envname, served_name_problems, wire
 
 TEMPLATE_DIR = REPO_ROOT / "slurm"
+TRAINER_IMAGE = "trainer"
 
 
 class LaunchConfigError(ValueError):
@@ -22,6 +30,8 @@ class LaunchConfigError(ValueError):
 
 
 _PYTHON_MODULE = re.compile(r"(?:^|[\s;&|(])\S*python[\d.]*\s+(?:-[A-Za-z]+\s+)*-m\s+([A-Za-z_][\w.]*)")
+_PLACEHOLDER = re.compile(r"(?<!\$)\{([a-z][a-z0-9_]*)\}")  # {port}, {policy_model}; never the shell's ${VAR}
+_RUNS_VLLM = re.compile(r"(?:^|[\s;&|(])vllm\s")
 PACKAGE = "nemo_factuality"
 
 
@@ -35,6 +45,32 @@ def servers(stage: LaunchConfig) -> list[ServerSpec]:
     return stage.reward_servers + stage.judges + ([stage.critic] if stage.critic else [])
 
 
+# ------------------------------------------------------------------------------------------------ params
+def missing_params(stage: LaunchConfig) -> list[str]:
+    return [k for k, v in stage.params.items() if v is None or not str(v).strip()]
+
+
+def require_params(stage_name: str, stage: LaunchConfig) -> None:
+    """One error naming every required launch value left empty, and how to set it."""
+    missing = missing_params(stage)
+    if missing:
+        keys = " ".join(f"params.{k}=..." for k in missing)
+        them = "it" if len(missing) == 1 else "them"
+        raise LaunchConfigError(f"{stage_name} needs {', '.join('params.' + k for k in missing)} (the stage leaves {them} "
+                                f"to you): nemo-factuality launch {stage_name} {keys}, or set {them} under params: in the "
+                                "stage's YAML")
+
+
+def fill(text: str, values: dict[str, str], where: str, problems: list[str]) -> str:
+    """``text`` with its ``{key}`` placeholders replaced; an unknown key is a problem naming ``where``."""
+    unknown = sorted({k for k in _PLACEHOLDER.findall(text) if k not in values})
+    if unknown:
+        problems.append(f"{where} uses {', '.join('{' + k + '}' for k in unknown)}: not a params key nor a launcher "
+                        f"value (known here: {', '.join('{' + k + '}' for k in sorted(values))})")
+    return _PLACEHOLDER.sub(lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+# ------------------------------------------------------------------------------------------------ actor layout
 @dataclass(frozen=True)
 class PresetLayout:
     """Where an aligner preset (``conf/train/aligner/<name>.yaml``) puts the policy: what the job must allocate."""
@@ -87,6 +123,115 @@ def resolve(stage: LaunchConfig) -> tuple[LaunchConfig, int]:
     return replace(stage, **wanted), layout.gpus_per_node
 
 
+# ------------------------------------------------------------------------------------------------ server steps
+@dataclass(frozen=True)
+class Step:
+    """One server as the script starts it: where (het group, node of the group, GPU ids), in which image, what."""
+
+    name: str
+    env: str  # prefix of its shell variables: <ENV>_NODE, <ENV>_HOST, <ENV>_URL
+    group: int
+    node: int
+    gpu_ids: tuple[int, ...]
+    image: str
+    command: str
+    port: int
+    ready_path: str  # the readiness URL's port and path: ":5580/health/ready"
+    ready_deadline_s: int
+    cuda_visible_devices: str | None = None  # set on every server of a group that holds GPUs ("" = none for it)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A het group of servers: its ``#SBATCH`` line's sizes (the busiest node's tasks and GPUs)."""
+
+    index: int
+    title: str
+    nodes: int
+    tasks_per_node: int
+    gpus_per_node: int
+    steps: tuple[Step, ...]
+
+
+def place(specs: list[ServerSpec], gpus_per_node: int) -> list[tuple[int, tuple[int, ...]]]:
+    """``(node, GPU ids)`` per server, first fit in order: a node's GPUs are split between its servers, never shared.
+
+    >>> [p for p in place([ServerSpec(gpus=4), ServerSpec(gpus=4), ServerSpec(gpus=2)], 8)]
+    [(0, (0, 1, 2, 3)), (0, (4, 5, 6, 7)), (1, (0, 1))]
+    """
+    used: list[int] = []
+    out = []
+    for spec in specs:
+        node = next((i for i, u in enumerate(used) if u + spec.gpus <= gpus_per_node), None)
+        if node is None:
+            used.append(0)
+            node = len(used) - 1
+        out.append((node, tuple(range(used[node], used[node] + spec.gpus))))
+        used[node] += spec.gpus
+    return out
+
+
+def _values(stage: LaunchConfig, ckpt_dir: str) -> dict[str, str]:
+    values = {k: shlex.quote(str(v)) for k, v in stage.params.items() if v is not None}
+    values.update(ckpt_dir=ckpt_dir, preset=stage.preset or "")
+    return values
+
+
+def server_steps(stage: LaunchConfig, cluster: ClusterProfile, ckpt_dir: str,
+                 problems: list[str]) -> tuple[list[Group], Step | None]:
+    """The reward and judge groups (placed, commands filled and wired) and the critic step."""
+    base = _values(stage, ckpt_dir)
+    filled: list[ServerSpec] = []
+    for spec in servers(stage):
+        values = {**base, "port": str(spec.port), "gpus": str(spec.gpus), "served_model_name": "{served_model_name}"}
+        filled.append(replace(spec, command=fill(spec.command, values, f"server {spec.name!r}", problems)))
+    wiring = wire(filled[: len(stage.reward_servers) + len(stage.judges)])  # the critic serves no reward blocks
+    problems += wiring.problems
+    steps: dict[str, Step] = {}
+    for spec in filled:
+        command = spec.command
+        if wiring.overrides.get(spec.name):
+            command = f"{command} {' '.join(wiring.overrides[spec.name])}"
+        served = wiring.served_model_names.get(spec.name)
+        if "{served_model_name}" in command and served is None:
+            problems.append(f"server {spec.name!r} uses {{served_model_name}} but serves no judge block with a model")
+        command = command.replace("{served_model_name}", shlex.quote(served or ""))
+        problems += served_name_problems(spec, command, served)
+        steps[spec.name] = Step(spec.name, envname(spec.name), 0, 0, (), spec.image, command, spec.port,
+                                f":{spec.health_port or spec.port}{spec.health_path}", spec.ready_deadline_s)
+    groups = []
+    for index, title, specs in ((1, "factuality reward server(s)", stage.reward_servers),
+                                (2, "judges (vLLM, a served general RM)", stage.judges)):
+        if not specs:
+            continue
+        placed = place(specs, cluster.gpus_per_node)
+        nodes = 1 + max(node for node, _ in placed)
+        group_gpus = max(sum(len(g) for n, g in placed if n == i) for i in range(nodes)) if cluster.gpus_per_node else 0
+        group_steps = tuple(replace(steps[s.name], group=index, node=node, gpu_ids=gpus,
+                                    cuda_visible_devices=",".join(map(str, gpus)) if group_gpus else None)
+                            for s, (node, gpus) in zip(specs, placed, strict=True))
+        groups.append(Group(index, title, nodes, max(sum(n == i for n, _ in placed) for i in range(nodes)),
+                            group_gpus, group_steps))
+        problems += _port_clashes(specs, placed)
+    critic = None
+    if stage.critic:
+        critic = replace(steps[stage.critic.name], group=2 + bool(stage.judges), gpu_ids=tuple(range(stage.critic.gpus)))
+    return groups, critic
+
+
+def _port_clashes(specs: list[ServerSpec], placed: list[tuple[int, tuple[int, ...]]]) -> list[str]:
+    """Servers sharing a node need distinct ports (``port``, ``health_port``)."""
+    taken: dict[tuple[int, int], str] = {}
+    problems = []
+    for spec, (node, _) in zip(specs, placed, strict=True):
+        for port in dict.fromkeys(p for p in (spec.port, spec.health_port) if p is not None):
+            if (node, port) in taken:
+                problems.append(f"servers {taken[node, port]!r} and {spec.name!r} share a node and port {port}")
+            taken[node, port] = spec.name
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------ checks
 def missing_modules(stage: LaunchConfig) -> list[str]:
     """``nemo_factuality.*`` modules the stage runs that this installation does not have.
 
@@ -107,17 +252,16 @@ def missing_modules(stage: LaunchConfig) -> list[str]:
     return missing
 
 
-def validate(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int = 1) -> None:
-    """Every problem of the resolved stage × profile in one ``LaunchConfigError`` (GPUs, servers, modules that
-    do not exist)."""
-    problems = _preset_problems(stage, cluster, tasks_per_node) if stage.preset else []
-    if not stage.preset and "{preset}" in stage.trainer_command:
-        problems.append("trainer_command uses {preset} but the stage names no preset (preset: <conf/train/aligner name>)")
-    gpus_needed = stage.tensor_parallel * stage.pipeline_parallel
-    if not cluster.gpus_per_node and gpus_needed > 1:
-        problems.append(f"the trainer needs TP×PP = {gpus_needed} GPUs but the profile's nodes have none (gpus_per_node: 0)")
-    elif cluster.gpus_per_node and gpus_needed > stage.actor_nodes * cluster.gpus_per_node:
-        problems.append(f"TP×PP = {gpus_needed} GPUs but actor_nodes × gpus_per_node = {stage.actor_nodes * cluster.gpus_per_node}")
+def validate(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int = 1) -> list[str]:
+    """Every problem of the resolved stage × profile that does not need the rendered steps (GPUs, servers,
+    images, modules)."""
+    problems = _preset_problems(stage, cluster, tasks_per_node) if stage.preset else _hf_problems(stage, cluster)
+    if stage.preset:
+        gpus_needed = stage.tensor_parallel * stage.pipeline_parallel
+        if not cluster.gpus_per_node and gpus_needed > 1:
+            problems.append(f"the trainer needs TP×PP = {gpus_needed} GPUs but the profile's nodes have none (gpus_per_node: 0)")
+        elif cluster.gpus_per_node and gpus_needed > stage.actor_nodes * cluster.gpus_per_node:
+            problems.append(f"TP×PP = {gpus_needed} GPUs but actor_nodes × gpus_per_node = {stage.actor_nodes * cluster.gpus_per_node}")
     if stage.actor_nodes < 1:
         problems.append("actor_nodes must be >= 1")
     if not stage.reward_servers:
@@ -125,16 +269,50 @@ def validate(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int =
     if stage.critic and stage.critic.gpus < 1:
         problems.append(f"critic {stage.critic.name!r} needs gpus >= 1 (it runs one task per GPU)")
     for spec in servers(stage):
-        if not spec.command.strip():
-            problems.append(f"server {spec.name!r} has no command")
-        if spec.gpus > cluster.gpus_per_node:
-            problems.append(f"server {spec.name!r} asks for {spec.gpus} GPUs; nodes have {cluster.gpus_per_node}")
-    if len({s.name for s in servers(stage)}) != len(servers(stage)):
+        problems += _server_problems(spec, cluster, is_critic=spec is stage.critic)
+    if stage.critic and stage.critic.serves:
+        problems.append(f"critic {stage.critic.name!r} cannot serve reward blocks (serves: is for reward servers and judges)")
+    if len({envname(s.name) for s in servers(stage)}) != len(servers(stage)):
         problems.append("server names must be unique (they name log files and env variables)")
+    if cluster.images and TRAINER_IMAGE not in cluster.images:
+        problems.append(f"the profile's images have no {TRAINER_IMAGE!r} (the trainer's; `docker build .`)")
+    commands = " ".join([stage.trainer_command, stage.ckpt_dir] + [s.command for s in servers(stage)])
+    problems += [f"params.{k} is set but no command uses {{{k}}}" for k in stage.params if f"{{{k}}}" not in commands]
     problems += [f"python -m {m}: no such module in this installation of {PACKAGE} (a typo, or a newer version is "
                  "needed)" for m in missing_modules(stage)]
-    if problems:
-        raise LaunchConfigError("invalid launch config: " + "; ".join(problems))
+    return problems
+
+
+def _server_problems(spec: ServerSpec, cluster: ClusterProfile, is_critic: bool) -> list[str]:
+    problems = []
+    if not spec.command.strip():
+        problems.append(f"server {spec.name!r} has no command")
+    if spec.gpus > cluster.gpus_per_node:
+        problems.append(f"server {spec.name!r} asks for {spec.gpus} GPUs; nodes have {cluster.gpus_per_node}")
+    if not is_critic and spec.nodes != 1:
+        problems.append(f"server {spec.name!r} has nodes={spec.nodes}: a reward server or judge is one task on one node "
+                        "(only the critic spans nodes)")
+    if cluster.images and spec.image not in cluster.images:
+        problems.append(f"server {spec.name!r} runs image {spec.image!r}, which the profile's images "
+                        f"({', '.join(sorted(cluster.images))}) do not have")
+    if _RUNS_VLLM.search(spec.command) and spec.image == TRAINER_IMAGE:
+        problems.append(f"server {spec.name!r} runs vllm in the {TRAINER_IMAGE!r} image, which has no vLLM (image: judge)")
+    return problems
+
+
+def _hf_problems(stage: LaunchConfig, cluster: ClusterProfile) -> list[str]:
+    problems = []
+    if not cluster.gpus_per_node and "trainer.device=cuda" in stage.trainer_command:
+        problems.append("trainer_command trains on trainer.device=cuda but the profile's nodes have no GPUs (gpus_per_node: 0)")
+    if "{preset}" in stage.trainer_command:
+        problems.append("trainer_command uses {preset} but the stage names no preset (preset: <conf/train/aligner name>)")
+    layout = {"actor_nodes": stage.actor_nodes, "tensor_parallel": stage.tensor_parallel,
+              "pipeline_parallel": stage.pipeline_parallel}
+    if any(v != 1 for v in layout.values()):
+        wrong = ", ".join(f"{k}={v}" for k, v in layout.items() if v != 1)
+        problems.append(f"{wrong}: a stage without a preset runs the hf backend, one process on one device; "
+                        "multi-GPU training is the aligner backend's (an aligner_* stage with preset: <conf/train/aligner name>)")
+    return problems
 
 
 def _preset_problems(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int) -> list[str]:
@@ -152,19 +330,28 @@ def _preset_problems(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_nod
     return problems
 
 
+# ------------------------------------------------------------------------------------------------ render
 def render(stage_name: str, stage: LaunchConfig, cluster: ClusterProfile) -> str:
-    """The sbatch script text (validated first)."""
+    """The sbatch script text (every problem reported at once, in one ``LaunchConfigError``, before rendering)."""
+    require_params(stage_name, stage)
     stage, tasks_per_node = resolve(stage)
-    validate(stage, cluster, tasks_per_node)
+    problems = validate(stage, cluster, tasks_per_node)
+    ckpt_dir = stage.ckpt_dir.format(job_name=stage.job_name)
+    trainer_command = fill(stage.trainer_command, _values(stage, ckpt_dir), "trainer_command", problems)
+    groups, critic = server_steps(stage, cluster, ckpt_dir, problems)
+    if problems:
+        raise LaunchConfigError("invalid launch config: " + "; ".join(dict.fromkeys(problems)))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["q"] = lambda s: shlex.quote(str(s))
-    env.filters["envname"] = lambda s: "".join(c if c.isalnum() else "_" for c in str(s)).upper()
-    ckpt_dir = stage.ckpt_dir.format(job_name=stage.job_name)
+    actor_gpus = (tasks_per_node if stage.preset else 1) if cluster.gpus_per_node else 0
+    steps = [s for g in groups for s in g.steps]
+    pid_index = {s.name: i for i, s in enumerate(steps + ([critic] if critic else []))}  # SERVER_PIDS order
     return env.get_template("het_job.sbatch.j2").render(
         stage_name=stage_name, stage=asdict(stage), cluster=asdict(cluster), ckpt_dir=ckpt_dir,
-        trainer_command=stage.trainer_command.format(ckpt_dir=ckpt_dir, preset=stage.preset or ""),
-        actor_tasks_per_node=tasks_per_node, critic_group=2 + bool(stage.judges),
+        trainer_command=trainer_command, actor_tasks_per_node=tasks_per_node, actor_gpus=actor_gpus,
+        groups=groups, steps=steps, critic=critic, pid_index=pid_index, critic_nodes=stage.critic.nodes if critic else 0,
+        has_gpus=bool(cluster.gpus_per_node), trainer_image=TRAINER_IMAGE,
     )
 
 

@@ -96,21 +96,31 @@ def check_finite(name: str, values: Sequence[float], who: str) -> None:
 
 @dataclass
 class TokenPlacer:
-    """Places character-level rewards onto the policy's tokens of one completion."""
+    """Places character-level rewards onto the policy's tokens of one completion.
+
+    ``error`` is set when the completion's own token ids cannot be aligned to its text (e.g. a special token
+    sampled inside a multi-byte character): that sample then fails alone — its reward is NaN with the reason and
+    its ``n_tokens`` token outputs are zeros — instead of failing the whole batch."""
 
     tokenizer: Any
     text: str
     token_ids: Sequence[int] | None = None
+    error: str | None = field(default=None, init=False)
     _alignment: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         from nemo_factuality.text.alignment import align_tokens
 
-        self._alignment = align_tokens(self.tokenizer, self.text, self.token_ids)
+        try:
+            self._alignment = align_tokens(self.tokenizer, self.text, self.token_ids)
+        except FactualityInputError as err:
+            if self.token_ids is None:  # no ids of its own: the text itself is bad input
+                raise
+            self.error = f"token alignment: {err}"
 
     @property
     def n_tokens(self) -> int:
-        return len(self._alignment)
+        return len(self.token_ids) if self._alignment is None else len(self._alignment)
 
     def last_token(self, span: Span) -> int:
         return self._alignment.last_token(span)

@@ -30,6 +30,7 @@ from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import (
     GuardConfig,
     RewardParts,
+    TokenPlacer,
     is_blank,
     load_tokenizer,
     mark_failures,
@@ -128,8 +129,11 @@ class FSPOReward(RewardParts):
             if steps:
                 reasoning[i] = float(np.mean([s for _, s in steps]))
             if signs_out is not None:
-                signs = self._signs(completion, texts[i], columns, i, steps, i in step_scores)
-                signs_out.append(signs if errors[i] is None else np.zeros_like(signs))
+                placer = placer_for(self.tokenizer, completion, columns, i)
+                errors[i] = errors[i] or placer.error  # ids that do not align to the text: this sample alone fails
+                signs = self._signs(placer, texts[i], completion, steps, i in step_scores) if errors[i] is None \
+                    else np.zeros(placer.n_tokens, dtype=np.int8)
+                signs_out.append(signs)
             if not is_blank(completion):
                 scores[i] = answer[i] + (cfg.fact_weight * reasoning[i] if steps else 0.0)
                 scores[i] -= cfg.guards.injection_penalty if injected[i] else 0.0
@@ -137,8 +141,7 @@ class FSPOReward(RewardParts):
         return RewardBatch(scores, {"answer": answer, "format": fmt, "reasoning": reasoning}, token_signs=signs_out,
                            details=details)
 
-    def _signs(self, completion: str, text: str, columns: dict, i: int, steps: list, grounded: bool) -> np.ndarray:
-        placer = placer_for(self.tokenizer, completion, columns, i)
+    def _signs(self, placer: TokenPlacer, text: str, completion: str, steps: list, grounded: bool) -> np.ndarray:
         signs = np.full(placer.n_tokens, self.cfg.outside_mask if grounded else 0, dtype=np.int8)
         offset = len(text) - len(completion)  # "<think>" we prepended for the prompt's opening tag
         for span, score in steps:

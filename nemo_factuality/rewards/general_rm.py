@@ -6,9 +6,12 @@ Two kinds, both called ``rm(prompts, completions) -> list[float]`` (raw scores, 
   output (Skywork-Reward-V2 style): the (prompt, response) pair is rendered with the model's chat
   template (plain ``prompt\\n\\nresponse`` when it has none) and the single logit is the score.
   ``trust_remote_code`` is an explicit opt-in.
-* ``{kind: remote, url: http://host:5555, model_name: reward_model}`` — a server speaking
-  NeMo-Aligner's ``reward_model`` protocol (``sentences`` bytes in, ``rewards [B, 1]`` out), e.g.
-  another ``nemo-factuality serve`` or an Aligner RM server; the text sent is ``template``.
+* ``{kind: remote, url: http://host:5555, model_name: factuality_reward}`` — a general RM served by
+  ``nemo-factuality serve --config-name general_rm`` (the ``general_rm`` reward below): prompts and
+  completions are sent as they are and a score the server could not compute comes back NaN.
+* ``{kind: remote, url: http://host:5555, model_name: reward_model}`` — any server speaking NeMo-Aligner's
+  ``reward_model`` protocol (``sentences`` bytes in, ``rewards [B, 1]`` out), e.g. an Aligner RM server; the
+  text sent is ``template``. (That protocol has no NaN: a failed sample arrives as the server's fill value.)
 
 A failure raises ``GeneralRMError`` (the KLCF reward turns it into per-sample NaN + reason).
 """
@@ -22,9 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from nemo_factuality.types import FactualityInputError
+from nemo_factuality.registry import REWARDS
+from nemo_factuality.rewards.base import validate_batch
+from nemo_factuality.types import FactualityInputError, RewardBatch
 
 log = logging.getLogger(__name__)
+RICH_MODEL = "factuality_reward"  # what `nemo-factuality serve` serves with prompts/completions in, NaN kept
 
 
 class GeneralRMError(RuntimeError):
@@ -71,7 +77,7 @@ class HFRewardModel:
         return f"{prompt}\n\n{completion}"
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
-        texts = [self.render(p, c) for p, c in zip(prompts, completions)]
+        texts = [self.render(p, c) for p, c in zip(prompts, completions, strict=True)]
         out: list[float] = []
         for start in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(texts[start : start + self.batch_size], padding=True, truncation=True,
@@ -85,7 +91,8 @@ class HFRewardModel:
 
 
 class RemoteRewardModel:
-    """NeMo-Aligner ``reward_model`` protocol client (PyTriton): ``sentences`` → ``rewards``."""
+    """A served general RM (PyTriton): our ``factuality_reward`` model (prompts + completions → scores, NaN kept)
+    or NeMo-Aligner's ``reward_model`` protocol (``sentences`` → ``rewards``)."""
 
     def __init__(self, url: str, model_name: str = "reward_model", timeout_s: float = 60.0,
                  template: str = "{prompt}\n\n{response}") -> None:
@@ -94,10 +101,17 @@ class RemoteRewardModel:
     def __call__(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
         from pytriton.client import ModelClient
 
-        from nemo_factuality.serving.client import quiet_pytriton_timeouts
+        from nemo_factuality.serving.client import RemoteFactualityReward, RemoteRewardError, quiet_pytriton_timeouts
 
+        if self.model_name == RICH_MODEL:
+            client = RemoteFactualityReward(self.url, model_name=self.model_name, timeout_s=self.timeout_s,
+                                            init_timeout_s=self.timeout_s)
+            try:
+                return client(prompts, completions).scores.tolist()
+            except RemoteRewardError as err:
+                raise GeneralRMError(f"general RM: {err}; check reward.general_rm.url / timeout_s") from err
         sentences = np.array([[self.template.format(prompt=p, response=c).encode("utf-8")]
-                              for p, c in zip(prompts, completions)], dtype=object)
+                              for p, c in zip(prompts, completions, strict=True)], dtype=object)
         try:
             with quiet_pytriton_timeouts(), ModelClient(self.url, self.model_name, init_timeout_s=self.timeout_s,
                                                         inference_timeout_s=self.timeout_s) as client:
@@ -132,3 +146,28 @@ def build_general_rm(spec: Mapping[str, Any] | Any) -> Any:
     if kind == "remote":
         return RemoteRewardModel(**spec)
     raise FactualityInputError(f"general_rm.kind must be 'hf' or 'remote', got {kind!r}")
+
+
+class GeneralRMReward:
+    """A general RM as a servable reward: ``nemo-factuality serve --config-name general_rm`` puts it behind
+    ``factuality_reward`` for KLCF's ``general_rm: {kind: remote, model_name: factuality_reward}``. The score is the
+    model's raw logit (KLCF applies its own σ(s / rm_temperature))."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **columns: Any) -> RewardBatch:
+        validate_batch(prompts, completions, columns, who="general_rm")
+        scores = np.asarray(self.model(list(prompts), list(completions)), dtype=np.float64) if completions else np.zeros(0)
+        return RewardBatch(scores, {"general_rm": scores})
+
+    def health(self) -> dict[str, str | None]:
+        return self.model.health()
+
+
+@REWARDS.register("general_rm")
+def build_general_rm_reward(model_path: str, batch_size: int = 8, max_length: int = 4096, device: str = "cpu",
+                            trust_remote_code: bool = False) -> GeneralRMReward:
+    """The ``general_rm`` reward: a local ``*ForSequenceClassification`` model (``HFRewardModel``) served as is."""
+    return GeneralRMReward(HFRewardModel(model_path, batch_size=batch_size, max_length=max_length, device=device,
+                                         trust_remote_code=trust_remote_code))

@@ -177,6 +177,8 @@ class RLFHReward(RewardParts):
         is_end = columns.get("is_end")
         for i, check in enumerate(checks):
             placer = placer_for(self.tokenizer, completions[i], columns, i)
+            if placer is not None and placer.error and errors[i] is None:
+                errors[i] = placer.error  # this sample's ids do not align to its text: it alone fails
             events: list[tuple[int, float]] = []
             if check is not None and errors[i] is None:
                 truth_events, info_events = self._sentence_rewards(check.sentences, check.claims, check.verdicts, all_infos[i],

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 def main(argv: Sequence[str]) -> int:
     from nemo_factuality.registry import build_reward
     from nemo_factuality.serving.config import DEFAULT_REWARD, ServeConfig
-    from nemo_factuality.serving.server import FactualityRewardServer
+    from nemo_factuality.serving.server import FactualityRewardServer, check_ports
 
     parser = ArgumentParser(prog="nemo-factuality serve",
                             description="Serve a method reward on PyTriton: reward_model (NeMo-Aligner 0.7.0's protocol) "
@@ -38,6 +38,7 @@ def main(argv: Sequence[str]) -> int:
     if args.fail_fast:
         overrides = [*overrides, "fail_fast=true"]
     cfg = load_config(ServeConfig, args.config_name, overrides, group="serve")
+    check_ports(cfg)  # before the reward loads its models and stores
     log.info("serve config:\n%s", to_yaml(cfg))
     # token-level rewards (RLFH, FSPO's signs) place their values with the policy's tokenizer, as in-process
     reward = build_reward(asdict(cfg)["reward"] or DEFAULT_REWARD, cfg.policy_tokenizer)

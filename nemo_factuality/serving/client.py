@@ -3,24 +3,131 @@
     reward = RemoteFactualityReward("http://reward-node:5555")
     batch = reward(prompts, completions, ground_truth=[...])     # -> RewardBatch
 
-Errors name the URL, the model and the config key to change; nothing is retried silently.
+Errors name the URL, the model and the config key to change. A server that refuses, drops or times out a
+request is waited for and sent the same request again, with jittered exponential backoff, for at most
+``Backoff.max_wait_s`` (the training stages' ``remote_rm.retry``); every wait is logged with the URL. Past the
+window ``RewardServerUnavailable`` (a ``ServerUnavailableError``: exit 75 at the command boundary) ends the
+call. An error the server itself answered (a reward that raised, ``fail_fast``) is not retried.
+
+    reward = RemoteFactualityReward(url, retry=Backoff(max_wait_s=600))
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import random
+import time
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
-from nemo_factuality.types import FactualityInputError, RewardBatch, Span
+from nemo_factuality.types import FactualityInputError, RewardBatch, ServerUnavailableError, Span
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RemoteRewardError(RuntimeError):
     """The reward server could not be reached or refused the request."""
+
+
+class RewardServerUnavailable(RemoteRewardError, ServerUnavailableError):
+    """The reward server stayed unreachable past ``remote_rm.retry.max_wait_s``."""
+
+
+# ---------------------------------------------------------------------------------------------- retry
+@dataclass(frozen=True)
+class Backoff:
+    """How long a client keeps retrying a server that is down, and how it spaces its tries.
+
+    Wait ``k`` (from 0) is ``min(max_s, initial_s · 2^k)`` scaled by a uniform factor in ``[1 − jitter, 1]``
+    (many ranks or clients do not come back in lock-step); the waits stop once ``max_wait_s`` have passed
+    since the first failure. ``max_wait_s = 0``: no retry. The training stages' defaults are in
+    ``trainers/config.py`` (``RetryConfig``)."""
+
+    max_wait_s: float = 0.0
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    jitter: float = 0.5
+
+    def delay(self, attempt: int, rng: random.Random) -> float:
+        base = min(self.max_s, self.initial_s * 2.0 ** min(attempt, 62))
+        return base * (1.0 - self.jitter * rng.random())
+
+
+# Triton's own answers while a model is (re)loading or going away; an error the model itself raised ("Model execute
+# error", with the server's traceback, e.g. a reward's fail_fast) is final, whatever words its traceback holds.
+_NOT_SERVING = ("unknown model", "not ready", "not healthy", "unavailable", "shutting down")
+
+
+def server_went_away(err: BaseException) -> bool:
+    """True for a refused or dropped connection, a timeout or a model that is not (yet) loaded: worth waiting for.
+    False for an error the server answered (the reward raised, ``fail_fast``, a bad request)."""
+    import http.client
+
+    # OSError: refused/reset; HTTPException: the HTTP layer lost the connection mid-response (geventhttpclient's
+    # ``HTTPConnectionClosed`` when the server dies with the request in flight)
+    if isinstance(err, (OSError, TimeoutError, http.client.HTTPException)):
+        return True
+    try:
+        from pytriton.client.exceptions import (
+            PyTritonClientInferenceServerError,
+            PyTritonClientModelUnavailableError,
+            PyTritonClientTimeoutError,
+        )
+    except ImportError:  # pragma: no cover - the clients import PyTriton before they can fail
+        return False
+    if isinstance(err, (PyTritonClientTimeoutError, PyTritonClientModelUnavailableError)):
+        return True
+    if isinstance(err, PyTritonClientInferenceServerError):
+        text = str(err).lower()
+        answered = "model execute error" in text or "traceback" in text
+        return not answered and any(words in text for words in _NOT_SERVING)
+    return False
+
+
+def call_with_retry(request: Callable[[], T], *, what: str, url: str, backoff: Backoff, key: str,
+                    unavailable: Callable[[str], Exception], went_away: Callable[[BaseException], bool] = server_went_away,
+                    before_retry: Callable[[], None] | None = None, sleep: Callable[[float], None] = time.sleep) -> T:
+    """``request()``, sent again after each jittered wait while ``went_away(error)``, for at most
+    ``backoff.max_wait_s`` from the first failure; then ``unavailable(message)`` is raised from the last error.
+
+    Any other error propagates at once. ``before_retry()`` runs before each resend (a caller that must check
+    the server's state first). Jitter comes from a private ``random.Random``: the global streams that
+    sampling draws from are untouched, so a retried step equals an undisturbed one."""
+    rng = random.Random()
+    first_failure: float | None = None
+    attempt = 0
+    while True:
+        try:
+            return request()
+        except Exception as err:
+            if not went_away(err):
+                raise
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            waited = now - first_failure
+            reason = f"{type(err).__name__}: {_first_line(err)}"
+            if waited >= backoff.max_wait_s:
+                raise unavailable(f"{what} {url} did not come back within {key}={backoff.max_wait_s:g} s "
+                                  f"({attempt + 1} tries; last: {reason})") from err
+            delay = min(backoff.delay(attempt, rng), backoff.max_wait_s - waited)
+            log.warning("%s %s unavailable (%s); retrying the same request in %.1f s (%.0f of %g s waited, %s)",
+                        what, url, reason, delay, waited, backoff.max_wait_s, key)
+            sleep(delay)
+            attempt += 1
+            if before_retry is not None:
+                before_retry()
+
+
+def _first_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text[:300] or type(err).__name__
 
 
 @contextlib.contextmanager
@@ -34,8 +141,9 @@ def quiet_pytriton_timeouts() -> Iterator[None]:
 
 class RemoteFactualityReward:
     def __init__(self, url: str, *, model_name: str = "factuality_reward", timeout_s: float = 120.0,
-                 init_timeout_s: float = 30.0) -> None:
+                 init_timeout_s: float = 30.0, retry: Backoff = Backoff()) -> None:
         self.url, self.model_name, self.timeout_s, self.init_timeout_s = url, model_name, timeout_s, init_timeout_s
+        self.retry = retry
 
     def _client(self) -> Any:
         from pytriton.client import ModelClient
@@ -65,14 +173,21 @@ class RemoteFactualityReward:
             "completions": np.array([[c.encode("utf-8")] for c in completions], dtype=object),
             "columns": np.array([[json.dumps(r, default=_jsonable).encode("utf-8")] for r in rows], dtype=object),
         }
-        try:
+        def request() -> dict[str, np.ndarray]:
             with quiet_pytriton_timeouts(), self._client() as client:
-                out = client.infer_batch(**payload)
+                return client.infer_batch(**payload)
+
+        hint = (f"Check that 'nemo-factuality serve' is running there and its judges are ready (GET /health/ready), "
+                f"or raise reward.timeout_s (now {self.timeout_s:g} s)")
+        try:
+            out = call_with_retry(request, what="reward server", url=f"{self.url} (model {self.model_name!r})",
+                                  backoff=self.retry, key="remote_rm.retry.max_wait_s",
+                                  unavailable=lambda msg: RewardServerUnavailable(f"{msg}. {hint}"))
+        except RemoteRewardError:
+            raise
         except Exception as err:
-            raise RemoteRewardError(
-                f"reward server {self.url} (model {self.model_name!r}) failed: {type(err).__name__}: {err}. "
-                f"Check that 'nemo-factuality serve' is running there and its judges are ready "
-                f"(GET /health/ready), or raise reward.timeout_s (now {self.timeout_s:g} s)") from err
+            raise RemoteRewardError(f"reward server {self.url} (model {self.model_name!r}) failed: "
+                                    f"{type(err).__name__}: {err}. {hint}") from err
         return _to_batch(out)
 
 
@@ -90,8 +205,8 @@ def _to_batch(out: dict[str, np.ndarray]) -> RewardBatch:
     comps = sorted({k for d in details for k in d["components"]})
     components = {k: np.array([np.nan if d["components"].get(k) is None else d["components"][k] for d in details]) for k in comps}
     offsets = [d["response_offset"] for d in details]
-    token_rewards = [out["token_rewards"][i, o : o + n] for i, (o, n) in enumerate(zip(offsets, lengths))]
-    token_signs = [out["token_signs"][i, o : o + n] for i, (o, n) in enumerate(zip(offsets, lengths))]
+    token_rewards = [out["token_rewards"][i, o : o + n] for i, (o, n) in enumerate(zip(offsets, lengths, strict=False))]
+    token_signs = [out["token_signs"][i, o : o + n] for i, (o, n) in enumerate(zip(offsets, lengths, strict=False))]
     present = details[0].get("token_outputs") if details else None
     if present is not None:  # the reward has no such output: the zeros on the wire are padding, not values
         token_rewards = token_rewards if "token_rewards" in present else None

@@ -19,11 +19,13 @@ and knowledge store answers; the JSON names what is down). Prometheus metrics on
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
 import math
 import os
+import socket
 import sysconfig
 import tempfile
 import threading
@@ -33,12 +35,48 @@ from typing import Any
 
 import numpy as np
 
+from nemo_factuality.config import ConfigError
 from nemo_factuality.serving.config import ServeConfig
 from nemo_factuality.serving.decode import PayloadDecoder, decode_text, pad_rows
 from nemo_factuality.types import FactualityInputError, RewardBatch
 
 log = logging.getLogger(__name__)
 _BATCH_IDS = itertools.count(1)
+
+
+PORT_KEYS = ("http_port", "grpc_port", "triton_metrics_port", "health_port", "metrics_port")
+
+
+def check_ports(cfg: ServeConfig) -> None:
+    """Every ``*_port`` key distinct, a TCP port, and free on ``host``; else a ``ConfigError`` naming the key.
+
+    Checked before Triton starts: a taken HTTP port otherwise surfaces as Triton's misleading
+    ``[403] ... triton-access-token`` error, and a taken health port only after Triton is up."""
+    seen: dict[int, str] = {}
+    for key in PORT_KEYS:
+        port = getattr(cfg, key)
+        if not 0 < port < 65536:
+            raise ConfigError(f"{key}={port} is not a TCP port (1-65535)")
+        if port in seen:
+            raise ConfigError(f"{key}={port} is also {seen[port]}: give each of {', '.join(PORT_KEYS)} its own port")
+        seen[port] = key
+        _check_bindable(cfg.host, port, key)
+
+
+def _check_bindable(host: str, port: int, key: str) -> None:
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise ConfigError(f"host={host!r} does not resolve ({err.strerror}); use an address of this machine, "
+                          "e.g. 0.0.0.0 or 127.0.0.1") from err
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no conflict
+        try:
+            probe.bind(address)
+        except OSError as err:
+            held = " (another process is listening on it)" if err.errno == errno.EADDRINUSE else ""
+            raise ConfigError(f"{key}={port}: cannot listen on {host}:{port}: {err.strerror}{held}; stop it or choose "
+                              f"another {key}") from err
 
 
 def ensure_python_backend_env() -> None:
@@ -219,6 +257,7 @@ class FactualityRewardServer:
 
         ensure_python_backend_env()
         cfg = self.cfg
+        check_ports(cfg)
         workspace = cfg.workspace
         if workspace is None:
             self._workspace = tempfile.TemporaryDirectory(prefix="nemo_factuality_triton_")
@@ -241,7 +280,12 @@ class FactualityRewardServer:
         self._triton.bind(model_name=cfg.rich_model_name, infer_func=batch(self.infer_rich), inputs=rich_inputs,
                           outputs=rich_outputs, config=model_cfg)
         self._triton.run()
-        self._start_http()
+        try:
+            self._start_http()
+        except OSError as err:  # taken since check_ports: stop Triton rather than leave it serving half a server
+            self.stop()
+            raise ConfigError(f"health_port={cfg.health_port} / metrics_port={cfg.metrics_port}: cannot listen on "
+                              f"{cfg.host}: {err.strerror}; choose other ports") from err
         log.info("serving %s and %s on %s:%d (health :%d, metrics :%d)", cfg.reward_model_name, cfg.rich_model_name,
                  cfg.host, cfg.http_port, cfg.health_port, cfg.metrics_port)
         return self

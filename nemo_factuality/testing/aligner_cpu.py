@@ -3,31 +3,24 @@
 Never imported by production code. Called first thing in a test program that runs in the Aligner venv
 (``tools/setup_aligner_env.sh``), before NeMo builds a model. On a machine with CUDA it does nothing.
 
-What it replaces, each a failure observed on CPU (shared/specs/aligner_actor_cpu.md):
+What it replaces, each a failure observed on CPU (shared/specs/aligner_actor_cpu.md), on top of
+``apex_free.apply()`` (no Apex, Transformer Engine or TensorRT-LLM, which a bare GPU shares):
 
 * Megatron-Core's CUDA RNG/device calls: ``nemo_factuality.convert.cpu.apply()`` (the converter's shims).
 * ``device="cuda"`` literals and ``torch.cuda.*Tensor`` constructors across Megatron, NeMo and Aligner
   (causal masks, ``clip_grads``, ``Timer``, text generation): tensor factories and ``Tensor.to`` map a
   CUDA device to the CPU; ``Module.cuda()`` (``ModelPT.cuda`` in ``generate``) is the identity;
-  ``torch.cuda.Stream`` is inert.
-* Transformer Engine / Apex: a TE stub so Megatron picks the local layer spec; Apex-only names NeMo
-  uses (``FusedLayerNorm``, ``MixedFusedRMSNorm``, ``listify_model``, ``amp_C.multi_tensor_l2norm``).
-* ``nemo_aligner.utils.trt_llm`` imports tensorrt_llm → tensorrt → mpi4py (stubbing those breaks
-  Lightning's MPI detection): the module is replaced by one whose ``GPTGenerateTRTLLM`` raises.
+  ``torch.cuda.Stream`` is inert; ``t.type()`` names a CPU tensor as its CUDA twin (the optimizers that keep
+  fp32 main weights accept only CUDA type names).
 * ``pin_memory=True`` host copies (the critic's CPU weight copy) need an accelerator: made unpinned.
 * gloo: ``all_gather`` / ``all_gather_into_tensor`` of 0-dim tensors (NCCL accepts them, gloo does not), e.g.
   ``rebalance_nd_tensor`` in ``ReinforceTrainer`` and the critic server's inference.
-* Apex's distributed Adam classes that NeMo's checkpointing isinstance-checks; megatron-core 0.12's async
-  checkpoint writer against torch 2.13's ``_write_item`` signature.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import os
-import sys
-import types
 
 import torch
 
@@ -76,6 +69,21 @@ def _tensor_to(original):
     return to
 
 
+def _cuda_type_names(original):
+    """``t.type()`` names a CPU tensor as its CUDA twin (``torch.cuda.BFloat16Tensor``): the optimizers that wrap
+    fp16/bf16 parameters with fp32 main copies (NeMo's ``MainParamsOptimizerWrapper``, Megatron's
+    ``DistributedOptimizer``) accept only those names. ``t.type(dtype)`` (a conversion) is untouched."""
+
+    @functools.wraps(original)
+    def type_(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            name = original(self)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        return original(self, dtype, non_blocking, **kwargs)
+
+    return type_
+
+
 class _TypedTensorMeta(type):
     """``torch.cuda.FloatTensor(data)`` / ``(n, m)`` builds a CPU tensor of that dtype, and
     ``isinstance(t, torch.cuda.FloatTensor)`` (NeMo's clip_grads) holds for CPU tensors of that dtype."""
@@ -99,6 +107,7 @@ def _patch_torch_devices() -> None:
     for name in _FACTORIES:
         setattr(torch, name, _device_to_cpu(getattr(torch, name)))
     torch.Tensor.to = _tensor_to(torch.Tensor.to)
+    torch.Tensor.type = _cuda_type_names(torch.Tensor.type)
     torch.nn.Module.cuda = lambda self, *a, **k: self
     for name, dtype in (("FloatTensor", torch.float32), ("LongTensor", torch.int64), ("IntTensor", torch.int32),
                         ("BoolTensor", torch.bool), ("HalfTensor", torch.float16), ("BFloat16Tensor", torch.bfloat16),
@@ -122,74 +131,6 @@ def _patch_torch_devices() -> None:
     torch.cuda.memory_allocated = lambda *a, **k: 0
     torch.cuda.max_memory_allocated = lambda *a, **k: 0
     torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
-
-
-def _stub_transformer_engine() -> None:
-    """Megatron decides HAVE_TE when these import; NeMo's spec files then import TE names it never builds."""
-    import megatron.core.dist_checkpointing  # noqa: F401
-    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
-    import megatron.core.transformer  # noqa: F401
-
-    class _NoTransformerEngine:
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("Transformer Engine is not installed")
-
-    stub = types.ModuleType("megatron.core.extensions.transformer_engine")
-    stub.__getattr__ = lambda name: _NoTransformerEngine
-    sys.modules.setdefault("megatron.core.extensions.transformer_engine", stub)
-
-
-def _stub_trt_llm() -> None:
-    stub = types.ModuleType("nemo_aligner.utils.trt_llm")
-
-    class GPTGenerateTRTLLM:
-        def __init__(self, *args, **kwargs):
-            raise RuntimeError("TensorRT-LLM is not installed in this CPU test environment: set trt_llm.enable=false")
-
-    stub.GPTGenerateTRTLLM = GPTGenerateTRTLLM
-    sys.modules["nemo_aligner.utils.trt_llm"] = stub
-
-
-def _multi_tensor_l2norm(_chunk, _overflow_buf, tensor_lists, per_tensor):
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.float()) for t in tensor_lists[0]]))
-    return norm, None
-
-
-def _patch_apex_names() -> None:
-    """NeMo's Megatron utils and clip_grads import these from Apex; they are only looked up, never needed on CPU."""
-    import nemo.collections.nlp.modules.common.megatron.utils as megatron_utils
-
-    for name in ("FusedLayerNorm", "FastLayerNorm", "MixedFusedRMSNorm"):
-        if not hasattr(megatron_utils, name):
-            setattr(megatron_utils, name, type(name, (torch.nn.Module,), {}))
-    if not hasattr(megatron_utils, "listify_model"):
-        megatron_utils.listify_model = lambda model: model if isinstance(model, list) else [model]
-    import nemo.collections.nlp.modules.common.megatron.clip_grads as clip_grads
-
-    clip_grads.amp_C = types.SimpleNamespace(multi_tensor_l2norm=_multi_tensor_l2norm,
-                                             multi_tensor_scale=_multi_tensor_scale)
-    clip_grads.multi_tensor_applier = lambda op, buf, lists, *args: op(2048 * 32, buf, lists, *args)
-
-
-def _multi_tensor_scale(_chunk, _overflow_buf, tensor_lists, scale):
-    for src, dst in zip(*tensor_lists, strict=True):
-        dst.copy_(src * scale)
-
-
-def _patch_nemo_model_building() -> None:
-    import nemo.collections.nlp.models.language_modeling.megatron_gpt_model as gpt_module
-    import nemo.collections.nlp.modules.common.megatron.build_model as build_module
-    import nemo.collections.nlp.parts.nlp_overrides as nlp_overrides
-    from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
-
-    nlp_overrides.HAVE_APEX = True  # the strategy refuses to start without Apex; nothing here calls it
-    # imported together with Apex's distributed Adam (absent here); checkpointing isinstance-checks them
-    for name in ("MegatronDistributedFusedAdam", "McoreDistributedOptimizer"):
-        if not hasattr(nlp_overrides, name):
-            setattr(nlp_overrides, name, type(name, (), {}))
-    build_module.set_defaults_if_not_set_tensor_model_parallel_attributes = set_defaults_if_not_set_tensor_model_parallel_attributes
-    # get_specs builds every spec eagerly (TE ones included); without TE only the local spec exists
-    gpt_module.get_specs = lambda *args, **kwargs: gpt_module.get_gpt_layer_local_spec(None, False)
 
 
 def _gloo_safe_all_gather() -> None:
@@ -217,25 +158,6 @@ def _gloo_safe_all_gather() -> None:
     torch.distributed.all_gather_into_tensor = all_gather_into_tensor
 
 
-def _patch_checkpoint_writer() -> None:
-    """megatron-core 0.12's async checkpoint writer calls torch's ``_write_item`` without the
-    ``serialization_format`` argument that torch ≥ 2.7 requires (the venv pairs it with torch 2.13)."""
-    import inspect
-
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
-    from torch.distributed.checkpoint import filesystem
-
-    if "serialization_format" not in inspect.signature(filesystem._write_item).parameters:
-        return
-    fs_async._write_item = functools.partial(_write_item_torch_save, filesystem._write_item)
-
-
-def _write_item_torch_save(write_item_fn, *args):
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
-
-    return write_item_fn(*args, SerializationFormat.TORCH_SAVE)
-
-
 def apply() -> bool:
     """Patch once when CUDA is unavailable (before NeMo builds a model); returns whether patches are active."""
     global _APPLIED
@@ -243,14 +165,11 @@ def apply() -> bool:
         return False
     if _APPLIED:
         return True
-    os.environ.setdefault("NVIDIA_PYTORCH_VERSION", "24.07")  # NeMo parses it unconditionally
     from nemo_factuality.convert import cpu
+    from nemo_factuality.testing import apex_free
 
     cpu.apply()
-    _stub_transformer_engine()
-    _stub_trt_llm()
-    _patch_apex_names()
-    _patch_nemo_model_building()
+    apex_free.apply()
     # Modules that torch.jit.script functions at import must be imported before the factories are
     # wrapped: TorchScript cannot compile a call to a Python wrapper of a builtin.
     for module in _IMPORT_BEFORE_WRAPPING:
@@ -260,7 +179,6 @@ def apply() -> bool:
 
     ModelPT.cuda = lambda self, *a, **k: self  # NeMo's generate() moves the model with it
     _gloo_safe_all_gather()
-    _patch_checkpoint_writer()
     _APPLIED = True
     return True
 

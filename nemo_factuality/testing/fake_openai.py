@@ -17,9 +17,10 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Mapping
+from typing import Any
 
 
 @dataclass
@@ -60,23 +61,29 @@ class ScriptedOpenAIServer:
         by_substring: alternative to ``script``: the first key found in the last message picks the reply.
         default: reply when no substring matches.
         model: the model id listed by ``/v1/models``.
+        require_model: answer a completion request for any other ``model`` with 404, as vLLM does for a name
+            it does not serve (its ``--served-model-name``).
+        host, port: where to listen (default: loopback, a free port).
     """
 
-    def __init__(self, script: ScriptFn | None = None, *, by_substring: Mapping[str, "Reply | str"] | None = None,
-                 default: "Reply | str" = "", model: str = "judge") -> None:
+    def __init__(self, script: ScriptFn | None = None, *, by_substring: Mapping[str, Reply | str] | None = None,
+                 default: Reply | str = "", model: str = "judge", require_model: bool = False,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
         self.script = script
         self.by_substring = dict(by_substring or {})
         self.default = default
         self.model = model
+        self.require_model = require_model
+        self.address = (host, port)
         self.state = _State()
         self.models_status = 200  # set to e.g. 503 to make health checks (GET /v1/models) fail
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> "ScriptedOpenAIServer":
+    def start(self) -> ScriptedOpenAIServer:
         handler = _make_handler(self)
-        self._httpd = _Server(("127.0.0.1", 0), handler)
+        self._httpd = _Server(self.address, handler)
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="scripted-openai", daemon=True)
         self._thread.start()
@@ -90,7 +97,7 @@ class ScriptedOpenAIServer:
             self._thread.join(timeout=10)
         self._httpd = self._thread = None
 
-    def __enter__(self) -> "ScriptedOpenAIServer":
+    def __enter__(self) -> ScriptedOpenAIServer:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -191,6 +198,10 @@ def _make_handler(server: ScriptedOpenAIServer) -> type[BaseHTTPRequestHandler]:
             if not chat and not self.path.rstrip("/").endswith("/completions"):
                 self._send(404, b'{"error": "not found"}')
                 return
+            if server.require_model and request.get("model") != server.model:
+                message = f"The model `{request.get('model')}` does not exist."  # vLLM's answer, verbatim shape
+                self._send(404, json.dumps({"object": "error", "message": message, "code": 404}).encode())
+                return
             st = server.state
             with st.lock:
                 st.requests.append(request)
@@ -220,22 +231,43 @@ def _make_handler(server: ScriptedOpenAIServer) -> type[BaseHTTPRequestHandler]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve scripted replies from a separate process (benchmarks: keeps the server off the client's GIL).
+    """Serve scripted replies from a separate process (benchmarks; the Slurm stand-in's judges).
 
     ``python -m nemo_factuality.testing.fake_openai --replies '{"needle": "text"}' --default X --delay-ms 50``
-    prints ``PORT <n>`` once listening, then serves until killed.
+    or ``--script nemo_factuality.testing.methods:method_judge`` (a ``fn(request) -> Reply | str`` by module path);
+    ``--host/--port`` where to listen (default loopback, a free port); ``--served-model-name NAME`` answers only
+    requests for NAME, as ``vllm serve --served-model-name`` does. Prints ``PORT <n>`` once listening, then serves
+    until SIGTERM.
     """
     import argparse
-    import signal
+    import importlib
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m nemo_factuality.testing.fake_openai")
     ap.add_argument("--replies", default="{}", help="JSON object: substring of the last message -> reply text")
     ap.add_argument("--default", default="")
     ap.add_argument("--delay-ms", type=float, default=0.0)
+    ap.add_argument("--script", default=None, metavar="MODULE:FUNCTION", help="reply function (instead of --replies)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--served-model-name", default=None, help="the only model name served (default: any name)")
     args = ap.parse_args(argv)
     delay = args.delay_ms / 1000
     replies = {k: Reply(v, delay_s=delay) for k, v in json.loads(args.replies).items()}
-    server = ScriptedOpenAIServer(by_substring=replies, default=Reply(args.default, delay_s=delay)).start()
+    script = None
+    if args.script:
+        module, _, func = args.script.partition(":")
+        script = getattr(importlib.import_module(module), func)
+    server = ScriptedOpenAIServer(script, by_substring=replies, default=Reply(args.default, delay_s=delay),
+                                  model=args.served_model_name or "judge", require_model=args.served_model_name is not None,
+                                  host=args.host, port=args.port)
+    serve_until_terminated(server)
+
+
+def serve_until_terminated(server: ScriptedOpenAIServer) -> None:
+    """Start ``server``, print ``PORT <n>`` (what a parent process waits for) and serve until SIGTERM."""
+    import signal
+
+    server.start()
     print(f"PORT {server.port}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -132,11 +132,14 @@ def reward_server(config_name: str, overrides: list[str], workdir: Path, stopped
         shutil.rmtree(home, ignore_errors=True)
 
 
-def ppo_overrides(nemo: Path, run_dir: Path, port: int) -> list[str]:
-    """One stage config for both processes (as a Slurm job passes the same file to both)."""
+def ppo_overrides(nemo: Path, run_dir: Path, port: int, *, critic_optimizer: str | None = None) -> list[str]:
+    """One stage config for both processes (as a Slurm job passes the same file to both). ``critic_optimizer``: the
+    critic server's NeMo optimizer (e.g. ``mcore_distributed_optim``, the presets'), else the stage's AdamW."""
     from nemo_factuality.testing.aligner_cpu import CPU_MODEL_OVERRIDES
 
     cpu = [f"critic.model_overrides.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in CPU_MODEL_OVERRIDES.items()]
+    if critic_optimizer:
+        cpu.append(f"critic.model_overrides.optim.name={critic_optimizer}")
     return [f"model.restore_from_path={nemo}", "trainer.backend=aligner", "trainer.save_interval=1",
             "trainer.progress_bar=false", "ppo.num_prompts_per_step=4", "ppo.critic_warmup_steps=0",
             "model.micro_batch_size=2", "model.global_batch_size=4", "model.forward_micro_batch_size=4",

@@ -1,7 +1,10 @@
-"""A real Slurm cluster on loopback for tests: slurmctld + two slurmd "nodes" (n1, n2), auth/none.
+"""A real Slurm cluster on loopback for tests: slurmctld + three slurmd "nodes" (n1, n2, n3), auth/none.
 
-Two NodeName entries on one host (different slurmd ports) are needed for heterogeneous jobs. Every
-daemon is stopped by PID in ``stop()``, and the state directory is removed.
+Several NodeName entries on one host (different slurmd ports) are needed for heterogeneous jobs: Slurm puts
+each het group on nodes of its own, and a stage with judges has three groups (trainer, reward server,
+judges). Each node claims 4 CPUs whatever the machine has (``SlurmdParameters=config_overrides``): a group
+asks for one task per server, and a multi-judge stage's judge group alone runs four. Every daemon is
+stopped by PID in ``stop()``, and the state directory is removed.
 
 Processes are told apart from anything else on the machine by an environment variable unique to this
 cluster (``RUN_ENV``): the daemons and every job submitted through ``sbatch`` carry it, and so does
@@ -46,10 +49,12 @@ JobCompType=jobcomp/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 KillWait=5
-NodeName=n1 NodeHostname={host} NodeAddr=127.0.0.1 Port={d1_port} CPUs=1 RealMemory=2000 State=UNKNOWN
-NodeName=n2 NodeHostname={host} NodeAddr=127.0.0.1 Port={d2_port} CPUs=1 RealMemory=2000 State=UNKNOWN
-PartitionName=debug Nodes=n1,n2 Default=YES MaxTime=60 State=UP
+SlurmdParameters=config_overrides
+{nodes}
+PartitionName=debug Nodes={node_names} Default=YES MaxTime=60 State=UP
 """
+NODES = ("n1", "n2", "n3")
+NODE = "NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs=4 RealMemory=2000 State=UNKNOWN"
 RUN_ENV = "NF_SLURM_TEST_RUN"
 
 
@@ -72,22 +77,24 @@ class SlurmCluster:
         self.run_id = uuid.uuid4().hex
         self.env = dict(os.environ, SLURM_CONF=str(self.conf), **{RUN_ENV: self.run_id})
 
-    def start(self, timeout_s: float = 30) -> "SlurmCluster":
-        for d in ("state", "log", "spool/n1", "spool/n2"):
+    def start(self, timeout_s: float = 30) -> SlurmCluster:
+        for d in ("state", "log", *(f"spool/{n}" for n in NODES)):
             (self.root / d).mkdir(parents=True, exist_ok=True)
         ports = set()
-        while len(ports) < 3:
+        while len(ports) < 1 + len(NODES):
             ports.add(_free_port())
-        ctld, d1, d2 = sorted(ports)
-        self.conf.write_text(CONF.format(host=socket.gethostname(), root=self.root, ctld_port=ctld, d1_port=d1, d2_port=d2))
+        ctld, *node_ports = sorted(ports)
+        host = socket.gethostname()
+        nodes = "\n".join(NODE.format(name=n, host=host, port=p) for n, p in zip(NODES, node_ports, strict=True))
+        self.conf.write_text(CONF.format(host=host, root=self.root, ctld_port=ctld, nodes=nodes, node_names=",".join(NODES)))
         self._run(["slurmctld", "-c", "-f", str(self.conf)])
-        for node in ("n1", "n2"):
+        for node in NODES:
             self._run(["slurmd", "-f", str(self.conf), "-N", node])
         deadline = time.time() + timeout_s
         while time.time() < deadline:
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True).stdout
             states = dict(line.split() for line in out.splitlines() if line.strip())
-            if states.get("n1") == "idle" and states.get("n2") == "idle":
+            if all(states.get(n) == "idle" for n in NODES):
                 return self
             time.sleep(0.3)
         self.stop()
@@ -100,7 +107,7 @@ class SlurmCluster:
 
     def pids(self) -> list[int]:
         out = []
-        for name in ("slurmctld.pid", "slurmd.n1.pid", "slurmd.n2.pid"):
+        for name in ("slurmctld.pid", *(f"slurmd.{n}.pid" for n in NODES)):
             f = self.root / name
             if f.exists() and f.read_text().strip():
                 out.append(int(f.read_text().strip()))

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from nemo_factuality.types import ServerUnavailableError
+
 log = logging.getLogger(__name__)
 
 STAGES = {
@@ -67,37 +69,47 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
 
         raise ConfigError("critic.url must name the critic server: trainer.backend=aligner runs RLFH's critic as "
                           "NeMo-Aligner's critic server (python -m nemo_factuality.trainers.critic_server, same config)")
+    # every input is checked before anything is written or loaded
+    train = load_prompts(cfg.data.train, cfg.data.format)
+    val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
+    pairs = load_pairs(cfg.data.general_pairs) if stage == "kto" and cfg.data.general_pairs else []
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     from nemo_factuality.config import to_yaml
 
     (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
-    train = load_prompts(cfg.data.train, cfg.data.format)
-    val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
     seed_everything(cfg.trainer.seed)
     actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo", **runtime)
     reward = build_reward(cfg, actor.tokenizer)
     try:
-        if stage == "grpo":
-            from nemo_factuality.trainers.grpo import GRPOTrainer
-
-            GRPOTrainer(cfg, actor, reward, train, run_dir=run_dir, val_data=val).fit()
-        elif stage == "ppo":
-            from nemo_factuality.trainers.ppo import PPOTrainer
-
-            PPOTrainer(cfg, actor, critic, reward, train, run_dir=run_dir, val_data=val).fit()
-        else:
-            from nemo_factuality.trainers.kto import KTOTrainer
-
-            pairs = load_pairs(cfg.data.general_pairs) if cfg.data.general_pairs else []
-            KTOTrainer(cfg, actor, reward, train, general_pairs=pairs, run_dir=run_dir).fit()
+        _fit(stage, cfg, actor, critic, reward, train, val, pairs, run_dir)
+    except ServerUnavailableError as err:
+        # the Slurm launcher requeues on this file as well as on exit 75 (srun may report a killed rank's code)
+        (run_dir / "REQUEUE").write_text(f"{' '.join(str(err).split())}\n", encoding="utf-8")
+        raise
     finally:
         for client in (reward, critic):  # served rewards / the critic server: no client thread outlives the run
             close = getattr(client, "close", None)
             if callable(close):
                 close()
     return 0
+
+
+def _fit(stage: str, cfg: Any, actor: Any, critic: Any, reward: Any, train: list, val: list | None, pairs: list,
+         run_dir: Path) -> None:
+    if stage == "grpo":
+        from nemo_factuality.trainers.grpo import GRPOTrainer
+
+        GRPOTrainer(cfg, actor, reward, train, run_dir=run_dir, val_data=val).fit()
+    elif stage == "ppo":
+        from nemo_factuality.trainers.ppo import PPOTrainer
+
+        PPOTrainer(cfg, actor, critic, reward, train, run_dir=run_dir, val_data=val).fit()
+    else:
+        from nemo_factuality.trainers.kto import KTOTrainer
+
+        KTOTrainer(cfg, actor, reward, train, general_pairs=pairs, run_dir=run_dir).fit()
 
 
 def _preset(name: str | None, stage: str) -> tuple[list[str], dict]:

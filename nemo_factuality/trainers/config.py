@@ -66,6 +66,9 @@ class PolicyModelConfig:
     micro_batch_size: int = 4  # sequences per forward/backward
     global_batch_size: int = 32  # sequences per optimiser step
     forward_micro_batch_size: int = 8  # sequences per no-grad forward (log-probs, values)
+    # hf backend: prompt rows per generate call; each chunk goes to the reward as soon as it is generated
+    # (the aligner backend's is ``aligner_runtime.rollout_micro_batch_size``, from its preset's KV budget)
+    rollout_micro_batch_size: int = 64
     # "copy": a frozen copy of the initial weights; "cpu_weight_swap": keep them on CPU and swap them in
     # for reference log-probs (NeMo-Aligner's approach; halves accelerator memory).
     reference: str = "copy"
@@ -94,11 +97,16 @@ class GRPOAlgoConfig:
     num_epochs: int = 1  # passes over each rollout batch (minibatches of model.global_batch_size)
     advantage_scale: str = "std"  # std (GRPO) | none (Dr.GRPO)
     singleton_groups: str = "zero"  # a group with one valid sample: zero advantage, or "raw" (verl: the reward itself)
-    truncated: str = "mask"  # responses that hit max_length: "mask" (no gradient, as Aligner) | "keep"
+    # responses that hit max_length: "mask" (no gradient, as Aligner's PPO actor's is_end mask; its REINFORCE loss keeps
+    # them and only drops them from the RLOO baseline) | "keep"
+    truncated: str = "mask"
     initial_policy_kl_penalty: float = 0.001  # KL coefficient β (0 = no reference policy needed)
-    kl_estimator: str = "k3"  # k1 | k3 (low_var_kl) | abs
+    kl_estimator: str = "k3"  # k1 | k3 (low_var_kl) | abs; the same estimator in the logged kl and the loss/reward
     kl_in: str = "loss"  # loss (GRPO/verl) | reward (Aligner REINFORCE: r - β·mean_t KL_t)
     fspo_flip: bool = True  # apply FSPO's flip when the reward returns token signs
+    # score each rollout micro batch in a worker as soon as it is generated, compute log-probs while the rewards
+    # are in flight, wait only for the advantages (false: generate → reward → log-probs, one after the other)
+    overlap_reward: bool = True
 
 
 @dataclass
@@ -112,6 +120,7 @@ class PPOAlgoConfig:
     initial_policy_kl_penalty: float = 0.01  # in the token reward (RLFH / OpenRLHF / Aligner)
     kl_estimator: str = "k3"  # RLFH uses k3; Aligner's default is abs
     truncated: str = "keep"  # RLFH penalises a missing EOS in the reward instead of masking
+    overlap_reward: bool = True  # as grpo.overlap_reward (the critic's values are computed while the reward runs)
 
 
 @dataclass
@@ -128,6 +137,11 @@ class KTOAlgoConfig:
     w_f_desirable: float = 1.0
     w_f_undesirable: float = 1.0
     general_data_ratio: float = 1.0  # general preference pairs per labelled sample (0 = none)
+    overlap_reward: bool = True  # label each generated micro batch in a worker while the next one is generated
+    # reference log-probs of the iteration's examples and of every minibatch's mismatched (z0) pairs, computed once
+    # per iteration and split over data-parallel ranks (FactAlign precomputes them); false: the z0 pairs' reference
+    # forward (a cpu_weight_swap on the aligner backend) at every optimiser step, as before
+    precompute_reference: bool = True
 
 
 @dataclass
@@ -141,6 +155,35 @@ class TrainerConfig:
     device: str = "cpu"  # hf backend: cpu | cuda
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     progress_bar: bool = True
+    # GRPO/PPO: stop (exit 3, after writing a checkpoint) once this many consecutive rollout steps had no valid
+    # sample: every reward NaN (judges failing, every response abstaining) or, with truncated=mask, every
+    # response cut off. 0 = never stop for this. (KTO stops at the first iteration it could label nothing in.)
+    max_invalid_steps: int = 3
+
+
+@dataclass
+class RetryConfig:
+    """Waiting for a server (reward, critic) that refuses, drops or times out a request mid-run: the same request is
+    sent again after jittered exponential waits (``initial_s · 2^k``, at most ``max_s`` each, scaled by a factor in
+    ``[1 − jitter, 1]``) until ``max_wait_s`` have passed since the first failure; then the stage writes a checkpoint
+    and exits 75 (EX_TEMPFAIL) for the launcher to requeue. 0 = no waiting. Keep ``max_wait_s`` below the
+    distributed timeout (30 min in torch): under model/data parallelism the other ranks wait in a collective."""
+
+    max_wait_s: float = 600.0
+    initial_s: float = 1.0
+    max_s: float = 30.0
+    jitter: float = 0.5
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout.*``: which engine generates the rollouts (aligner backend)."""
+
+    # megatron: NeMo's generation on the training weights; trtllm: NeMo-Aligner 0.7.0's TensorRT-LLM engine
+    # (GPTGenerateTRTLLM), refit after every update and rebuilt after a checkpoint load — only in the NeMo-Aligner
+    # container (TensorRT-LLM + a CUDA GPU); elsewhere the stage stops at start-up saying so
+    engine: str = "megatron"
+    trtllm_model_type: str = "llama"  # TensorRT-LLM's model family for the engine build (Aligner's trt_llm.model_type)
 
 
 @dataclass
@@ -158,6 +201,7 @@ class RemoteRMConfig:
     reward_model: RemoteRMEndpoint = field(default_factory=RemoteRMEndpoint)
     timeout_s: float = 600.0
     init_timeout_s: float = 60.0
+    retry: RetryConfig = field(default_factory=RetryConfig)  # a server that goes away mid-run
 
     def resolved_url(self) -> str | None:
         if self.url:
@@ -196,6 +240,7 @@ class GRPOConfig:
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     reward: dict[str, Any] | None = None  # in-process reward: {name: klcf, ...} (conf/serve's reward block)
     remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
 
@@ -218,6 +263,7 @@ class CriticModelConfig:
     pipeline_model_parallel_size: int = 1
     timeout_s: float = 600.0  # one critic request (a train request holds a whole PPO step's minibatch)
     init_timeout_s: float = 60.0  # waiting for the server to be ready at start-up
+    retry: RetryConfig = field(default_factory=RetryConfig)  # a server that goes away mid-run
     # merged last onto the critic's NeMo model config (Aligner's ``++model.*``): recompute, sequence parallel, …
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -230,6 +276,7 @@ class PPOConfig:
     critic: CriticModelConfig = field(default_factory=CriticModelConfig)
     reward: dict[str, Any] | None = None
     remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
 
@@ -241,6 +288,7 @@ class KTOConfig:
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     reward: dict[str, Any] | None = None  # the labeller (factalign)
     remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
 
@@ -261,6 +309,23 @@ _CHOICES = {
     "ppo.kl_estimator": ("k1", "k3", "abs"),
     "ppo.truncated": ("mask", "keep"),
     "data.format": ("jsonl", "klcf", "rlfh", "fspo", "knowrl", "factalign"),
+    "rollout.engine": ("megatron", "trtllm"),
+}
+
+
+# Counts and their least valid value (keys a stage's schema lacks are skipped). A count below it would run
+# nothing (max_steps=0 writes an untrained final/) or divide by zero.
+_COUNTS = {
+    "trainer.max_steps": 1, "trainer.val_check_interval": 0, "trainer.save_interval": 0, "trainer.max_invalid_steps": 0,
+    "trainer.early_stopping.patience": 1,
+    "model.micro_batch_size": 1, "model.global_batch_size": 1, "model.forward_micro_batch_size": 1,
+    "model.rollout_micro_batch_size": 1, "model.tensor_model_parallel_size": 1, "model.pipeline_model_parallel_size": 1,
+    "model.length_params.max_length": 1, "model.optim.sched.warmup_steps": 0,
+    "grpo.num_prompts_per_step": 1, "grpo.num_rollouts_per_prompt": 1, "grpo.num_epochs": 1,
+    "ppo.num_prompts_per_step": 1, "ppo.num_epochs": 1, "ppo.critic_warmup_steps": 0,
+    "kto.num_iterations": 1, "kto.prompts_per_iteration": 1, "kto.samples_per_prompt": 1, "kto.epochs_per_iteration": 1,
+    "critic.micro_batch_size": 1, "critic.tensor_model_parallel_size": 1, "critic.pipeline_model_parallel_size": 1,
+    "data.max_prompt_tokens": 1, "exp_manager.save_top_k": 1,
 }
 
 
@@ -283,9 +348,10 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         if value is not _MISSING and value not in allowed:
             problems.append(f"{key}={value!r} (choose one of {', '.join(allowed)})")
     m = cfg.model
-    for key in ("micro_batch_size", "global_batch_size", "forward_micro_batch_size"):
-        if getattr(m, key) < 1:
-            problems.append(f"model.{key} must be >= 1, got {getattr(m, key)}")
+    for key, least in _COUNTS.items():
+        value = _get(cfg, key)
+        if value is not _MISSING and value < least:
+            problems.append(f"{key} must be >= {least}, got {value}")
     if m.micro_batch_size >= 1 and m.global_batch_size % m.micro_batch_size:
         problems.append(f"model.global_batch_size ({m.global_batch_size}) must be a multiple of "
                         f"model.micro_batch_size ({m.micro_batch_size})")
@@ -310,11 +376,20 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
 
         if cfg.reward["name"] not in REWARDS:
             problems.append(f"reward.name={cfg.reward['name']!r} is not a known reward ({', '.join(REWARDS.names())})")
-    algo = getattr(cfg, "grpo", None)
-    if algo is not None and algo.kl_in == "loss" and algo.kl_estimator == "abs":
-        problems.append("grpo.kl_estimator=abs only works with grpo.kl_in=reward (the loss needs k1 or k3)")
+    for key in ("remote_rm.retry", "critic.retry"):
+        retry = _get(cfg, key)
+        if retry is not _MISSING and (retry.max_wait_s < 0 or retry.initial_s <= 0 or retry.max_s < retry.initial_s
+                                      or not 0 <= retry.jitter < 1):
+            problems.append(f"{key}: need max_wait_s >= 0, 0 < initial_s <= max_s and 0 <= jitter < 1, got {retry}")
+    sp = m.sampling_params
+    if cfg.trainer.backend == "aligner" and not sp.use_greedy and sp.temperature != 1.0 and not isinstance(cfg, KTOConfig):
+        problems.append(f"model.sampling_params.temperature={sp.temperature}: NeMo-Aligner's log-probs are at "
+                        "temperature 1, so the PPO ratio and KL would be against another distribution than the one "
+                        "sampled; use 1.0 on trainer.backend=aligner (the hf backend divides its logits by T)")
     if cfg.trainer.backend == "hf" and not m.path:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
+    if cfg.rollout.engine == "trtllm" and cfg.trainer.backend != "aligner":
+        problems.append("rollout.engine=trtllm is NeMo-Aligner's TensorRT-LLM generation: it needs trainer.backend=aligner")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:
         problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
     if problems:

@@ -5,17 +5,22 @@
 
 One step:
 
-1. **rollout** — ``grpo.num_prompts_per_step`` prompts, ``grpo.num_rollouts_per_prompt`` samples each.
+1. **rollout** — ``grpo.num_prompts_per_step`` prompts, ``grpo.num_rollouts_per_prompt`` samples each, streamed
+   in micro batches by the actor.
 2. **reward** — ``reward(prompts, completions, completion_ids=..., is_end=..., **columns)``; a NaN score
-   (abstention, failed judge) takes the sample out of its group and out of the loss.
+   (abstention, failed judge) takes the sample out of its group and out of the loss. With
+   ``grpo.overlap_reward`` each micro batch is scored in a worker as soon as it is generated, and the
+   old/reference log-probs are computed while the rewards are in flight (``trainers/scoring.py``).
 3. **advantage** — ``(r - mean_g) / (std_g + ε)`` per group (``grpo.advantage_scale=none``: Dr.GRPO),
    ``r - β·mean_t KL_t`` first when ``grpo.kl_in=reward`` (Aligner's REINFORCE), broadcast to the
    response tokens; FSPO's flip ``A' = where(sign·A ≥ 0, A, -A)`` when the reward returns token signs.
-   Truncated responses (no EOS) are masked (``grpo.truncated=mask``, NeMo-Aligner's rule).
+   Truncated responses (no EOS) are masked (``grpo.truncated=mask``: NeMo-Aligner's PPO actor masks its loss with
+   ``is_end``; its REINFORCE loss keeps them and only leaves them out of the RLOO baseline).
 4. **loss** — PPO clip (ε, ``ratio_eps_high`` for clip-higher, ``clip_ratio_c`` for the dual clip)
    + ``β·KL(π‖π_ref)`` (k3 = verl's low_var_kl) when ``grpo.kl_in=loss``, − entropy bonus; aggregated
    over the optimiser step's global token/sequence counts; ``grpo.num_epochs`` passes over the rollout
-   in minibatches of ``model.global_batch_size`` sequences.
+   in minibatches of ``model.global_batch_size`` sequences. Exactly on-policy (one epoch, one minibatch)
+   the old log-probs are the training forward's own, detached (``reuses_training_logprobs``).
 """
 
 from __future__ import annotations
@@ -44,23 +49,35 @@ from nemo_factuality.algorithms import (
 from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.data import PromptRecord, PromptSampler
-from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams
+from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams, assemble_rollout
 from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
 from nemo_factuality.trainers.runtime import (
     Checkpointer,
     EarlyStopping,
+    InvalidSteps,
     PhaseTimer,
     PreemptionFlag,
     RunLogger,
+    StepStart,
+    checkpoint_if_server_gone,
     encode_prompts,
     place_on_tokens,
     records_for_rows,
     response_stats,
     score_rollout,
 )
+from nemo_factuality.trainers.scoring import RolloutScorer, rollout_rows
+from nemo_factuality.types import RewardBatch
 
 log = logging.getLogger(__name__)
 Validate = Callable[[int], Mapping[str, float]]
+
+
+def kl_share(logprobs: torch.Tensor, mb: Mapping[str, torch.Tensor], kind: str, tokens: float) -> float:
+    """The micro batch's share of a response-token mean of ``kl_penalty(logprobs, mb["ref_logprobs"], kind)``:
+    its sum over the micro batch's response tokens (``[b, S-1]`` inputs, no gradient) divided by ``tokens``."""
+    mask = response_mask(mb["prompt_lengths"], mb["response_lengths"], logprobs.shape[1]).to(logprobs.dtype)
+    return float((kl_penalty(logprobs.detach(), mb["ref_logprobs"], kind) * mask).sum()) / tokens
 
 
 class GRPOTrainer:
@@ -94,17 +111,23 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, float]]:
-        """Train until ``trainer.max_steps``, early stopping, or SIGUSR1 (checkpoint + return)."""
+        """Train until ``trainer.max_steps``, early stopping, or SIGUSR1 (checkpoint + return). A reward/critic
+        server gone past its retry window: checkpoint + ``RunStopped`` (exit 75; the rerun redoes the step)."""
         self._maybe_resume()
         history: list[dict[str, float]] = []
         bar = tqdm(total=self.cfg.trainer.max_steps, initial=self.step, desc=self.stage, unit="step",
                    disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer))
         stop_reason = "max_steps"
+        invalid = InvalidSteps(self.cfg.trainer.max_invalid_steps)
         with PreemptionFlag() as preempted:
             while self.step < self.cfg.trainer.max_steps:
-                metrics = self.train_one_step()
+                with checkpoint_if_server_gone(self._save, step=self.step, start=StepStart(self.sampler, self.critic)):
+                    metrics = self.train_one_step()
                 self.step += 1
-                stop = self._after_step(metrics)
+                stalled = invalid.update(metrics.get("valid_frac", 1.0) > 0)
+                done = partial(self.logger.log, self.step, metrics)  # a finished step is logged before its checkpoint
+                with checkpoint_if_server_gone(self._save, step=self.step, before_save=done):
+                    stop = self._after_step(metrics)  # validation scores with the reward too
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
                 log.info("step %d: reward %.4f kl %.5f loss %.4f (%.2f s)", self.step, metrics.get("reward/score", math.nan),
@@ -116,6 +139,10 @@ class GRPOTrainer:
                     log.warning("stopped by %s at step %d; checkpoint written, rerun to resume", preempted.signal, self.step)
                     stop_reason = preempted.signal
                     break
+                if stalled:
+                    bar.close()
+                    self.logger.close()
+                    raise invalid.error(self.step, self._save(), self._invalid_reason(metrics))
                 if stop:
                     stop_reason = "early_stopping"
                     break
@@ -126,65 +153,110 @@ class GRPOTrainer:
         return history
 
     def train_one_step(self) -> dict[str, float]:
-        """rollout → reward → experience → update, each phase timed; the algorithm lives in the three hooks below.
+        """rollout → reward → experience → update, each phase timed; the algorithm lives in the hooks below.
 
-        Under data parallelism each rank runs this on its slice of the step's prompts and returns the
-        step's global metrics (reduced over ranks, the same on every rank)."""
+        With ``<stage>.overlap_reward`` each rollout micro batch is scored in a worker as soon as it is generated
+        and the log-probs are computed while the rewards are in flight (``trainers/scoring.py``); the step waits
+        for them only for the advantages (``time/reward_exposed`` of ``time/reward``). Under data parallelism
+        each rank runs this on its slice of the step's prompts and returns the step's global metrics (reduced
+        over ranks, the same on every rank)."""
         timer = PhaseTimer()
         with timer("step"):
             picked = self.parallel.shard(self.sampler.take(self._prompts_per_step()))
             self.step_prompts = picked
             n = self._samples_per_prompt()
             records = records_for_rows([self.data[i] for i in picked], n)
-            with timer("generate"):
-                rollout = self.actor.generate([self.prompt_ids[i] for i in picked for _ in range(n)], self.sampling)
-            with timer("reward"):
-                rewards, _ = self.parallel.on_model_parallel_source(
-                    lambda: score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id))
-            with timer("logprobs"):
-                experience, metrics = self._experience(rollout, rewards)
+            with RolloutScorer(self.reward, records, self.actor.tokenizer, self.actor.eos_id, self.parallel,
+                               overlap=self._algo().overlap_reward) as scorer:
+                with timer("generate"):
+                    chunks = []
+                    for chunk in self.actor.generate_chunks([self.prompt_ids[i] for i in picked for _ in range(n)],
+                                                            self.sampling):
+                        chunks.append(chunk)
+                        if scorer.overlap:
+                            scorer.submit(chunk)  # scored while the next micro batch is generated
+                rollout = assemble_rollout(chunks, self.actor.pad_id)
+                if not scorer.overlap:
+                    scorer.submit(rollout_rows(rollout))  # generate → reward → log-probs, one after the other
+                with timer("logprobs"):
+                    logprobs = self._logprobs(rollout)
+                rewards = scorer.result()
+            with timer("advantages"):
+                experience, metrics = self._experience(rollout, rewards, logprobs)
             with timer("train"):
                 metrics.update(self._update(experience))
         metrics.update(rewards.log_dict("reward"))
         metrics.update(response_stats(rollout))
         metrics.update(timer.times)
+        metrics.update({"time/reward": scorer.reward_s, "time/reward_exposed": scorer.exposed_s})
         return self.parallel.reduce_metrics(metrics)
 
-    # The stage's hooks (PPO overrides them): batch shape, reward → advantage, and the update.
+    # The stage's hooks (PPO overrides them): batch shape, log-probs, reward → advantage, and the update.
+    def _algo(self) -> Any:
+        return self.cfg.grpo
+
     def _prompts_per_step(self) -> int:
         return self.cfg.grpo.num_prompts_per_step
 
     def _samples_per_prompt(self) -> int:
         return self.cfg.grpo.num_rollouts_per_prompt
 
-    def _experience(self, rollout: Rollout, rewards: Any) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        return self.make_experience(rollout, rewards.scores, rewards.token_signs)
+    def _logprobs(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """What the advantages and losses need besides the rewards (computed while the rewards are in flight):
+        ``old_logprobs`` unless the training forward provides them (``reuses_training_logprobs``) and
+        ``ref_logprobs`` when there is a KL term; ``[B, S-1]`` each."""
+        out = {}
+        if not self.reuses_training_logprobs():
+            out["old_logprobs"] = self.actor.logprobs(rollout)
+        if self.cfg.grpo.initial_policy_kl_penalty > 0:
+            out["ref_logprobs"] = self.actor.reference_logprobs(rollout)
+        return out
+
+    def reuses_training_logprobs(self) -> bool:
+        """A rollout trained exactly on-policy (one epoch, one minibatch: ``global_batch_size`` = the step's
+        sequences) uses the training forward's own detached log-probs as the old ones (ratio 1), as TRL and verl
+        do, and skips the extra forward pass. Not with ``grpo.kl_in=reward``: its KL must be known before the update."""
+        g, m = self.cfg.grpo, self.cfg.model
+        rows = self._prompts_per_step() * self._samples_per_prompt()
+        kl_in_reward = g.initial_policy_kl_penalty > 0 and g.kl_in == "reward"
+        return g.num_epochs == 1 and rows == m.global_batch_size and not kl_in_reward
+
+    def _experience(self, rollout: Rollout, rewards: Any,
+                    logprobs: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return self.make_experience(rollout, rewards.scores, rewards.token_signs, logprobs)
 
     def _update(self, experience: Mapping[str, torch.Tensor]) -> dict[str, float]:
         return self.update(experience)
 
     # ------------------------------------------------------------------ reward → advantage
-    def make_experience(self, rollout: Rollout, scores: np.ndarray,
-                        token_signs: Sequence[np.ndarray] | None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Old/reference log-probs, mask and token advantages for one rollout (``[B, S-1]`` tensors)."""
+    def make_experience(self, rollout: Rollout, scores: np.ndarray, token_signs: Sequence[np.ndarray] | None,
+                        logprobs: Mapping[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Mask and token advantages for one rollout (``[B, S-1]`` tensors) from its rewards and ``logprobs``
+        (``_logprobs``'s, computed here when not given). Without old log-probs the KL is logged by the loss."""
         g = self.cfg.grpo
         b, s1 = rollout.tokens.shape[0], rollout.tokens.shape[1] - 1
         mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, s1)
-        old_logprobs = self.actor.logprobs(rollout)
+        logprobs = self._logprobs(rollout) if logprobs is None else logprobs
+        old_logprobs, ref = logprobs.get("old_logprobs"), logprobs.get("ref_logprobs")
         rewards = torch.as_tensor(scores, dtype=torch.float32)
         valid = ~torch.isnan(rewards)
         if g.truncated == "mask":
             valid &= rollout.is_end
         exp = {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths,
-               "response_lengths": rollout.response_lengths, "old_logprobs": old_logprobs}
-        kl_value = 0.0
-        if g.initial_policy_kl_penalty > 0:
-            ref = self.actor.reference_logprobs(rollout)
-            kl_tok = kl_penalty(old_logprobs, ref, g.kl_estimator)
-            kl_value = masked_mean(kl_tok, mask).item()
+               "response_lengths": rollout.response_lengths}
+        metrics: dict[str, float] = {}
+        if old_logprobs is not None:
+            exp["old_logprobs"] = old_logprobs
+            metrics["kl"] = 0.0
+        if ref is not None:
             exp["ref_logprobs"] = ref
+        if ref is not None and old_logprobs is not None:
+            kl_tok = kl_penalty(old_logprobs, ref, g.kl_estimator)
+            metrics["kl"] = masked_mean(kl_tok, mask).item()
             if g.kl_in == "reward":
                 rewards = rewards - g.initial_policy_kl_penalty * masked_mean(kl_tok, mask, dim=-1)
+        elif ref is None:
+            metrics["kl"] = 0.0
         group_ids = torch.arange(b) // g.num_rollouts_per_prompt
         seq_adv = grpo_advantages(torch.where(valid, rewards, torch.zeros_like(rewards)), group_ids,
                                   scale=g.advantage_scale, singleton=g.singleton_groups, valid=valid)
@@ -194,8 +266,8 @@ class GRPOTrainer:
             advantages = fspo_flip(advantages, signs)
         exp["mask"] = mask * valid.unsqueeze(1).to(mask.dtype)
         exp["advantages"] = advantages * exp["mask"]
-        metrics = {"kl": kl_value, "valid_frac": valid.float().mean().item(),
-                   "advantage/abs_mean": masked_mean(advantages.abs(), exp["mask"]).item() if exp["mask"].any() else 0.0}
+        metrics.update({"valid_frac": valid.float().mean().item(),
+                        "advantage/abs_mean": masked_mean(advantages.abs(), exp["mask"]).item() if exp["mask"].any() else 0.0})
         if signs is not None:
             flipped = (signs.to(advantages.dtype) * expand_to_tokens(seq_adv, mask) < 0) & (exp["mask"] > 0)
             metrics["fspo/flip_frac"] = flipped.float().sum().item() / max(exp["mask"].sum().item(), 1.0)
@@ -203,17 +275,23 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ loss
     def loss_fn(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], *, global_tokens: float,
-                global_seqs: float) -> tuple[torch.Tensor, dict[str, float]]:
-        """PPO-clip + KL-in-loss − entropy for one micro batch, normalised by the step's global counts."""
+                global_seqs: float, kl_tokens: float = 1.0) -> tuple[torch.Tensor, dict[str, float]]:
+        """PPO-clip + KL-in-loss − entropy for one micro batch, normalised by the step's global counts.
+
+        Without old log-probs (``reuses_training_logprobs``) the ratio is 1 and the logged ``kl`` comes from this
+        forward: the micro batch's share of the rank's response-token mean (``kl_tokens`` = its tokens × DP)."""
         m, g = self.cfg.model, self.cfg.grpo
         norm = {"global_tokens": global_tokens, "global_seqs": global_seqs}
         logprobs = out["logprobs"]
-        loss, metrics = ppo_policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["mask"], eps=m.ratio_eps,
+        old = mb["old_logprobs"] if "old_logprobs" in mb else logprobs.detach()  # exactly on-policy: ratio 1
+        loss, metrics = ppo_policy_loss(logprobs, old, mb["advantages"], mb["mask"], eps=m.ratio_eps,
                                         eps_high=m.ratio_eps_high, clip_ratio_c=m.clip_ratio_c, agg=m.loss_agg,
                                         entropy=out.get("entropy"), entropy_coef=m.entropy_bonus, **norm)
         metrics = {"loss/policy": loss.item(), **metrics}
+        if "old_logprobs" not in mb and "ref_logprobs" in mb:
+            metrics["kl"] = kl_share(old, mb, g.kl_estimator, kl_tokens)
         if g.initial_policy_kl_penalty > 0 and g.kl_in == "loss":
-            kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], "k1" if g.kl_estimator == "k1" else "k3", m.loss_agg, **norm)
+            kl = kl_loss(logprobs, mb["ref_logprobs"], mb["mask"], g.kl_estimator, m.loss_agg, **norm)  # the logged estimator
             loss = loss + g.initial_policy_kl_penalty * kl
             metrics["loss/kl"] = kl.item()
         # Each micro batch returns its share of the step's loss; `update` sums the shares back per step.
@@ -226,6 +304,8 @@ class GRPOTrainer:
         b, size = exp["tokens"].shape[0], m.global_batch_size // self.parallel.size
         totals: dict[str, float] = {}
         steps = skipped = 0
+        all_tokens = response_mask(exp["prompt_lengths"], exp["response_lengths"], exp["tokens"].shape[1] - 1).sum()
+        kl_tokens = max(float(all_tokens), 1.0) * self.parallel.size
         for _ in range(self.cfg.grpo.num_epochs):
             order = torch.randperm(b)
             for start in range(0, b, size):
@@ -236,32 +316,42 @@ class GRPOTrainer:
                 if global_tokens == 0:
                     skipped += 1  # every sample abstained/truncated: nothing to learn, no optimiser step
                     continue
-                fn = partial(self.loss_fn, global_tokens=global_tokens, global_seqs=global_seqs)
+                fn = partial(self.loss_fn, global_tokens=global_tokens, global_seqs=global_seqs, kl_tokens=kl_tokens)
                 result = self.actor.train_step(mb, fn, micro_batch_size=m.micro_batch_size,
                                                need_entropy=m.entropy_bonus > 0)
                 steps += 1
                 n_micro = math.ceil(len(idx) / m.micro_batch_size) * self.parallel.size
                 for k, v in result.items():
-                    # loss shares were averaged over micro batches (and data-parallel ranks) by the backend;
-                    # undo that to get the step's loss
-                    scale = n_micro if k.startswith("loss/") else 1
+                    # loss (and kl) shares were averaged over micro batches (and data-parallel ranks) by the backend;
+                    # undo that to get the step's values
+                    scale = n_micro if k.startswith("loss/") or k == "kl" else 1
                     totals[k] = totals.get(k, 0.0) + v * scale
         out = {k: v / max(steps, 1) for k, v in totals.items()}
+        if self.reuses_training_logprobs() and "kl" not in out:
+            # no optimiser step (every sample abstained/truncated): no forward gave the policy's log-probs
+            out["kl"] = 0.0 if self.cfg.grpo.initial_policy_kl_penalty == 0 else math.nan
         out["optimizer_steps"] = float(steps)
         out["skipped_minibatches"] = float(skipped)
         return out
 
     # ------------------------------------------------------------------ validation, checkpoints
     def _validate_reward(self, step: int) -> dict[str, float]:
-        """Greedy responses to the validation prompts, scored by the training reward."""
+        """Greedy responses to the validation prompts, scored by the training reward. Each data-parallel rank
+        generates and scores its contiguous part of the prompts; the scores are gathered, so every rank logs
+        the whole set's metrics (those of world 1)."""
         ids = encode_prompts(self.val_data, self.actor.tokenizer, self.cfg.data.apply_chat_template,
                              self.cfg.data.max_prompt_tokens)
-        greedy = SamplingParams(self.sampling.max_new_tokens, use_greedy=True)
-        rollout = self.actor.generate(ids, greedy)
-        batch, _ = self.parallel.on_model_parallel_source(
-            lambda: score_rollout(self.reward, rollout, self.val_data, self.actor.tokenizer, self.actor.eos_id))
-        return {k.replace("reward/", "val/reward/"): v for k, v in batch.log_dict("reward").items()} | {
-            "val/reward": batch.log_dict("reward")["reward/score"]}
+        mine = self.parallel.split(range(len(ids)))
+        parts = []
+        if mine:
+            greedy = SamplingParams(self.sampling.max_new_tokens, use_greedy=True)
+            rollout = self.actor.generate([ids[i] for i in mine], greedy)
+            records = [self.val_data[i] for i in mine]
+            parts.append(self.parallel.on_model_parallel_source(
+                lambda: score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id))[0])
+        batch = RewardBatch.concat([b for rank_parts in self.parallel.gather(parts) for b in rank_parts])
+        logged = batch.log_dict("reward")
+        return {k.replace("reward/", "val/reward/"): v for k, v in logged.items()} | {"val/reward": logged["reward/score"]}
 
     def _after_step(self, metrics: dict[str, float]) -> bool:
         t = self.cfg.trainer
@@ -305,6 +395,14 @@ class GRPOTrainer:
         self._save()
         self.actor.export(self.run_dir / "final")
         log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
+
+    def _invalid_reason(self, metrics: Mapping[str, float]) -> str:
+        """Why the last step had no valid sample, from its metrics: failed/abstained rewards or truncation."""
+        truncated = getattr(self.cfg, self.stage).truncated
+        why = f"reward NaN for {metrics.get('reward/abstain_frac', math.nan):.0%} of the samples (failed judges or abstentions)"
+        if truncated == "mask":
+            why += f", {metrics.get('is_end_frac', math.nan):.0%} ended with EOS ({self.stage}.truncated=mask drops the rest)"
+        return why
 
 
 def main(argv: Sequence[str] | None = None) -> int:

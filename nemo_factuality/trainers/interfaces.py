@@ -18,11 +18,15 @@ batch (``{"logprobs": [b, S-1]}`` for the actor, ``{"values": [b, S-1]}`` for th
 ``"entropy"`` when asked for) and the micro batch's own tensors, and returns ``(loss, metrics)``.
 Losses are already normalised by the *global* token/sequence count of the optimiser step (the
 stage puts it in the batch), so a backend just sums gradients over micro batches.
+
+Rollouts stream: ``generate_chunks`` yields each micro batch of sequences (a ``RolloutChunk``: which
+prompt rows it holds, and their ``Rollout``) as soon as it is generated, so the stages can send it to
+the reward while the next one is generated; ``assemble_rollout`` puts the chunks back in prompt order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -74,6 +78,34 @@ class Rollout:
         return ids
 
 
+@dataclass
+class RolloutChunk:
+    """One generated micro batch: ``rollout`` row ``j`` answers prompt row ``rows[j]`` of the ``generate_chunks`` call."""
+
+    rows: list[int]
+    rollout: Rollout
+
+    def __post_init__(self) -> None:
+        if len(self.rows) != len(self.rollout):
+            raise ValueError(f"RolloutChunk: {len(self.rows)} row indices for {len(self.rollout)} sequences")
+
+
+def assemble_rollout(chunks: Sequence[RolloutChunk], pad_id: int) -> Rollout:
+    """The chunks of one ``generate_chunks`` call as one ``Rollout`` in prompt-row order, right-padded to one width.
+
+    The chunks' ``rows`` must cover ``0 .. N-1`` exactly once (any order: a backend may bucket prompts by length)."""
+    rows = [r for c in chunks for r in c.rows]
+    if sorted(rows) != list(range(len(rows))):
+        raise ValueError(f"rollout chunks cover rows {sorted(rows)[:8]}…, not each of 0..{len(rows) - 1} once")
+    width = max(c.rollout.tokens.shape[1] for c in chunks)
+    tokens = torch.cat([torch.nn.functional.pad(c.rollout.tokens, (0, width - c.rollout.tokens.shape[1]), value=pad_id)
+                        for c in chunks])
+    order = torch.argsort(torch.tensor(rows))  # position of prompt row i among the concatenated chunks
+    return Rollout(tokens=tokens[order], prompt_lengths=torch.cat([c.rollout.prompt_lengths for c in chunks])[order],
+                   response_lengths=torch.cat([c.rollout.response_lengths for c in chunks])[order],
+                   is_end=torch.cat([c.rollout.is_end for c in chunks])[order])
+
+
 @runtime_checkable
 class PolicyActor(Protocol):
     """The trained policy plus its frozen reference (initial policy) for KL.
@@ -89,6 +121,13 @@ class PolicyActor(Protocol):
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
         """Sample one response per prompt row (repeat rows for ``n`` samples per prompt)."""
+        ...
+
+    def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
+        """``generate`` micro batch by micro batch: each chunk is yielded as soon as it is generated.
+
+        ``assemble_rollout(list(generate_chunks(p, s)), pad_id)`` is what ``generate(p, s)`` returns (the
+        same random draws in the same order); the stages score one chunk while the next is generated."""
         ...
 
     def logprobs(self, rollout: Rollout) -> torch.Tensor:

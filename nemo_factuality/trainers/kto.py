@@ -25,8 +25,12 @@ Data parallelism: each rank samples and labels its slice of the iteration's prom
 examples are gathered so every rank holds the same set (what the labeller dropped differs per rank),
 every rank draws the same global minibatch and trains on its share of it (padded with weight-0 rows to
 equal shares, so the ranks' optimiser steps line up), and z0 / z0_f are the global minibatch's
-(all-reduced sums over the mismatched pairs). Every rank computes the reference log-probs of the whole
-gathered set (simple; a sharded version would save (DP−1)/DP of that forward pass).
+(all-reduced sums over the mismatched pairs).
+
+Reference log-probs (``kto.precompute_reference``): once per iteration, in one forward pass split over the
+data-parallel ranks, for the examples and for the mismatched pairs of every minibatch of every epoch (the
+minibatch draws are seeded, so they are known when the data is); an optimiser step then runs one extra
+no-grad forward (the policy's half of z0), not two and a ``cpu_weight_swap``.
 """
 
 from __future__ import annotations
@@ -47,20 +51,24 @@ from nemo_factuality.config import ConfigError
 from nemo_factuality.text.alignment import align_tokens
 from nemo_factuality.trainers.config import KTOConfig
 from nemo_factuality.trainers.data import PreferencePair, PromptRecord, PromptSampler
-from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams
+from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
 from nemo_factuality.trainers.runtime import (
     Checkpointer,
     PhaseTimer,
     PreemptionFlag,
     RunLogger,
+    StepStart,
+    TrainingStalledError,
+    checkpoint_if_server_gone,
     completions_of,
     encode_prompts,
 )
-from nemo_factuality.types import FactualityInputError
+from nemo_factuality.trainers.scoring import RolloutScorer
+from nemo_factuality.types import FactualityInputError, RewardBatch
 
 log = logging.getLogger(__name__)
-_GEN_CHUNK = 64  # rows per generate() call while collecting an iteration's samples
+_GEN_CHUNK = 64  # rows per generate() and labeller call while collecting an iteration's samples
 
 
 def sentence_token_ranges(tokenizer: Any, completion: str, ids: Sequence[int], spans: Sequence[Any],
@@ -163,42 +171,59 @@ class KTOTrainer:
                                        m.sampling_params.top_k, m.sampling_params.use_greedy)
 
     # ------------------------------------------------------------------ sample → label
+    def sample_and_label(self, prompt_rows: Sequence[int]) -> tuple[Rollout, RewardBatch, dict[str, float]]:
+        """Samples for ``prompt_rows`` (indices into the prompts) and the labeller's verdicts on them, row for row.
+
+        Generated and labelled in groups of ``_GEN_CHUNK`` rows; with ``kto.overlap_reward`` a group is labelled in
+        a worker while the next one is generated (the same labeller calls either way)."""
+        records = [self.prompts[i] for i in prompt_rows]
+        chunks = []
+        with RolloutScorer(self.labeller, records, self.actor.tokenizer, self.actor.eos_id, self.parallel,
+                           overlap=self.cfg.kto.overlap_reward) as scorer:
+            for start in tqdm(range(0, len(prompt_rows), _GEN_CHUNK), desc=f"kto iter {self.iteration}: sample+label",
+                              disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer)):
+                rows = list(range(start, min(start + _GEN_CHUNK, len(prompt_rows))))
+                chunks.append(RolloutChunk(rows, self.actor.generate([self.prompt_ids[prompt_rows[r]] for r in rows],
+                                                                     self.sampling)))
+                scorer.submit(chunks[-1])
+            labels = scorer.result()
+        times = {"time/reward": scorer.reward_s, "time/reward_exposed": scorer.exposed_s}
+        if labels.components.get("label") is None or labels.sentence_labels is None or labels.sentence_spans is None:
+            raise FactualityInputError("the KTO stage needs a labeller that returns `label`, sentence_labels and "
+                                       "sentence_spans (reward.name=factalign)")
+        return assemble_rollout(chunks, self.actor.pad_id), labels, times
+
     def collect(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """Generate, label and pack this iteration's examples (labelled samples + general pairs).
+        """Generate, label and pack this iteration's examples (labelled samples + general pairs), with their
+        reference log-probs (``iteration_references``).
 
         Under data parallelism each rank samples and labels its slice of the iteration's prompts; the
         labelled examples are then gathered, so every rank holds the same global set (and counts)."""
         k = self.cfg.kto
         picked = self.parallel.shard(self.sampler.take(k.prompts_per_iteration))
         prompt_rows = [i for i in picked for _ in range(k.samples_per_prompt)]
+        rollout, labels, times = self.sample_and_label(prompt_rows)
+        completions, ids = completions_of(rollout, self.actor.tokenizer, self.actor.eos_id)
+        label = labels.components["label"]
         rows, plens, desirable, sentences = [], [], [], []
         n_labelled = n_dropped = n_good = 0
-        for start in tqdm(range(0, len(prompt_rows), _GEN_CHUNK), desc=f"kto iter {self.iteration}: sample+label",
-                          disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer)):
-            chunk = prompt_rows[start : start + _GEN_CHUNK]
-            rollout = self.actor.generate([self.prompt_ids[i] for i in chunk], self.sampling)
-            completions, ids = completions_of(rollout, self.actor.tokenizer, self.actor.eos_id)
-            records = [self.prompts[i] for i in chunk]
-            names = sorted({c for r in records for c in r.columns})
-            labels = self.parallel.on_model_parallel_source(partial(
-                self.labeller, [r.prompt for r in records], completions, completion_ids=ids,
-                **{c: [r.columns.get(c) for r in records] for c in names}))
-            label = labels.components.get("label")
-            if label is None or labels.sentence_labels is None or labels.sentence_spans is None:
-                raise FactualityInputError("the KTO stage needs a labeller that returns `label`, sentence_labels and "
-                                           "sentence_spans (reward.name=factalign)")
-            for i in range(len(chunk)):
-                if math.isnan(float(label[i])) or math.isnan(float(labels.scores[i])):
-                    n_dropped += 1  # the labeller could not judge it: no label rather than a guessed one
-                    continue
-                plen, rlen = int(rollout.prompt_lengths[i]), int(rollout.response_lengths[i])
+        for i in range(len(rollout)):
+            if math.isnan(float(label[i])) or math.isnan(float(labels.scores[i])):
+                n_dropped += 1  # the labeller could not judge it: no label rather than a guessed one
+                continue
+            plen, rlen = int(rollout.prompt_lengths[i]), int(rollout.response_lengths[i])
+            try:
                 ranges = sentence_token_ranges(self.actor.tokenizer, completions[i], ids[i], labels.sentence_spans[i], plen)
-                rows.append(rollout.tokens[i, :rlen].tolist())
-                plens.append(plen)
-                desirable.append(bool(label[i]))
-                sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i], strict=False) if e > s])
-                n_labelled += 1
-                n_good += bool(label[i])
+            except FactualityInputError as err:  # its ids do not align to its text: this sample alone is dropped
+                log.warning("kto: sample %d dropped, its sentences cannot be placed on its tokens: %s", i, err)
+                n_dropped += 1
+                continue
+            rows.append(rollout.tokens[i, :rlen].tolist())
+            plens.append(plen)
+            desirable.append(bool(label[i]))
+            sentences.append([(s, e, bool(lab)) for (s, e), lab in zip(ranges, labels.sentence_labels[i], strict=False) if e > s])
+            n_labelled += 1
+            n_good += bool(label[i])
         if self.parallel.size > 1:  # ranks' lists in rank order: the same global set on every rank
             parts = self.parallel.gather((rows, plens, desirable, sentences, n_labelled, n_dropped, n_good))
             rows, plens, desirable, sentences = ([x for part in parts for x in part[j]] for j in range(4))
@@ -216,15 +241,93 @@ class KTOTrainer:
                     plens.append(len(p_ids))
                     desirable.append(good)
                     sentences.append([])
-        if not rows:
-            raise FactualityInputError(f"iteration {self.iteration}: the labeller could not label any of the "
-                                       f"{len(prompt_rows) * self.parallel.size} samples; check the reward server / judge health")
+        if not rows:  # general pairs come in proportion to labelled samples: none labelled, nothing to train on
+            raise TrainingStalledError(f"iteration {self.iteration}: the labeller could not label any of the "
+                                       f"{len(prompt_rows) * self.parallel.size} samples (failed judges or abstentions); "
+                                       "check the reward server / judge health")
         stats = {"kto/labelled": float(n_labelled), "kto/dropped_unlabelled": float(n_dropped),
                  "kto/desirable_frac": n_good / max(n_labelled, 1), "kto/general_pairs": float(n_pairs),
                  "kto/sentences": float(sum(len(s) for s in sentences))}
+        stats.update(times)
         data = pack_examples(rows, plens, desirable, sentences, self.actor.pad_id)
-        data["ref_logprobs"] = self.actor.reference_logprobs(_as_rollout(data))
+        if k.precompute_reference:
+            data.update(self.iteration_references(data))
+        else:  # every rank, the whole set; z0's pairs get theirs at every optimiser step
+            data["ref_logprobs"] = self.actor.reference_logprobs(_as_rollout(data))
         return data, stats
+
+    # ------------------------------------------------------------------ reference log-probs, once per iteration
+    def iteration_references(self, data: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The reference policy's log-probs the iteration's optimiser steps need, in one forward pass split over the
+        data-parallel ranks (each rank its contiguous part of the sequences, then gathered):
+
+        * ``ref_logprobs`` ``[N, S-1]``: the examples';
+        * ``kl_ref_resp`` ``[N, E]`` and ``kl_ref_sent`` ``[N, E, K]``: for every epoch ``e`` of the iteration, the
+          response and sentence sums of the mismatched pair (z0's KL estimate) whose prompt is example ``i``'s in
+          its minibatch (``_minibatch``): the policy's half is computed at the step, ``z0 = mean(Σ log π − these)``.
+        """
+        n, e_count = data["tokens"].shape[0], self.cfg.kto.epochs_per_iteration
+        pairs = [self._mismatched_pairs(data, epoch, index) for epoch in range(e_count)
+                 for index in range(math.ceil(n / self.cfg.model.global_batch_size))]
+        pairs = [p for p in pairs if p is not None]
+        seqs = [data["tokens"][i, : int(data["response_lengths"][i])] for i in range(n)]
+        seqs += [p["tokens"][j, : int(p["response_lengths"][j])] for p in pairs for j in range(len(p["anchor"]))]
+        plens = torch.cat([data["prompt_lengths"], *[p["prompt_lengths"] for p in pairs]])
+        mine = self.parallel.split(range(len(seqs)))
+        k = data["sent_start"].shape[1]
+        part = self._reference_part(seqs, plens, mine, n, pairs, k)
+        full, resp, sent = (torch.cat(x) for x in zip(*self.parallel.gather(part), strict=True))
+        out = {"ref_logprobs": torch.zeros(n, data["tokens"].shape[1] - 1),
+               "kl_ref_resp": torch.zeros(n, e_count, dtype=torch.float64),
+               "kl_ref_sent": torch.zeros(n, e_count, k, dtype=torch.float64)}
+        out["ref_logprobs"][:, : full.shape[1]] = full[:, : data["tokens"].shape[1] - 1]
+        anchor, epoch = (torch.cat([p[key] for p in pairs]) if pairs else torch.zeros(0, dtype=torch.long)
+                         for key in ("anchor", "epoch"))
+        out["kl_ref_resp"][anchor, epoch] = resp
+        out["kl_ref_sent"][anchor, epoch] = sent
+        return out
+
+    def _reference_part(self, seqs: Sequence[torch.Tensor], plens: torch.Tensor, mine: Sequence[int], n: int,
+                        pairs: Sequence[Mapping[str, torch.Tensor]], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's share of ``iteration_references``: the full log-probs of its example rows (``< n``) and the
+        response / sentence sums (``[P]``, ``[P, k]``) of its pair rows (``≥ n``)."""
+        width = max(len(x) for x in seqs)
+        if not mine:
+            return torch.zeros(0, width - 1), torch.zeros(0, dtype=torch.float64), torch.zeros(0, k, dtype=torch.float64)
+        tokens = torch.full((len(mine), width), self.actor.pad_id, dtype=torch.long)
+        for row, i in enumerate(mine):
+            tokens[row, : len(seqs[i])] = seqs[i]
+        lengths = torch.tensor([len(seqs[i]) for i in mine])
+        rollout = Rollout(tokens, plens[list(mine)], lengths, torch.ones(len(mine), dtype=torch.bool))
+        ref = self.actor.reference_logprobs(rollout)
+        examples = torch.tensor([i < n for i in mine])
+        starts = torch.cat([p["starts"] for p in pairs]) if pairs else torch.zeros(0, k, dtype=torch.long)
+        ends = torch.cat([p["ends"] for p in pairs]) if pairs else torch.zeros(0, k, dtype=torch.long)
+        pair_rows = torch.tensor([i - n for i in mine if i >= n], dtype=torch.long)
+        ref_pairs, ro_pairs = ref[~examples], Rollout(tokens[~examples], rollout.prompt_lengths[~examples],
+                                                      lengths[~examples], rollout.is_end[~examples])
+        mask = response_mask(ro_pairs.prompt_lengths, ro_pairs.response_lengths, ref.shape[1]).double()
+        # float64 sums: z0 is a small difference of two large sums of log-probs
+        return (ref[examples], (ref_pairs.double() * mask).sum(-1),
+                sentence_sums(ref_pairs.double(), starts[pair_rows], ends[pair_rows]))
+
+    def _minibatch(self, n: int, epoch: int, index: int) -> torch.Tensor:
+        """Indices (into the iteration's ``n`` examples) of minibatch ``index`` of ``epoch``: every rank draws the
+        same, seeded by the iteration and epoch."""
+        size = self.cfg.model.global_batch_size
+        order = torch.from_numpy(np.random.default_rng([self.cfg.trainer.seed, self.iteration, epoch]).permutation(n))
+        return order[index * size : (index + 1) * size]
+
+    def _mismatched_pairs(self, data: Mapping[str, torch.Tensor], epoch: int, index: int) -> dict[str, torch.Tensor] | None:
+        """The z0 pairs of one minibatch (None for a minibatch of one example: it has no z0), with the example each
+        pair's prompt comes from (``anchor``) and the epoch."""
+        idx = self._minibatch(data["tokens"].shape[0], epoch, index)
+        if len(idx) < 2:
+            return None
+        pairs, starts, ends = mismatched({key: v[idx] for key, v in data.items()}, self.actor.pad_id)
+        return {"tokens": pairs.tokens, "prompt_lengths": pairs.prompt_lengths, "response_lengths": pairs.response_lengths,
+                "starts": starts, "ends": ends, "anchor": idx, "epoch": torch.full((len(idx),), epoch, dtype=torch.long)}
+
 
     # ------------------------------------------------------------------ loss
     def loss_fn(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], *, z0: float, z0_f: float,
@@ -249,19 +352,27 @@ class KTOTrainer:
             metrics["loss/fkto"] = l_f.item()
         return loss, metrics
 
-    def _reference_points(self, mb: Mapping[str, torch.Tensor], positions: torch.Tensor,
-                          weight: torch.Tensor) -> tuple[float, float]:
+    def _reference_points(self, mb: Mapping[str, torch.Tensor], positions: torch.Tensor, weight: torch.Tensor,
+                          epoch: int) -> tuple[float, float]:
         """``z0`` and ``z0_f``: detached mean log-ratios of mismatched prompt/completion pairs of the global
         minibatch ``mb``, clamped at 0. Each rank computes the pairs at its ``positions`` ``[L]`` (weight 0:
-        padding); the sums and counts are all-reduced, so z0 is the global minibatch's on every rank."""
+        padding); the sums and counts are all-reduced, so z0 is the global minibatch's on every rank. The
+        reference's sums were computed once for the iteration (``kl_ref_resp`` / ``kl_ref_sent``, epoch ``epoch``);
+        without them (``kto.precompute_reference=false``) the reference log-probs are computed here."""
         pairs, starts, ends = mismatched(mb, self.actor.pad_id)
         sent_valid = mb["sent_valid"][(torch.arange(len(pairs)) + 1) % len(pairs)][positions] & (weight > 0).unsqueeze(1)
         rollout = Rollout(pairs.tokens[positions], pairs.prompt_lengths[positions], pairs.response_lengths[positions],
                           pairs.is_end[positions])
-        diff = self.actor.logprobs(rollout) - self.actor.reference_logprobs(rollout)
-        mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, diff.shape[1])
-        resp = (diff * mask).sum(-1).double()
-        sent = sentence_sums(diff, starts[positions], ends[positions])[sent_valid].double()
+        logprobs = self.actor.logprobs(rollout)
+        mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, logprobs.shape[1])
+        if "kl_ref_resp" in mb:  # float64: a small difference of two large sums
+            resp = (logprobs.double() * mask).sum(-1) - mb["kl_ref_resp"][positions, epoch]
+            sent = (sentence_sums(logprobs.double(), starts[positions], ends[positions])
+                    - mb["kl_ref_sent"][positions, epoch])[sent_valid]
+        else:
+            diff = logprobs - self.actor.reference_logprobs(rollout)
+            resp = (diff * mask).sum(-1).double()
+            sent = sentence_sums(diff, starts[positions], ends[positions])[sent_valid].double()
         w = weight.double()
         sums = self.parallel.sum_tensor(torch.stack([(resp * w).sum(), w.sum(), sent.sum(), sent_valid.sum().double()]))
         z0 = max(float(sums[0] / sums[1]), 0.0) if sums[1] > 0 else 0.0  # reference_point over the global pairs
@@ -278,18 +389,17 @@ class KTOTrainer:
             if self.step >= self.cfg.trainer.max_steps:
                 return False
             epoch, index = divmod(self.position, per_epoch)
-            order = torch.from_numpy(np.random.default_rng([self.cfg.trainer.seed, self.iteration, epoch]).permutation(n))
-            idx = order[index * m.global_batch_size : (index + 1) * m.global_batch_size]
+            idx = self._minibatch(n, epoch, index)
             # every rank holds the same data and draws the same global minibatch, then trains on its rows of it
             global_mb = {key: v[idx] for key, v in self.data.items()}
             positions, weight = rank_rows(len(idx), self.parallel.rank, self.parallel.size, m.micro_batch_size)
-            mb = {key: v[positions] for key, v in global_mb.items()}
+            mb = {key: v[positions] for key, v in global_mb.items() if not key.startswith("kl_ref_")}
             if self.parallel.size > 1:
                 mb["weight"] = weight
                 mb["sent_valid"] = mb["sent_valid"] & (weight > 0).unsqueeze(1)
             timer = PhaseTimer()
             with timer("reference_points"):
-                z0, z0_f = self._reference_points(global_mb, positions, weight) if len(idx) > 1 else (0.0, 0.0)
+                z0, z0_f = self._reference_points(global_mb, positions, weight, epoch) if len(idx) > 1 else (0.0, 0.0)
             n_sent = float(global_mb["sent_valid"].sum())  # global counts: the global minibatch is on every rank
             fn = partial(self.loss_fn, z0=z0, z0_f=z0_f, n_examples=float(len(idx)), n_sentences=n_sent)
             with timer("train"):
@@ -318,8 +428,15 @@ class KTOTrainer:
                 if self.data is None:
                     self.actor.reset_reference()  # reference = this iteration's starting policy
                     timer = PhaseTimer()
-                    with timer("collect"):
-                        self.data, stats = self.collect()
+                    try:
+                        # the labeller's server gone past its retry window: checkpoint the iteration as not yet sampled
+                        with timer("collect"), checkpoint_if_server_gone(self._save, step=self.step,
+                                                                         start=StepStart(self.sampler)):
+                            self.data, stats = self.collect()
+                    except TrainingStalledError as err:  # nothing labelled, nothing to train on: checkpoint and stop
+                        self.logger.close()
+                        raise TrainingStalledError(f"{err}; checkpoint {self._save()} is written: fix the reward and "
+                                                   "rerun the same command to resume") from None
                     self._pending = {**stats, **timer.times}  # logged with the iteration's first optimiser step
                     self.position = 0
                 if not self.train_iteration_batches(preempted):
@@ -365,6 +482,8 @@ class KTOTrainer:
             raw = load_file(latest / "iteration_data.safetensors")
             bools = ("desirable", "sent_label", "sent_valid")
             self.data = {k: (v.to(torch.bool) if k in bools else v) for k, v in raw.items()}
+            if self.cfg.kto.precompute_reference and "kl_ref_resp" not in self.data:  # written without them
+                self.data.update(self.iteration_references(self.data))
         self.logger.truncate_after(self.step)
         log.info("resumed from %s (iteration %d, step %d)", latest, self.iteration, self.step)
 

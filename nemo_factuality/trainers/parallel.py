@@ -118,6 +118,20 @@ class DataParallel:
         """Every data-parallel rank's ``obj`` (picklable), in rank order; ``[obj]`` on world 1."""
         return list(self.actor.all_gather_object(obj)) if self.size > 1 else [obj]
 
+    @property
+    def is_model_parallel_source(self) -> bool:
+        """Whether this rank is its model replica's source rank (the one that calls the reward); True without
+        model parallelism."""
+        return bool(getattr(self.actor, "is_model_parallel_source", True))
+
+    def split(self, items: Sequence[T]) -> list[T]:
+        """This rank's contiguous part of ``items`` split as evenly as possible (sizes differ by at most one; a rank
+        may get none). ``gather`` of the parts, concatenated, is ``items`` in order."""
+        if self.size <= 1:
+            return list(items)
+        n = len(items)
+        return list(items[self.rank * n // self.size : (self.rank + 1) * n // self.size])
+
     def on_model_parallel_source(self, fn: Callable[[], T]) -> T:
         """``fn()`` once per model replica, its result on every rank of the replica (the actor's model-parallel
         ranks hold the same rollout: scoring it on each would multiply the judge load and, with a sampling

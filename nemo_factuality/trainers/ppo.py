@@ -8,7 +8,8 @@ One step:
 1. **rollout** — one response per prompt (``ppo.num_prompts_per_step`` prompts).
 2. **reward** — the RLFH reward's ``token_rewards`` (``r_truth`` at each statement's last token,
    ``r_info`` at each sentence end, the missing-EOS penalty on the last token); a reward without token
-   rewards puts its scalar on the last action, as NeMo-Aligner does (index ``response_length − 2``).
+   rewards puts its scalar on the last action, as NeMo-Aligner does (index ``response_length − 2``); a response
+   without any token has no action to carry it and leaves the loss (Aligner clamps the index onto the prompt).
 3. **advantage** — ``r_t − β·KL_t`` (k3, in the reward: RLFH/OpenRLHF), GAE(γ, λ) against the critic's
    values, returns = advantages + values; advantages whitened over the batch (all data-parallel
    ranks' rows) with the unbiased variance (verl). A NaN score (abstention, failed judge) removes the sample from both losses.
@@ -50,15 +51,25 @@ log = logging.getLogger(__name__)
 
 
 def token_reward_tensor(rewards: RewardBatch, rollout: Rollout) -> torch.Tensor:
-    """``[B, S-1]`` rewards: the reward's token rewards, or its scalar on the last action (``response_length − 2``)."""
+    """``[B, S-1]`` rewards: the reward's token rewards, or its scalar on the last action (``response_length − 2``).
+
+    A response without a single token (``response_length == prompt_length``) has no action to carry a reward: its
+    row stays 0 and the stage takes the sample out of the loss (``has_action``). NeMo-Aligner clamps the index
+    at 0 instead, which puts such a reward on a prompt position the mask drops (and an unclamped ``-1`` would put
+    it on the last column)."""
     dense = place_on_tokens(rewards.token_rewards, rollout)
     if dense is not None:
         return torch.nan_to_num(dense)
     out = torch.zeros(rollout.tokens.shape[0], rollout.tokens.shape[1] - 1)
-    scores = torch.as_tensor(rewards.scores, dtype=torch.float32)
-    rows = torch.arange(len(rollout))
-    out[rows, rollout.response_lengths - 2] = torch.nan_to_num(scores)
+    scores = torch.nan_to_num(torch.as_tensor(rewards.scores, dtype=torch.float32))
+    rows = torch.nonzero(has_action(rollout)).squeeze(1)
+    out[rows, rollout.response_lengths[rows] - 2] = scores[rows]
     return out
+
+
+def has_action(rollout: Rollout) -> torch.Tensor:
+    """``[B]`` bool: the response has at least one token (an action the reward and the loss can sit on)."""
+    return rollout.response_lengths > rollout.prompt_lengths
 
 
 class PPOTrainer(GRPOTrainer):
@@ -77,26 +88,49 @@ class PPOTrainer(GRPOTrainer):
     def _samples_per_prompt(self) -> int:
         return 1  # RLFH: one response per prompt; the critic is the baseline
 
-    def _experience(self, rollout: Rollout, rewards: RewardBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        return self.make_ppo_experience(rollout, rewards)
+    def _algo(self) -> Any:
+        return self.cfg.ppo
+
+    def _logprobs(self, rollout: Rollout) -> dict[str, torch.Tensor]:
+        """The critic's ``values`` and the policy's ``old_logprobs`` (unless the training forward provides them)
+        and ``ref_logprobs`` (with a KL penalty), ``[B, S-1]`` each: computed while the reward is in flight."""
+        out = {"values": self.critic.values(rollout)}
+        if not self.reuses_training_logprobs():
+            out["old_logprobs"] = self.actor.logprobs(rollout)
+        if self.cfg.ppo.initial_policy_kl_penalty > 0:
+            out["ref_logprobs"] = self.actor.reference_logprobs(rollout)
+        return out
+
+    def reuses_training_logprobs(self) -> bool:
+        """Exactly on-policy (one epoch, one minibatch) without a KL penalty: the training forward's detached
+        log-probs are the old ones. With the penalty the KL goes into the token rewards, before the update."""
+        p = self.cfg.ppo
+        return p.num_epochs == 1 and p.num_prompts_per_step == self.cfg.model.global_batch_size and p.initial_policy_kl_penalty == 0
+
+    def _experience(self, rollout: Rollout, rewards: RewardBatch,
+                    logprobs: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        return self.make_ppo_experience(rollout, rewards, logprobs)
 
     def _update(self, experience: Mapping[str, torch.Tensor]) -> dict[str, float]:
         return self.update_ppo(experience)
 
-    def make_ppo_experience(self, rollout: Rollout, rewards: RewardBatch) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def make_ppo_experience(self, rollout: Rollout, rewards: RewardBatch, logprobs: Mapping[str, torch.Tensor] | None = None
+                            ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """GAE advantages and returns from the token rewards − β·KL_t and the critic's values (``logprobs``:
+        ``_logprobs``'s, computed here when not given)."""
         p = self.cfg.ppo
         s1 = rollout.tokens.shape[1] - 1
         mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, s1)
-        valid = ~torch.isnan(torch.as_tensor(rewards.scores, dtype=torch.float32))
+        valid = ~torch.isnan(torch.as_tensor(rewards.scores, dtype=torch.float32)) & has_action(rollout)
         if p.truncated == "mask":
             valid &= rollout.is_end
         mask = mask * valid.unsqueeze(1).to(mask.dtype)
-        old_logprobs = self.actor.logprobs(rollout)
-        values = self.critic.values(rollout)
+        logprobs = self._logprobs(rollout) if logprobs is None else logprobs
+        old_logprobs, values = logprobs.get("old_logprobs"), logprobs["values"]
         token_rewards = token_reward_tensor(rewards, rollout)
-        kl = torch.zeros_like(old_logprobs)
+        kl = torch.zeros_like(values)
         if p.initial_policy_kl_penalty > 0:
-            kl = kl_penalty(old_logprobs, self.actor.reference_logprobs(rollout), p.kl_estimator)
+            kl = kl_penalty(old_logprobs, logprobs["ref_logprobs"], p.kl_estimator)
         shaped = dense_rewards_with_kl(token_rewards, kl, mask, p.initial_policy_kl_penalty)
         advantages, returns = gae(shaped, values, mask, p.discount_factor, p.gae_lambda)
         if p.normalize_advantages and self.parallel.size > 1:  # the batch's statistics span every rank's rows
@@ -104,8 +138,9 @@ class PPOTrainer(GRPOTrainer):
         elif p.normalize_advantages and mask.sum() > 1:
             advantages = masked_whiten(advantages, mask, unbiased=True)
         exp = {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
-               "old_logprobs": old_logprobs, "old_values": values * mask, "returns": returns * mask,
-               "advantages": advantages * mask, "mask": mask}
+               "old_values": values * mask, "returns": returns * mask, "advantages": advantages * mask, "mask": mask}
+        if old_logprobs is not None:
+            exp["old_logprobs"] = old_logprobs
         any_tok = mask.sum() > 0
         metrics = {"kl": masked_mean(kl, mask).item() if any_tok else 0.0, "valid_frac": valid.float().mean().item(),
                    "reward/token_sum": (token_rewards * mask).sum(-1)[valid].mean().item() if valid.any() else math.nan,
@@ -116,7 +151,8 @@ class PPOTrainer(GRPOTrainer):
     def actor_loss(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], *, global_tokens: float,
                    global_seqs: float) -> tuple[torch.Tensor, dict[str, float]]:
         m = self.cfg.model
-        loss, metrics = ppo_policy_loss(out["logprobs"], mb["old_logprobs"], mb["advantages"], mb["mask"], eps=m.ratio_eps,
+        old = mb["old_logprobs"] if "old_logprobs" in mb else out["logprobs"].detach()  # exactly on-policy: ratio 1
+        loss, metrics = ppo_policy_loss(out["logprobs"], old, mb["advantages"], mb["mask"], eps=m.ratio_eps,
                                         eps_high=m.ratio_eps_high, clip_ratio_c=m.clip_ratio_c, agg=m.loss_agg,
                                         global_tokens=global_tokens, global_seqs=global_seqs,
                                         entropy=out.get("entropy"), entropy_coef=m.entropy_bonus)

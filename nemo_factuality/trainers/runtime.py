@@ -7,6 +7,9 @@
   step, data position, counters, early-stopping state and every RNG (torch, numpy, python).
 * ``PreemptionFlag``: SIGUSR1 (Slurm's ``--signal=B:USR1@...``) and SIGTERM set a flag; the stage
   checkpoints at the end of the step and exits 0 so the launcher's requeue resumes it.
+* ``StepStart`` + ``checkpoint_if_server_gone``: a reward or critic server that stayed away past its retry
+  window (the clients wait and retry; ``ServerUnavailableError``) ends the run with a checkpoint of the step's
+  start and ``RunStopped`` (exit 75 at the command boundary), so the requeued job redoes that step.
 * ``score_rollout``: decode a rollout, call the reward, place token rewards/signs on ``[B, S-1]``.
 """
 
@@ -28,10 +31,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_factuality.fileio import respect_umask
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.trainers.interfaces import Rollout
 from nemo_factuality.trainers.parallel import DataParallel
-from nemo_factuality.types import FactualityInputError, RewardBatch
+from nemo_factuality.types import FactualityInputError, RewardBatch, ServerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,15 @@ def set_rng_state(tensors: Mapping[str, torch.Tensor], js: Mapping[str, Any]) ->
     torch.set_rng_state(tensors["torch"])
     if "cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(tensors["cuda"]))
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Put back what ``rng_state()`` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def seed_everything(seed: int) -> None:
@@ -189,6 +202,7 @@ class Checkpointer:
         par.barrier()  # every rank's files are in tmp
         if par.is_writer:
             (tmp / "trainer_state.json").write_text(json.dumps({**state, "rng": _rng_to_json(rng)}), encoding="utf-8")
+            respect_umask(tmp)  # safetensors files come out 0600 otherwise
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             pointer_tmp = self.root / ".latest.tmp"
@@ -243,6 +257,91 @@ class PreemptionFlag:
 
     def __bool__(self) -> bool:
         return self.signal is not None
+
+
+class TrainingStalledError(RuntimeError):
+    """A stage stopped because it could not learn: ``trainer.max_invalid_steps`` steps without a valid sample,
+    or a KTO iteration whose labeller labelled nothing.
+
+    Not a user error and not a crash: the CLI boundary prints it as one line and exits with ``exit_code``."""
+
+    exit_code = 3
+
+
+class InvalidSteps:
+    """Counts consecutive steps without a valid sample; ``limit`` of them (``trainer.max_invalid_steps``, 0 = off)
+    stop the run, so a run whose rewards all fail ends with an error instead of "finishing" untrained."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.count = limit, 0
+
+    def update(self, any_valid: bool) -> bool:
+        """Record one step; True when the run must stop."""
+        self.count = 0 if any_valid else self.count + 1
+        return bool(self.limit) and self.count >= self.limit
+
+    def error(self, step: int, checkpoint: Path, why: str) -> TrainingStalledError:
+        return TrainingStalledError(
+            f"stopped at step {step}: {self.count} consecutive steps had no valid sample ({why}); "
+            f"trainer.max_invalid_steps={self.limit} (0 = never stop for this). Checkpoint {checkpoint} is written: "
+            "fix the reward (its judges / server, the reward.* and remote_rm.* URLs) and rerun the same command to resume")
+
+
+class RunStopped(ServerUnavailableError):
+    """The stage stopped because a server stayed away past its retry window (after writing a checkpoint when it
+    could); the command boundary prints it as one line and exits 75 so the launcher requeues the job."""
+
+
+class StepStart:
+    """What a step changes before its first optimiser update — the prompt sampler's position and the RNG streams —
+    captured at its start, so a step abandoned before any update can be checkpointed as not yet begun.
+
+    ``updated()``: the critic server took an optimiser step since (PPO's later minibatches); the weights are then
+    mid-step and no checkpoint of the step's start exists."""
+
+    def __init__(self, sampler: Any, critic: Any = None) -> None:
+        self.sampler, self.critic = sampler, critic
+        self.sampler_state, self.rng = sampler.state_dict(), rng_state()
+        self.critic_step = getattr(critic, "expected_step", None)
+
+    def restore(self) -> None:
+        self.sampler.load_state_dict(self.sampler_state)
+        restore_rng(self.rng)
+
+    def updated(self) -> bool:
+        return getattr(self.critic, "expected_step", None) != self.critic_step
+
+
+@contextmanager
+def checkpoint_if_server_gone(save: Callable[[], Path], *, step: int, before_save: Callable[[], None] | None = None,
+                              start: StepStart | None = None) -> Iterator[None]:
+    """Run the block; a ``ServerUnavailableError`` from it (a client's retry window ran out) becomes: ``start``
+    restored (the abandoned step not begun) or ``before_save()`` (a finished step's metrics logged), ``save()``, and
+    ``RunStopped`` naming the server and the checkpoint. No checkpoint when the error says one would be
+    inconsistent (``checkpoint_safe = False``: a restarted critic behind the actor) or the step had updated weights.
+
+    Under data parallelism every rank's client gives up within moments of the others (same server, same window),
+    and the checkpoint is collective; a server back at the very end of the window can still split the ranks,
+    which then fail on the distributed timeout and resume from the previous checkpoint."""
+    try:
+        yield
+    except ServerUnavailableError as err:
+        if isinstance(err, RunStopped):
+            raise
+        if not getattr(err, "checkpoint_safe", True) or (start is not None and start.updated()):
+            raise RunStopped(f"{_one_line(err)}; no checkpoint written at step {step} (the weights were mid-step or "
+                             "the critic lost its state): the rerun resumes from the last checkpoint") from err
+        if start is not None:
+            start.restore()
+        if before_save is not None:
+            before_save()
+        path = save()
+        raise RunStopped(f"{_one_line(err)}; checkpoint {path.name} written: rerun (Slurm requeue) to resume at "
+                         f"step {step + 1}") from err
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
 
 
 class EarlyStopping:
@@ -311,6 +410,13 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
     ``records[i]`` is the prompt record of rollout row ``i``. Token-level outputs must have one entry
     per response token (``completion_ids``); anything else is a reward bug and raises.
     """
+    batch, completions, ids = call_reward(reward, rollout, records, tokenizer, eos_id)
+    return check_token_outputs(batch, ids), completions
+
+
+def call_reward(reward: Any, rollout: Rollout, records: Sequence[PromptRecord], tokenizer: Any,
+                eos_id: int) -> tuple[RewardBatch, list[str], list[list[int]]]:
+    """The reward call of ``score_rollout`` alone: (the reward's batch as returned, completions, completion ids)."""
     completions, ids = completions_of(rollout, tokenizer, eos_id)
     names = sorted({k for r in records for k in r.columns})
     columns = {k: [r.columns.get(k) for r in records] for k in names}
@@ -318,11 +424,17 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
                    is_end=[bool(x) for x in rollout.is_end.tolist()], **columns)
     if len(batch) != len(rollout):
         raise RuntimeError(f"reward returned {len(batch)} scores for {len(rollout)} completions")
+    return batch, completions, ids
+
+
+def check_token_outputs(batch: RewardBatch, ids: Sequence[Sequence[int]]) -> RewardBatch:
+    """``batch`` with its token-level outputs checked against the response token ``ids`` (one entry per token).
+
+    A served reward always sends token rewards/signs; all-empty rows mean the method has none (e.g. a scalar
+    labeller), not "zero reward on every token", so they become ``None``."""
     for attr in ("token_rewards", "token_signs"):
         values = getattr(batch, attr)
         if values is not None and any(ids) and not any(len(v) for v in values):
-            # The served reward's wire format always carries these outputs; all-empty rows mean the
-            # method has none (e.g. a scalar labeller), not "zero reward on every token".
             setattr(batch, attr, None)
             continue
         if values is None:
@@ -330,7 +442,7 @@ def score_rollout(reward: Any, rollout: Rollout, records: Sequence[PromptRecord]
         for i, (v, x) in enumerate(zip(values, ids, strict=True)):
             if len(v) != len(x):
                 raise RuntimeError(f"reward {attr}[{i}] has {len(v)} entries for {len(x)} response tokens")
-    return batch, completions
+    return batch
 
 
 def place_on_tokens(values: Sequence[np.ndarray] | None, rollout: Rollout, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
@@ -353,7 +465,7 @@ def build_reward(cfg: Any, tokenizer: Any) -> Any:
         from nemo_factuality.serving.client import RemoteFactualityReward
 
         reward = RemoteFactualityReward(url, model_name=cfg.remote_rm.reward_model.name, timeout_s=cfg.remote_rm.timeout_s,
-                                        init_timeout_s=cfg.remote_rm.init_timeout_s)
+                                        init_timeout_s=cfg.remote_rm.init_timeout_s, retry=backoff(cfg.remote_rm.retry))
         down = {k: v for k, v in reward.health().items() if v}
         if down:
             raise FactualityInputError(f"remote_rm: the reward server is not ready: {'; '.join(down.values())} "
@@ -361,7 +473,44 @@ def build_reward(cfg: Any, tokenizer: Any) -> Any:
         return reward
     from nemo_factuality.registry import build_reward as build_method_reward
 
-    return build_method_reward(cfg.reward, tokenizer)
+    reward = build_method_reward(cfg.reward, tokenizer)
+    check_reward_health(reward, cfg.reward)
+    return reward
+
+
+def check_reward_health(reward: Any, spec: Mapping[str, Any]) -> None:
+    """Fail before training when the in-process reward's judges, general RM or store are down (``health()``),
+    naming each failure and the ``reward.*`` key that points at it: otherwise every reward is NaN and the
+    run trains nothing while waiting on each judge's timeout."""
+    health = getattr(reward, "health", None)
+    down = {k: v for k, v in (health() if callable(health) else {}).items() if v}
+    if not down:
+        return
+    parts = []
+    for component, why in down.items():
+        keys = [key for key, value in _location_keys(spec, "reward") if value.rstrip("/") in why]
+        parts.append(f"{why} (config key{'s' if len(keys) > 1 else ''} {', '.join(keys)})" if keys else f"{component}: {why}")
+    raise FactualityInputError("the reward is not ready: " + "; ".join(parts) +
+                               "; start what is down, or point its config key at one that runs")
+
+
+def _location_keys(node: Any, prefix: str) -> Iterator[tuple[str, str]]:
+    """``(dotted key, value)`` of every URL / path leaf (``*url``, ``*path``) of a reward spec."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            key = f"{prefix}.{k}"
+            if isinstance(v, str) and v and str(k).endswith(("url", "path")):
+                yield key, v
+            else:
+                yield from _location_keys(v, key)
+
+
+def backoff(retry: Any) -> Any:
+    """A ``RetryConfig`` (``remote_rm.retry`` / ``critic.retry``) as the clients' ``Backoff``."""
+    from nemo_factuality.serving.client import Backoff
+
+    return Backoff(max_wait_s=float(retry.max_wait_s), initial_s=float(retry.initial_s), max_s=float(retry.max_s),
+                   jitter=float(retry.jitter))
 
 
 def records_for_rows(records: Sequence[PromptRecord], repeats: int) -> list[PromptRecord]:

@@ -172,6 +172,10 @@ class CoverageJudge:
         self.client, self.max_tokens = client, max_tokens
         self.errors = 0
 
+    def health(self) -> dict[str, str | None]:
+        fn = getattr(self.client, "health", None)
+        return fn() if callable(fn) else {}
+
     def covered_batch(self, responses: Sequence[str], items: Sequence[str]) -> list[bool | None]:
         """Covered or not per (response, item); ``None`` when the reply failed or could not be read."""
         return [covered for covered, _ in self.check_batch(responses, items)]
@@ -207,6 +211,10 @@ class AnswerGrader:
 
     def __init__(self, client: JudgeClient, max_tokens: int = 8) -> None:
         self.client, self.max_tokens = client, max_tokens
+
+    def health(self) -> dict[str, str | None]:
+        fn = getattr(self.client, "health", None)
+        return fn() if callable(fn) else {}
 
     def grade_batch(self, questions: Sequence[str], golds: Sequence[str], preds: Sequence[str]) -> list[tuple[str | None, str | None]]:
         reqs = [judge_request(GRADER_PROMPT, untrusted={"pred": p}, trusted={"question": q, "gold": g}, max_tokens=self.max_tokens)

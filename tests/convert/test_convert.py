@@ -25,9 +25,9 @@ from nemo_factuality.testing.tiny_models import LLAMA3_SCALING, build_tiny_causa
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
 
 
-def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
     """Converters run in subprocesses: Megatron's process group and CPU shims stay out of the test process."""
-    return subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", *args], env=ENV,
+    return subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", *args], env=dict(ENV, **env),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -108,8 +108,8 @@ def _assert_tokenizer_resolves_like_nemo(nemo: Path, extract_to: Path) -> None:
     assert tokenizer.decode(tokenizer.encode("the capital of France")).strip() == "the capital of France"
 
 
-def _verify(hf: Path, nemo: Path, tp: int, pp: int) -> dict:
-    res = _run("verify", "--hf", str(hf), "--nemo", str(nemo), "--tp", str(tp), "--pp", str(pp), timeout=300)
+def _verify(hf: Path, nemo: Path, tp: int, pp: int, **env: str) -> dict:
+    res = _run("verify", "--hf", str(hf), "--nemo", str(nemo), "--tp", str(tp), "--pp", str(pp), timeout=300, **env)
     line = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     assert res.returncode == 0 and line, res.stdout[-1500:] + res.stderr[-3000:]
     result = json.loads(line[-1])
@@ -120,8 +120,11 @@ def _verify(hf: Path, nemo: Path, tp: int, pp: int) -> dict:
 def test_logits_match_hf_at_tp1_tp2_pp2_from_one_checkpoint(models, tmp_path):
     nemo = tmp_path / "bridge.nemo"
     assert _run("hf-to-nemo", "--hf", str(models["qwen2_bridge"]), "--out", str(nemo)).returncode == 0
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
-        assert _verify(models["qwen2_bridge"], nemo, tp, pp)["max_abs_diff"] < 1e-5
+        assert _verify(models["qwen2_bridge"], nemo, tp, pp, TMPDIR=str(tmp))["max_abs_diff"] < 1e-5
+    assert list(tmp.glob("nf_pg_*")) == []  # the one-process group left a directory behind per run
 
 
 def _tensor_metadata(weights_dir: Path) -> dict:

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import re
 
 import pytest
@@ -56,7 +57,14 @@ def test_group_by_and_demo(tmp_path):
     groups = json.loads((out / "report.json").read_text())["groups"]
     assert set(groups) == {"all", "x", "y"} and groups["x"]["safe"]["precision"] == 1.0
     demo = tmp_path / "demo"
-    assert cli(["eval", "--demo", "--output", str(demo)]) == 0
+    old_umask = os.umask(0o022)
+    try:
+        assert cli(["eval", "--demo", "--output", str(demo)]) == 0
+    finally:
+        os.umask(old_umask)
+    # the temp-file-and-rename writes give the mode any file gets under umask 022 (mkstemp's is 0600)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in demo.iterdir() if p.is_file()}
+    assert modes == {n: "0o644" for n in ("report.json", "report.md", "precision_vs_claims.png", "demo_kb.sqlite")}, modes
     rep = json.loads((demo / "report.json").read_text())["groups"]
     # careful responders are more precise than bold ones on the embedded knowledge store
     assert rep["careful"]["safe"]["precision"] > rep["bold"]["safe"]["precision"]
@@ -145,3 +153,24 @@ def test_plot_draws_identical_points_once_with_their_count_and_names_what_it_lea
     assert group_label("all", records) == "all: n=8, 1 abstained, 1 without S/NS"
     render_plot(records, tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_counts_never_overprint(tmp_path):
+    """Two groups with 17 and 30 responses at one point (4 claims, precision 1) printed "1730"; now every count
+    is written where no other count is, and every count > 1 is written."""
+    from nemo_factuality.evaluation.render import render_plot
+    from nemo_factuality.evaluation.report import EvalRecord
+
+    records: list[EvalRecord] = []
+    for n, group, labels in ((17, "popular", [S] * 4), (30, "rare", [S] * 4), (12, "popular", [S] * 3 + [NS]),
+                             (9, "rare", [S] * 3 + [NS]), (3, "popular", [S] * 12), (2, "rare", [S] * 2 + [NS] * 2),
+                             (7, "popular", [S] * 5), (5, "rare", [S] * 5)):
+        records += [EvalRecord(str(len(records) + i), "p", "r", tuple(("c", lab) for lab in labels), group) for i in range(n)]
+    written = render_plot(records, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    # per panel: the distribution (27, 12, 35, 9, 2) and the scatter (17, 30, 12, 9, 2, 7, 5, 3)
+    assert sorted(int(t) for t, _ in written) == sorted([27, 12, 35, 9, 2, 17, 30, 12, 9, 2, 7, 5, 3])
+    boxes = [box for _, box in written]
+    for i, (ax0, ay0, ax1, ay1) in enumerate(boxes):
+        for bx0, by0, bx1, by1 in boxes[i + 1:]:
+            assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, (boxes[i], (bx0, by0, bx1, by1))

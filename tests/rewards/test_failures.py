@@ -127,3 +127,43 @@ def test_klcf_checklist_builder_never_writes_a_silently_empty_checklist(down_jud
     build_checklists(pipe, src, tmp_path / "out.jsonl")
     (row,) = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert row["checklist"] is None and row["n_failed"] == 2 and "HTTP 503" in row["error"]
+
+
+# a special token sampled inside a multi-byte character: ids that cannot be aligned to the text they decode to
+UNALIGNABLE_IDS = [347, 213, 161, 1, 109, 7, 367, 386]
+
+
+def test_a_sample_whose_token_ids_do_not_align_fails_alone(kb, tiny_tokenizer):
+    """FSPO's token signs and RLFH's token rewards need the policy's ids aligned to the text: one sample whose ids
+    cannot be is NaN with the reason and zero token outputs, the rest of the batch is scored as usual."""
+    from nemo_factuality.rewards.fspo import FSPOConfig, FSPOReward
+
+    bad = tiny_tokenizer.decode(UNALIGNABLE_IDS, skip_special_tokens=True)
+    good = "<think>Ada Varga was born in 1917.</think><answer>1917</answer>"
+    ids = [UNALIGNABLE_IDS, tiny_tokenizer.encode(good, add_special_tokens=False)]
+    pipe = build_pipeline({"extractor": {"name": "identity", "segments": ["think"]}, "evidence": {"name": "given"},
+                           "verifier": {"name": "kb_exact", "store_path": kb}, "abstain_detection": None})
+    out = FSPOReward(pipe, FSPOConfig(), tiny_tokenizer)(["q", "q"], [bad, good], ground_truth=["1917"] * 2,
+                                                         knowledge=["Ada Varga was born in 1917."] * 2, completion_ids=ids)
+    _assert_failed(out, 0, "token alignment", "out of order")
+    assert out.scores[1] > 0 and "error" not in out.details[1]
+    assert [len(s) for s in out.token_signs] == [len(x) for x in ids] and not out.token_signs[0].any()
+    assert out.token_signs[1].any()  # the good sample's verified step is signed
+
+    def judge(req):
+        content = req["messages"][-1]["content"]
+        if "atomic statements" in content:
+            return Reply(">> Sentence 1: Ada Varga was born in 1917.\n* Ada Varga was born in 1917")
+        return Reply("Correct") if "Choose from" in content else Reply("5")
+
+    with ScriptedOpenAIServer(judge) as srv:
+        client = OpenAIJudgeClient(srv.url, "judge", max_retries=0)
+        rlfh_pipe = build_pipeline({"extractor": {"name": "rlfh"}, "evidence": {"name": "bm25_sections"},
+                                    "verifier": {"name": "llm_judge", "style": "rlfh"}}, judge_client=client)
+        text = "Ada Varga was born in 1917."
+        ids = [UNALIGNABLE_IDS, tiny_tokenizer.encode(text, add_special_tokens=False)]
+        out = RLFHReward(rlfh_pipe, InformativenessScorer(client), tokenizer=tiny_tokenizer)(
+            ["q", "q"], [bad, text], materials=[["x"]] * 2, completion_ids=ids)
+    _assert_failed(out, 0, "token alignment")
+    assert math.isfinite(out.scores[1]) and "error" not in out.details[1]
+    assert [len(t) for t in out.token_rewards] == [len(x) for x in ids] and not out.token_rewards[0].any()

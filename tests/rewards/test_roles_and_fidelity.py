@@ -95,7 +95,7 @@ def test_general_rm_from_config_takes_effect(tiny_rm, kb):
     out = REWARDS.build(spec)(prompts, completions)
     # independent reference: HF forward of each rendered chat, one at a time (no padding)
     expected = []
-    for p, c in zip(prompts, completions):
+    for p, c in zip(prompts, completions, strict=True):
         text = tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
         with torch.no_grad():
             logit = model(**tok(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
@@ -107,6 +107,35 @@ def test_general_rm_from_config_takes_effect(tiny_rm, kb):
     # batched (padded) scoring gives the same numbers as one at a time
     batched = REWARDS.build({**spec, "general_rm": {"kind": "hf", "model_path": str(path), "batch_size": 8}})(prompts, completions)
     np.testing.assert_allclose(batched.components["general_rm"], expected, atol=1e-5)
+
+
+def test_general_rm_served_reward_is_the_models_raw_score(tiny_rm):
+    """``nemo-factuality serve --config-name general_rm`` builds this reward: the score is the RM's raw logit (KLCF
+    applies σ itself), from the serve config as shipped plus the model path."""
+    path, model, tok = tiny_rm
+    cfg = load_config(ServeConfig, "general_rm", [f"reward.model_path={path}", "reward.batch_size=1"], group="serve")
+    reward = REWARDS.build(cfg.reward)
+    prompts, completions = ["Who is Ada?", "Where was she born?"], [TRUE, "In Ostrava, I believe."]
+    out = reward(prompts, completions)
+    expected = []
+    for p, c in zip(prompts, completions, strict=True):
+        text = tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
+        with torch.no_grad():
+            expected.append(model(**tok(text, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item())
+    np.testing.assert_allclose(out.scores, expected, atol=1e-5)
+    np.testing.assert_allclose(out.components["general_rm"], expected, atol=1e-5)
+    assert reward.health() == {f"general_rm:{path}": None}
+    with pytest.raises(FactualityInputError, match="general_rm: 2 prompts but 1 completions"):
+        reward(prompts, completions[:1])
+
+
+def test_remote_general_rm_on_our_server_fails_loudly():
+    """``model_name: factuality_reward`` (our server's rich model, NaN kept): a dead server is an error naming the key."""
+    from nemo_factuality.rewards.general_rm import GeneralRMError, build_general_rm
+
+    rm = build_general_rm({"kind": "remote", "url": "http://127.0.0.1:9", "model_name": "factuality_reward", "timeout_s": 1})
+    with pytest.raises(GeneralRMError, match=r"general RM: reward server http://127\.0\.0\.1:9 .*reward\.general_rm\.url"):
+        rm(["q"], ["a"])
 
 
 # ------------------------------------------------------------------------------------------- §4 RLFH

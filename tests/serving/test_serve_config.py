@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_factuality.config import conf_dir, load_config
+from nemo_factuality.config import REPO_ROOT, conf_dir, load_config
 from nemo_factuality.serving.config import ServeConfig
 
 METHODS = ["klcf", "fspo", "knowrl", "rlfh", "factalign", "demo"]
@@ -68,3 +69,45 @@ def test_a_signs_only_reward_sends_its_signs_one_per_response_token(tiny_tokeniz
                             completions=np.array([[b"a b c"], [b"d"]], dtype=object), columns=columns)
     batch = _to_batch(out)
     assert [s.tolist() for s in batch.token_signs] == [[-1, -1, -1], [-1]] and batch.token_rewards is None
+
+
+@pytest.fixture(scope="module")
+def demo_workdir(tmp_path_factory):
+    """A working directory where `serve --config-name demo` finds its store (outputs/demo_kb.sqlite)."""
+    from nemo_factuality.knowledge.store import build_store
+
+    root = tmp_path_factory.mktemp("serve_demo")
+    data = REPO_ROOT / "nemo_factuality" / "data"
+    build_store(data / "demo_passages.jsonl", root / "outputs" / "demo_kb.sqlite", facts_jsonl=data / "demo_facts.jsonl",
+                progress=False)
+    return root
+
+
+@pytest.mark.parametrize("key", ["http_port", "health_port"])
+def test_serve_on_a_taken_port_is_one_line_naming_the_key_and_port(demo_workdir, key):
+    """Before: Triton's misleading `[403] ... triton-access-token` (http_port) or `OSError: Address already in use`
+    (health_port, after Triton had started), exit 1. Now: checked before the reward or Triton starts."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from nemo_factuality.testing.ports import free_ports
+    from nemo_factuality.testing.servers import SERVE_PORT_KEYS
+
+    ports = dict(zip(SERVE_PORT_KEYS, free_ports(len(SERVE_PORT_KEYS))))
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTRITON_HOME=str(demo_workdir / "pytriton_home"))
+    env.pop("NEMO_FACTUALITY_DEBUG", None)
+    with socket.socket() as held:  # another process's server: bound and listening on loopback
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        ports[key] = held.getsockname()[1]
+        start = time.monotonic()
+        res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "serve", "--config-name", "demo", "host=127.0.0.1",
+                              *[f"{k}={v}" for k, v in ports.items()]], cwd=demo_workdir, env=env, capture_output=True,
+                             text=True, timeout=180)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr[-3000:]
+    assert lines[0].startswith(f"nemo-factuality serve: error: {key}={ports[key]}: cannot listen on 127.0.0.1:{ports[key]}: "
+                               "Address already in use"), lines[0]
+    assert time.monotonic() - start < 60  # no Triton was started to find out

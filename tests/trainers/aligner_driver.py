@@ -11,7 +11,10 @@ Each rank writes ``<out>/rank<r>.json``. Scenarios:
 * ``sample``: sampled (not greedy) rollouts, twice with the same seed.
 * ``stage`` / ``stage_dp``: the GRPO stage itself, 2 steps then a resumed 3rd (``stage_dp``: prompts
   sharded over data-parallel ranks).
-* ``kto_dp``: the KTO stage at DP=2 (each rank labels its prompts; the examples are gathered).
+* ``kto_dp``: the KTO stage at DP=2 (each rank labels its prompts; the examples are gathered; the reference
+  log-probs once per iteration, split over the ranks); at world 1 also the per-step reference path.
+* ``rollout``: rollout micro batches bucketed by prompt length, forward steps counted, early end on EOS.
+* ``overlap``: the GRPO step with the reward overlapped vs in line, and KTO's labelling likewise (TP=2).
 * ``ppo``: the RLFH PPO stage (``PPOTrainer``, dense toy reward) on this actor and the critic server the test
   started (``RemoteCritic``), 2 steps then a resumed 3rd; ``--overrides FILE`` holds the stage config's
   ``key=value`` list, the same the critic server was started with.
@@ -19,6 +22,11 @@ Each rank writes ``<out>/rank<r>.json``. Scenarios:
   one actor, one stage after another: ``--plan FILE`` lists ``{name, stage, config, overrides}`` (KLCF, FSPO,
   KnowRL → GRPO; FactAlign → KTO; RLFH → PPO with the critic server). Records per stage what ``fit`` logged,
   what each reward call returned (the stage's own client) and what it wrote.
+* ``ckpt_save``: train, save ``initial_ref`` (reference = the restored .nemo), ``reset_reference`` (KTO's case),
+  train, save ``stored_ref``; each checkpoint's bytes and the log-probs / reference log-probs of fixed
+  sequences at each save. ``ckpt_load --ckpt DIR``: load both (another layout), the same log-probs, one more step.
+* ``outage``: the planned GRPO stages (``--plan``: ``undisturbed`` then ``restarted``), each from the same initial
+  weights and seed, against a served reward; the test kills and restarts the server during the second.
 """
 
 from __future__ import annotations
@@ -200,6 +208,7 @@ def stage_dp(actor: AlignerActor, args) -> dict:
     fit(2)
     first_run_lines = len(read_metrics(run_dir))
     fit(3)  # resumes from step 2's checkpoint
+    validation = _split_validation(actor, args)
     ckpt = run_dir / "checkpoints"
     fixed = [actor.tokenizer.encode(p) for p in PROMPTS[:2]]
     width = max(len(x) for x in fixed)
@@ -209,7 +218,34 @@ def stage_dp(actor: AlignerActor, args) -> dict:
             "checkpoints": sorted(p.name for p in ckpt.iterdir()),
             "step3_files": sorted(p.name for p in (ckpt / "step_000003").iterdir()),
             "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters())),
-            "fixed_logprobs": _rows(actor.logprobs(rollout)), "seed": seeds[0]}
+            "fixed_logprobs": _rows(actor.logprobs(rollout)), "seed": seeds[0], "validation": validation}
+
+
+def _split_validation(actor: AlignerActor, args) -> dict:
+    """The GRPO stage's validation of 5 prompts under data parallelism (each rank its part: 2 + 3), and the old
+    way on this rank (every prompt generated here and scored together) for comparison."""
+    from nemo_factuality.testing.training import good_fraction, prompts
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.trainers.interfaces import SamplingParams as Sampling
+    from nemo_factuality.trainers.runtime import encode_prompts, score_rollout
+
+    seen: list[str] = []
+
+    def reward(prompts_, completions, **columns):
+        seen.extend(prompts_)
+        return good_fraction(prompts_, completions, **columns)
+
+    run_dir = Path(args.out) / "val"
+    cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=1, prompts_per_step=4,
+                                                               global_batch_size=16))
+    val = prompts(5)
+    trainer = GRPOTrainer(cfg, actor, reward, prompts(8), run_dir=run_dir, val_data=val)
+    split = trainer._validate_reward(0)
+    mine = list(seen)
+    ids = encode_prompts(val, actor.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_tokens)
+    every = actor.generate(ids, Sampling(cfg.model.length_params.max_length, use_greedy=True))
+    whole = score_rollout(good_fraction, every, val, actor.tokenizer, actor.eos_id)[0].log_dict("reward")
+    return {"split": split, "scored_here": mine, "whole": whole}
 
 
 def kto_dp(actor: AlignerActor, args) -> dict:
@@ -240,18 +276,137 @@ def kto_dp(actor: AlignerActor, args) -> dict:
         labelled.extend(prompts_)
         return half_good_labeller(prompts_, completions, **kw)
 
+    initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
+    reference = actor.reference_logprobs
+    rows_referenced: list[int] = []  # the rows of each reference_logprobs call on this rank
+
+    def counted(rollout):
+        rows_referenced.append(len(rollout))
+        return reference(rollout)
+
+    actor.reference_logprobs = counted
     trainer = KTOTrainer(load_train_config(KTOConfig, None, overrides), actor, labeller, prompts(4), run_dir=run_dir)
     log_step = trainer.logger.log
     trainer.logger.log = lambda step, m: (logged.append({"step": step, **{k: _jsonable(v) for k, v in m.items()}}),
                                           log_step(step, m))[-1]
     trainer.fit()
     data = trainer.last_data
-    return {"labelled": labelled, "logged": logged, "metrics": read_metrics(run_dir), "seed": trainer.cfg.trainer.seed,
-            "data_tokens": _rows(data["tokens"]), "desirable": _rows(data["desirable"]),
-            "prompt_lengths": _rows(data["prompt_lengths"]), "response_lengths": _rows(data["response_lengths"]),
-            "lp": _rows(actor.logprobs(Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
-                                               torch.ones(len(data["tokens"]), dtype=torch.bool)))),
-            "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters()))}
+    out = {"labelled": labelled, "logged": logged, "metrics": read_metrics(run_dir), "seed": trainer.cfg.trainer.seed,
+           "data_tokens": _rows(data["tokens"]), "desirable": _rows(data["desirable"]),
+           "prompt_lengths": _rows(data["prompt_lengths"]), "response_lengths": _rows(data["response_lengths"]),
+           "lp": _rows(actor.logprobs(Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
+                                              torch.ones(len(data["tokens"]), dtype=torch.bool)))),
+           "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters())),
+           "reference_rows": list(rows_referenced)}
+    if actor.data_parallel_size == 1:  # the per-step reference path, from the same weights and seed
+        actor.model.load_state_dict(initial)
+        old_dir = Path(args.out) / "kto_old"
+        old = [o for o in overrides if not o.startswith("exp_manager.explicit_log_dir=")]
+        trainer = KTOTrainer(load_train_config(KTOConfig, None, [*old, f"exp_manager.explicit_log_dir={old_dir}",
+                                                                 "kto.precompute_reference=false"]),
+                             actor, half_good_labeller, prompts(4), run_dir=old_dir)
+        rows_referenced.clear()
+        trainer.fit()
+        out.update(old_metrics=read_metrics(old_dir), old_reference_rows=list(rows_referenced))
+    return out
+
+
+def rollout(actor: AlignerActor, args) -> dict:
+    """Rollout micro batches (world 1, ``rollout_micro_batch_size=3``): greedy rollouts of PROMPTS × 2 in the given
+    order and reversed, with the number of model forward steps each ``generate`` took; then the same after making
+    the model end every response at once (the residual stream reduced to the token embedding, whose dimension 0
+    points every next-token prediction at EOS), to see each batch stop when all its sequences have ended."""
+    model = actor.model.model[0] if isinstance(actor.model.model, list) else actor.model.model
+    steps = {"n": 0}
+    model.register_forward_pre_hook(lambda *_: steps.__setitem__("n", steps["n"] + 1))
+    prompts = [actor.tokenizer.encode(p) for p in PROMPTS * 2]
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True)
+
+    def run(rows):
+        steps["n"] = 0
+        r = actor.generate(rows, greedy)
+        return {"tokens": _rows(r.tokens), "response_lengths": _rows(r.response_lengths), "is_end": _rows(r.is_end),
+                "steps": steps["n"]}
+
+    out = {"prompt_lengths": [len(p) for p in prompts], "rollout_micro_batch_size": actor.runtime.rollout_micro_batch_size,
+           "max_new": MAX_NEW, "eos_id": actor.eos_id, "given": run(prompts), "reversed": run(prompts[::-1])}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "linear_proj" in name or "linear_fc2" in name:
+                param.zero_()  # attention and MLP add nothing: the residual stream is the token embedding
+        embedding = model.embedding.word_embeddings.weight
+        embedding[:, 0] = 10.0
+        embedding[actor.eos_id, 0] = 20.0  # tied output: EOS's logit is twice any other's
+        output = getattr(model, "output_layer", None)
+        if output is not None and output.weight is not embedding and not actor.model.cfg.get("share_embeddings_and_output_weights"):
+            output.weight[:, 0] = 0.0
+            output.weight[actor.eos_id, 0] = 10.0
+    out["eos_model"] = run(prompts)
+    return out
+
+
+def overlap(actor: AlignerActor, args) -> dict:
+    """At TP=2: the GRPO stage's overlapped step against the sequential one (2 steps each, from the same weights
+    and seed), and the KTO stage's overlapped labelling against the in-line one, on a reward with a judge's
+    latency. Records per mode the rewards, advantages and metrics of every step, the trained weights' checksum
+    and which rank/thread called the reward."""
+    import threading
+
+    import nemo_factuality.trainers.kto as kto_module
+    from nemo_factuality.testing.training import good_fraction, half_good_labeller, prompts
+    from nemo_factuality.trainers.config import KTOConfig
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.trainers.kto import KTOTrainer
+    from nemo_factuality.trainers.runtime import seed_everything
+
+    initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
+
+    def slow(reward, calls):
+        def call(prompts_, completions, **columns):
+            calls.append([threading.current_thread().name, len(completions)])
+            time.sleep(0.2)
+            return reward(prompts_, completions, **columns)
+        return call
+
+    class Recording(GRPOTrainer):
+        def _experience(self, rollout, rewards, logprobs):
+            exp, metrics = super()._experience(rollout, rewards, logprobs)
+            self.seen.append({"scores": [None if x != x else x for x in rewards.scores.tolist()],
+                              "advantages": _rows(exp["advantages"]), "tokens": _rows(rollout.tokens)})
+            return exp, metrics
+
+    out = {}
+    for mode in (False, True):
+        actor.model.load_state_dict(initial)
+        actor.reset_reference()
+        seed_everything(args.seed)
+        calls: list = []
+        run_dir = Path(args.out) / f"grpo_{mode}"
+        cfg = load_train_config(GRPOConfig, None, _stage_overrides(args, run_dir, max_steps=2) + [f"grpo.overlap_reward={mode}"])
+        trainer = Recording(cfg, actor, slow(good_fraction, calls), prompts(4), run_dir=run_dir)
+        trainer.seen = []
+        metrics = [{k: v for k, v in trainer.train_one_step().items()} for _ in range(2)]
+        out[f"grpo_{mode}"] = {"seen": trainer.seen, "metrics": metrics, "calls": calls,
+                               "weight_sum": float(sum(p.detach().double().sum() for p in actor.model.parameters()))}
+    kto_module._GEN_CHUNK = 4  # two labeller calls for the 8 samples
+    for mode in (False, True):
+        actor.model.load_state_dict(initial)
+        actor.reset_reference()
+        seed_everything(args.seed)
+        calls = []
+        overrides = [f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", "kto.prompts_per_iteration=4",
+                     "kto.samples_per_prompt=2", "model.micro_batch_size=1", "model.global_batch_size=4",
+                     "model.length_params.max_length=6", "model.dtype=float32", "remote_rm.url=http://127.0.0.1:5555",
+                     f"exp_manager.explicit_log_dir={Path(args.out) / f'kto_{mode}'}", f"kto.overlap_reward={mode}",
+                     "exp_manager.create_tensorboard_logger=false", "trainer.progress_bar=false"]
+        trainer = KTOTrainer(load_train_config(KTOConfig, None, overrides), actor, slow(half_good_labeller, calls),
+                             prompts(4), run_dir=Path(args.out) / f"kto_{mode}")
+        actor.reset_reference()
+        data, stats = trainer.collect()
+        out[f"kto_{mode}"] = {"data": {k: _rows(v) for k, v in data.items()}, "calls": calls,
+                              "stats": {k: v for k, v in stats.items() if not k.startswith("time/")},
+                              "times": {k: v for k, v in stats.items() if k.startswith("time/")}}
+    return out
 
 
 def learn(actor: AlignerActor, args) -> dict:
@@ -320,7 +475,7 @@ class _RecordingReward:
 
         batch = self.reward(prompts, completions, **columns)
         as_list = lambda a: [None if np.isnan(x) else float(x) for x in np.asarray(a, dtype=float)]  # noqa: E731
-        self.calls.append({"n": len(batch), "scores": as_list(batch.scores),
+        self.calls.append({"n": len(batch), "scores": as_list(batch.scores), "prompts": list(prompts),
                            "components": {k: as_list(v) for k, v in batch.components.items()},
                            "n_ids": [len(x) for x in columns["completion_ids"]],
                            "token_rewards": None if batch.token_rewards is None else [as_list(t) for t in batch.token_rewards],
@@ -386,6 +541,78 @@ def methods(actor: AlignerActor, args) -> dict:
     return {"stages": {step["name"]: _method_stage(actor, step) for step in json.loads(Path(args.plan).read_text())}}
 
 
+def _fixed_rollout(actor: AlignerActor) -> Rollout:
+    """Every prompt + 3 fixed tokens, the same on every rank and layout (what log-probs are compared on)."""
+    rows = [actor.tokenizer.encode(p) + [11, 12, 13] for p in PROMPTS]
+    width = max(len(r) for r in rows)
+    tokens = torch.full((len(rows), width), actor.pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    return Rollout(tokens, torch.tensor([len(r) - 3 for r in rows]), torch.tensor([len(r) for r in rows]),
+                   torch.ones(len(rows), dtype=torch.bool))
+
+
+def _probe(actor: AlignerActor) -> dict:
+    fixed = _fixed_rollout(actor)
+    return {"lp": _rows(actor.logprobs(fixed)), "ref": _rows(actor.reference_logprobs(fixed)),
+            "prompt_lengths": _rows(fixed.prompt_lengths), "response_lengths": _rows(fixed.response_lengths)}
+
+
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def ckpt_save(actor: AlignerActor, args) -> dict:
+    prompts, advantages, _ = _my_prompts(actor)
+    rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+    batch = _batch(actor, rollout, advantages, actor.logprobs(rollout))
+    out, result = Path(args.out), {}
+    actor.train_step(batch, policy_loss, micro_batch_size=1)
+    actor.save(out / "initial_ref")  # GRPO/PPO: the reference is the restored .nemo
+    result["initial_ref"] = _probe(actor)
+    actor.reset_reference()  # KTO: the reference is the iteration's starting policy
+    actor.train_step(batch, policy_loss, micro_batch_size=1)
+    actor.save(out / "stored_ref")
+    result["stored_ref"] = _probe(actor)
+    torch.distributed.barrier()
+    for name in ("initial_ref", "stored_ref"):
+        result[name]["bytes"] = _bytes(out / name)
+        result[name]["files"] = sorted(str(f.relative_to(out / name)) for f in (out / name).iterdir())
+    return result
+
+
+def ckpt_load(actor: AlignerActor, args) -> dict:
+    from nemo_factuality.types import FactualityInputError
+
+    result = {}
+    for name in ("initial_ref", "stored_ref"):
+        actor.load(Path(args.ckpt) / name)
+        result[name] = _probe(actor)
+        prompts, advantages, _ = _my_prompts(actor)
+        rollout = actor.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, use_greedy=True))
+        result[name]["step"] = actor.train_step(_batch(actor, rollout, advantages, actor.logprobs(rollout)), policy_loss,
+                                                micro_batch_size=1)
+    try:  # the stored reference is loaded; asking for the initial one now needs a fresh process, said in one line
+        actor.load(Path(args.ckpt) / "initial_ref")
+    except FactualityInputError as err:
+        result["refused"] = str(err)
+    return result
+
+
+def outage(actor: AlignerActor, args) -> dict:
+    """Each planned stage from the same initial weights (SGD without momentum: the weights are the whole training
+    state) and seed; the test disturbs the reward server while the later ones run."""
+    from nemo_factuality.trainers.runtime import seed_everything
+
+    initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
+    runs = {}
+    for step in json.loads(Path(args.plan).read_text()):
+        actor.model.load_state_dict(initial)
+        seed_everything(args.seed)
+        runs[step["name"]] = _method_stage(actor, step)
+    return {"stages": runs}
+
+
 def _ppo_overrides(args) -> list[str]:
     import json
 
@@ -431,8 +658,10 @@ def main() -> int:
     ap.add_argument("--optim", choices=("sgd", "adamw"), default="sgd")  # the learn scenario's optimiser
     ap.add_argument("--overrides", default=None, help="JSON list of stage-config key=value (the ppo scenario)")
     ap.add_argument("--plan", default=None, help="JSON list of the methods scenario's stages")
+    ap.add_argument("--ckpt", default=None, help="the ckpt_load scenario's checkpoints (ckpt_save's --out)")
     ap.add_argument("--scenario", choices=("core", "resume", "sample", "stage", "stage_dp", "kto_dp", "learn",
-                                           "ppo", "methods"), default="core")
+                                           "ppo", "methods", "outage", "ckpt_save", "ckpt_load", "rollout", "overlap"),
+                    default="core")
     args = ap.parse_args()
     t0 = time.monotonic()
     if args.scenario == "learn":  # the stage's own settings (AdamW), as the hf backend's learning check
@@ -446,7 +675,8 @@ def main() -> int:
         actor = _actor(args)
     setup_s = time.monotonic() - t0
     scenarios = {"core": core, "resume": resume, "sample": sample, "stage": stage, "stage_dp": stage_dp, "kto_dp": kto_dp,
-                 "learn": learn, "ppo": ppo, "methods": methods}
+                 "learn": learn, "ppo": ppo, "methods": methods, "outage": outage,
+                 "ckpt_save": ckpt_save, "ckpt_load": ckpt_load, "rollout": rollout, "overlap": overlap}
     result = scenarios[args.scenario](actor, args)
     result.update(setup_s=setup_s, total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank,
                   dp_size=actor.data_parallel_size, rank=torch.distributed.get_rank())

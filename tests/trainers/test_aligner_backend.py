@@ -210,11 +210,17 @@ def test_the_grpo_stage_shards_prompts_over_data_parallel_ranks_and_rank_0_write
         # the loss terms are the global step's (summed over micro batches and ranks), as the backend's total
         assert m["loss"] == pytest.approx(m["loss/policy"] + 0.001 * m["loss/kl"], rel=1e-4, abs=1e-6)
     assert not [n for n in r0["checkpoints"] if n.startswith(".")] and {"step_000003", "latest"} <= set(r0["checkpoints"])
-    assert {"trainer_state.json", "rng.pt", "rng.rank1.pt", "reference.rank0.pt", "reference.rank1.pt", "state"} <= set(
-        r0["step3_files"])
+    # the GRPO reference is the initial .nemo: recorded (reference.json), not copied by every rank
+    assert {"trainer_state.json", "rng.pt", "rng.rank1.pt", "reference.json", "state"} <= set(r0["step3_files"])
+    assert not [f for f in r0["step3_files"] if f.startswith("reference.rank")]
     assert r0["weight_sum"] == r1["weight_sum"]
     assert r0["fixed_logprobs"] == r1["fixed_logprobs"]
     assert (tmp_path / "run" / "final").is_file()
+    # validation: 5 prompts split 2 + 3 over the ranks, each scored once; the gathered metrics are the whole set's
+    v0, v1 = r0["validation"], r1["validation"]
+    assert v0["scored_here"] == ["question 0", "question 1"] and v1["scored_here"] == [f"question {i}" for i in (2, 3, 4)]
+    assert v0["split"] == v1["split"] and v0["split"]["val/reward"] == pytest.approx(v0["whole"]["reward/score"], abs=1e-12)
+    assert v0["whole"] == v1["whole"]
 
 
 def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_examples(venv, policy, tmp_path):
@@ -236,9 +242,17 @@ def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_
     for m in r0["metrics"]:
         assert m["grad_norm"] > 0 and m["loss/kto"] is not None and m["kto/z0"] is not None
     assert r0["weight_sum"] == r1["weight_sum"] and r0["lp"] == r1["lp"]
-    world1 = drive(venv, policy[1], tmp_path / "world1", scenario="kto_dp", timeout=300)[0]
-    assert world1["data_tokens"] == r0["data_tokens"]
+    # the reference log-probs once per iteration, split over the ranks: 7 examples + the z0 pairs of the minibatches
+    # of 4 and 3 = 14 sequences, 7 per rank in one forward each (was: every rank 7, then its pairs at every step)
+    assert r0["reference_rows"] == r1["reference_rows"] == [7]
+    world1 = drive(venv, policy[1], tmp_path / "world1", scenario="kto_dp", timeout=400)[0]
+    assert world1["data_tokens"] == r0["data_tokens"] and world1["reference_rows"] == [14]
     for ours, theirs in zip(r0["metrics"], world1["metrics"], strict=True):
         for key in ("loss/kto", "loss/fkto", "kto/z0", "kto/z0_f", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
     assert_close(action_values(r0, "lp"), action_values(world1, "lp"), atol=2e-5)
+    # the old path (the pairs' reference at every optimiser step) at world 1 gives the same steps
+    assert world1["old_reference_rows"] == [7, 4, 3]
+    for new, old in zip(world1["metrics"], world1["old_metrics"], strict=True):
+        for key in ("loss/kto", "loss/fkto", "kto/z0", "kto/z0_f", "grad_norm"):
+            assert new[key] == pytest.approx(old[key], rel=1e-5, abs=1e-7), key

@@ -175,8 +175,16 @@ def _finite(values) -> list[float]:
     return [v for v in values if v is not None and math.isfinite(v)]
 
 
-def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_run):
+def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_run, served, record_property):
     r0, r1 = layout_run["ranks"]
+    # the measured times go into the report (``-rP`` / junit properties); the stages ran inside the torchrun
+    stages = {m: round(s["wall_s"], 1) for m, s in r0["stages"].items()}
+    record_property("startup_s", round(served["startup_s"], 1))
+    record_property(f"{layout_run['name']}_s", round(layout_run["wall_s"], 1))
+    print(f"layout {layout_run['name']}: {layout_run['wall_s']:.1f} s (stages {stages}); servers up in "
+          f"{served['startup_s']:.1f} s")
+    assert set(stages) == set(METHODS) and all(t > 0 for t in stages.values())
+    assert sum(stages.values()) < layout_run["wall_s"]
     assert r0["dp_size"] == r1["dp_size"] == layout_run["dp"]  # TP=2 / PP=2: one replica; dp2: two replicas
     for method, (stage, _) in METHODS.items():
         s0, s1 = r0["stages"][method], r1["stages"][method]
@@ -188,7 +196,8 @@ def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_ru
         assert s0["final"] and "latest" in s0["checkpoints"], (method, s0["checkpoints"])
         for m in s0["logged"]:
             # GRPO's gradient needs rewards that differ within a group: KLCF's do (its judge below), FSPO's and KnowRL's
-            # are constant for this untrained policy (only the KL term's rounding noise is left)
+            # are constant for this untrained policy (only the KL term's rounding noise is left); served FSPO/KnowRL rewards
+            # that vary within a group, and FSPO's flip, are tested on formatted responses in test_stages_cli.py
             assert math.isfinite(m["grad_norm"]) and (m["grad_norm"] > 0 or stage == "grpo"), (method, m)
             assert m.get("optimizer_steps", 1) >= 1, (method, m)
             losses = {k: v for k, v in m.items() if k.startswith("loss")}
@@ -197,12 +206,14 @@ def test_every_stage_ran_its_steps_on_both_ranks_with_the_same_metrics(layout_ru
 
 def test_the_rewards_came_from_the_servers_once_per_replica(layout_run):
     """At TP=2 / PP=2 the two ranks hold one replica and the same rollout: the model-parallel source rank alone
-    scores it (once per step), the other gets its result; at DP=2 each replica scores its own prompts. Each
+    scores it (once per rollout micro batch), the other gets its result; at DP=2 each replica scores its own prompts. Each
     server's own request counter rose by exactly those calls, and every logged reward metric is finite."""
     r0, r1 = layout_run["ranks"]
     for method, (stage, _) in METHODS.items():
         calls = len(r0["stages"][method]["calls"])
-        assert calls == (2 if stage != "kto" else 1), method
+        # one call per rollout micro batch (3 prompts: aligner_driver's actor) per step; KTO: one labeller group
+        per_step = math.ceil(4 // layout_run["dp"] / 3)
+        assert calls == (2 * per_step if stage != "kto" else 1), method
         assert len(r1["stages"][method]["calls"]) == (calls if layout_run["dp"] == 2 else 0), method
         requests, samples = layout_run["served"][method]
         # the server scored exactly the samples the stages sent; Triton's dynamic batcher may merge the two DP
@@ -220,13 +231,31 @@ def _samples(layout_run: dict, method: str, key: str) -> list:
     return [v for c in calls for v in (c["scores"] if key == "score" else c["components"][key])]
 
 
+def _mixed_groups(layout_run: dict, method: str, steps: int = 2) -> list[bool]:
+    """Per GRPO step: whether some prompt's samples got different scores (both ranks' calls; each step made one call
+    per rollout micro batch of 3 of the rank's 4 / DP samples)."""
+    per_step = math.ceil(4 // layout_run["dp"] / 3)
+    out = []
+    for step in range(steps):
+        scores: dict[str, set] = {}
+        for rank in layout_run["ranks"]:
+            for call in rank["stages"][method]["calls"][step * per_step : (step + 1) * per_step]:
+                for prompt, score in zip(call["prompts"], call["scores"], strict=True):
+                    scores.setdefault(prompt, set()).add(score)
+        out.append(any(len(v) > 1 for v in scores.values()))
+    return out
+
+
 def test_each_reward_is_its_methods_pipeline_on_the_scripted_judge(layout_run):
     """Values only the method's pipeline (with the scripted judge's replies) gives — not a default or a zero."""
     # KLCF: the judge covers the checklist item or not (recall 1 or 0) and calls every claim true; w_rm=0
     recall, precision = _samples(layout_run, "klcf", "checklist_recall"), _samples(layout_run, "klcf", "truthfulness_precision")
     assert set(recall) == {0.0, 1.0} and set(precision) == {1.0}
     assert _samples(layout_run, "klcf", "score") == [r + p for r, p in zip(recall, precision, strict=True)]
-    assert any(m["advantage/abs_mean"] > 0 and m["grad_norm"] > 0 for m in layout_run["ranks"][0]["stages"]["klcf"]["logged"])
+    # GRPO's update moves the policy exactly in the steps where some prompt's samples got different rewards (the
+    # verdict hashes the sampled response, so which steps those are depends on the samples)
+    for m, mixed in zip(layout_run["ranks"][0]["stages"]["klcf"]["logged"], _mixed_groups(layout_run, "klcf"), strict=True):
+        assert (m["advantage/abs_mean"] > 0) == mixed and (m["grad_norm"] > 0 or not mixed), (m, mixed)
     # FSPO and KnowRL: the untrained policy never writes the answer/think tags (their format penalties)
     assert set(_finite(_samples(layout_run, "fspo", "format"))) == {-2.0}
     assert set(_finite(_samples(layout_run, "knowrl", "format"))) == {-1.0}
@@ -266,12 +295,3 @@ def test_the_ppo_stage_trained_the_critic_server(layout_run):
         rlfh = r["stages"]["rlfh"]
         assert rlfh["server_step_after"] == rlfh["server_step_before"] + 2  # one critic_train per PPO step
         assert all(math.isfinite(m["loss/value"]) and m["actor_trained"] == 1.0 for m in rlfh["logged"])
-
-
-def test_wall_time(layout_run, served, record_property):
-    """Not a speed test: the measured times go into the report (``-rP`` / junit properties)."""
-    record_property("startup_s", round(served["startup_s"], 1))
-    record_property(f"{layout_run['name']}_s", round(layout_run["wall_s"], 1))
-    stages = {m: round(s["wall_s"], 1) for m, s in layout_run["ranks"][0]["stages"].items()}
-    print(f"layout {layout_run['name']}: {layout_run['wall_s']:.1f} s (stages {stages}); servers up in "
-          f"{served['startup_s']:.1f} s")

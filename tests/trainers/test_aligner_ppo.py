@@ -28,11 +28,12 @@ from nemo_factuality.trainers.interfaces import Rollout
 pytestmark = pytest.mark.slow
 
 
-def run_ppo(venv: Path, nemo: Path, tmp_path: Path, port: int, *, nproc: int = 1) -> list[dict]:
+def run_ppo(venv: Path, nemo: Path, tmp_path: Path, port: int, *, nproc: int = 1,
+            critic_optimizer: str | None = None) -> list[dict]:
     """The critic server, then the PPO scenario (2 steps + a resumed 3rd) on ``nproc`` data-parallel ranks;
     every rank's result, and the checks every layout must pass."""
     run_dir = tmp_path / "run"
-    overrides = ppo_overrides(nemo, run_dir, port)
+    overrides = ppo_overrides(nemo, run_dir, port, critic_optimizer=critic_optimizer)
     (tmp_path / "overrides.json").write_text(json.dumps(overrides))
     log = tmp_path / "critic_server.log"
     with critic_server(venv, overrides, port, log):
@@ -61,8 +62,10 @@ def run_ppo(venv: Path, nemo: Path, tmp_path: Path, port: int, *, nproc: int = 1
 
 
 def test_rlfh_ppo_on_the_aligner_actor_with_aligners_critic_server(venv, stage_policy, tmp_path):
+    """The critic server on the presets' optimizer (Megatron-Core's distributed optimizer): its sharded state goes
+    into the server's checkpoints and a restarted server resumes from them."""
     port = free_ports(1)[0]
-    result = run_ppo(venv, stage_policy, tmp_path, port)[0]
+    result = run_ppo(venv, stage_policy, tmp_path, port, critic_optimizer="mcore_distributed_optim")[0]
     overrides = json.loads((tmp_path / "overrides.json").read_text())
     run_dir, log = tmp_path / "run", tmp_path / "critic_server.log"
 

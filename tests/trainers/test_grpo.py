@@ -174,3 +174,69 @@ def test_served_token_arrays_are_placed_without_a_warning():
         warnings.simplefilter("error")
         placed = place_on_tokens([signs], rollout, torch.int8)
     assert placed.tolist() == [[0, 1, -1, 0, 0]]
+
+
+def test_kl_estimator_abs_in_the_loss_is_the_logged_estimator(trainer, monkeypatch):
+    """grpo.kl_estimator=abs with kl_in=loss: the loss term and the logged kl are both mean |logπ − logπ_ref| (before,
+    the loss silently used k3 while the metric logged abs)."""
+    from nemo_factuality.trainers.config import load_train_config
+
+    load_train_config(GRPOConfig, None, ["model.path=/m", "remote_rm.url=http://rm:1", "grpo.kl_estimator=abs",
+                                         "grpo.kl_in=loss"])  # accepted at start-up
+    g = trainer.cfg.grpo
+    g.initial_policy_kl_penalty, g.kl_in, g.kl_estimator = 0.5, "loss", "abs"
+    offsets = torch.tensor([0.3, -0.2, 0.1, -0.4])  # per row: log π − log π_ref (both signs: abs ≠ k1, ≠ k3)
+    monkeypatch.setattr(trainer.actor, "reference_logprobs",
+                        lambda rollout: trainer.actor.logprobs(rollout) - offsets.unsqueeze(1))
+    exp, metrics = _synthetic(trainer, [1.0, 0.0, 1.0, 0.0], [True] * 4)
+    mask = exp["mask"]
+    expected = float((offsets.abs().unsqueeze(1) * mask).sum() / mask.sum())
+    assert metrics["kl"] == pytest.approx(expected, abs=1e-6)
+    out = {"logprobs": exp["old_logprobs"]}  # the loss at the rollout's own log-probs
+    _, loss_metrics = trainer.loss_fn(out, exp, global_tokens=float(mask.sum()), global_seqs=4.0)
+    assert loss_metrics["loss/kl"] == pytest.approx(expected, abs=1e-6)
+    k3 = float(((torch.exp(-offsets) - 1 + offsets).unsqueeze(1) * mask).sum() / mask.sum())
+    assert abs(k3 - expected) > 0.05  # what the loss used to compute instead
+
+
+def test_checkpoints_record_the_initial_reference_instead_of_copying_it(tiny_policy, tmp_path):
+    """GRPO's reference is model.path: a checkpoint holds reference.json (path + fingerprint), no weights copy; the
+    resumed run rebuilds it from the path, and refuses in one line when that checkpoint changed or is gone."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nemo_factuality.trainers.reference import fingerprint
+    from nemo_factuality.types import FactualityInputError
+
+    policy = tmp_path / "policy"
+    shutil.copytree(tiny_policy, policy)
+    cfg = grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 1})
+    run(cfg, good_fraction)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    assert not (ckpt / "reference.safetensors").exists()
+    record = json.loads((ckpt / "reference.json").read_text())
+    assert record == {"kind": "initial", "path": str(policy.resolve()), "key": "model.path", "fingerprint": fingerprint(policy)}
+    history, actor = run(grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 2}), good_fraction, seed=5)
+    assert len(history) == 1 and history[0]["kl"] > 0  # resumed: a reference other than the trained policy
+    weights = load_file(policy / "model.safetensors")
+    ref = actor.reference_logprobs(Rollout(torch.tensor([[5, 6, 7, 8]]), torch.tensor([2]), torch.tensor([4]),
+                                           torch.tensor([True])))
+    fresh = HFActor(grpo_cfg(policy, tmp_path / "x").model, max_steps=1)
+    assert torch.equal(ref, fresh.logprobs(Rollout(torch.tensor([[5, 6, 7, 8]]), torch.tensor([2]), torch.tensor([4]),
+                                                   torch.tensor([True]))))  # the reference is model.path's weights
+    key = next(iter(weights))
+    save_file({**weights, key: weights[key] + 1e-3}, str(policy / "model.safetensors"))  # retrained in place
+    with pytest.raises(FactualityInputError, match="changed since the run started") as err:
+        run(grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
+    assert "\n" not in str(err.value) and "model.path" in str(err.value)
+    shutil.rmtree(policy)
+    shutil.copytree(tiny_policy, tmp_path / "moved")
+    with pytest.raises(FactualityInputError, match=r"initial checkpoint .*/policy \(model.path\), which is missing"):
+        run(grpo_cfg(tmp_path / "moved", tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
+    shutil.copytree(tiny_policy, policy)  # back in place (a copy: new mtimes, same content and fingerprint) ...
+    with pytest.raises(FactualityInputError, match=r"this run started from model.path=.*resume with model.path="):
+        run(grpo_cfg(tmp_path / "moved", tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)  # ... not here
+    history, _ = run(grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
+    assert len(history) == 1

@@ -62,6 +62,26 @@ def test_scalar_reward_goes_on_the_last_action_like_aligner():
     assert t[0, 4] == 1.5 and t[1, 2] == -2.0 and t.abs().sum() == 3.5  # index response_length - 2
 
 
+def test_a_response_without_tokens_gets_no_reward_position_and_leaves_the_loss(tiny_policy, tmp_path):
+    """Row 0 is empty (response_length == prompt_length): Aligner's clamped index would put its reward on a prompt
+    position (and the old unclamped ``- 2`` on the last column, here position 5 of row 0); it gets none and its
+    sample is out of the loss. Row 1 is only an EOS (one action): the reward sits on it, inside the mask."""
+    rollout = Rollout(torch.tensor([[3, 4, 0, 0, 0, 0, 0], [3, 4, 2, 0, 0, 0, 0]]), torch.tensor([2, 2]),
+                      torch.tensor([2, 3]), torch.tensor([False, True]))
+    t = token_reward_tensor(RewardBatch(np.array([5.0, 1.0])), rollout)
+    mask = response_mask(rollout.prompt_lengths, rollout.response_lengths, 6)
+    assert t[0].abs().sum() == 0 and t[1, 1] == 1.0 and t.abs().sum() == 1.0
+    assert mask[0].sum() == 0 and mask[1, 1] == 1  # no action in row 0; row 1's one action carries the reward
+    cfg = ppo_cfg(tiny_policy, tmp_path / "empty", steps=1)
+    cfg.ppo.initial_policy_kl_penalty, cfg.ppo.normalize_advantages = 0.0, False
+    torch.manual_seed(0)
+    trainer = PPOTrainer(cfg, HFActor(cfg.model, max_steps=1), HFCritic(cfg.critic, cfg.model.path, max_steps=1),
+                         good_tokens_dense, prompts(2), run_dir=tmp_path / "empty")
+    exp, metrics = trainer.make_ppo_experience(rollout, RewardBatch(np.array([5.0, 1.0])))
+    assert exp["mask"][0].sum() == 0 and exp["mask"][1].sum() == 1 and metrics["valid_frac"] == 0.5
+    assert metrics["reward/token_sum"] == 1.0  # the empty sample's 5.0 went nowhere
+
+
 def test_critic_warmup_freezes_the_actor(tiny_policy, tmp_path):
     cfg = ppo_cfg(tiny_policy, tmp_path / "warm", steps=2)
     cfg.ppo.critic_warmup_steps = 2
@@ -118,6 +138,39 @@ def test_kto_moves_log_ratios_the_expected_way(tiny_policy, tmp_path):
     assert all(math.isfinite(m["loss/kto"]) and math.isfinite(m["loss/fkto"]) for m in logged)
 
 
+def split_labeller(prompts, completions, completion_ids, **_):
+    """Every response desirable, but its second half a false sentence: the sentence labels disagree with the response
+    label, so only fKTO (λ > 0) can tell the halves apart."""
+    label = np.ones(len(completions))
+    spans = [[Span(0, len(c) // 2), Span(len(c) // 2, len(c))] if len(c) >= 4 else [] for c in completions]
+    return RewardBatch(label, {"label": label}, sentence_labels=[[True, False] if sp else [] for sp in spans],
+                       sentence_spans=spans)
+
+
+def test_fkto_weight_lambda_pushes_false_sentences_of_a_desirable_response_down(tiny_policy, tmp_path):
+    def sentence_ratios(lam: float) -> tuple[float, float]:
+        torch.manual_seed(0)
+        cfg = kto_cfg(tiny_policy, tmp_path / f"lam{lam}")
+        cfg.model.length_params.max_length = 8
+        cfg.kto.lam, cfg.kto.prompts_per_iteration, cfg.kto.samples_per_prompt = lam, 4, 4
+        actor = HFActor(cfg.model, max_steps=100)
+        trainer = KTOTrainer(cfg, actor, split_labeller, prompts(4), run_dir=tmp_path / f"lam{lam}")
+        trainer.fit()
+        data = trainer.last_data
+        rollout = Rollout(data["tokens"], data["prompt_lengths"], data["response_lengths"],
+                          torch.ones(len(data["tokens"]), dtype=torch.bool))
+        diff = actor.logprobs(rollout) - actor.reference_logprobs(rollout)
+        sent = sentence_sums(diff, data["sent_start"], data["sent_end"])[data["sent_valid"]]
+        labels = data["sent_label"][data["sent_valid"]]
+        assert labels.any() and (~labels).any()
+        return sent[labels].mean().item(), sent[~labels].mean().item()
+
+    true0, false0 = sentence_ratios(0.0)  # KTO alone: the whole desirable response goes up, both halves
+    true4, false4 = sentence_ratios(4.0)  # + fKTO: the false half goes down although its response is desirable
+    assert false0 > 0 and false4 < 0 < true4, (true0, false0, true4, false4)
+    assert false4 < false0 - 0.5
+
+
 def test_kto_resumes_mid_iteration(tiny_policy, tmp_path):
     def go(run_dir, max_steps, seed):
         torch.manual_seed(seed)
@@ -130,5 +183,5 @@ def test_kto_resumes_mid_iteration(tiny_policy, tmp_path):
     go(tmp_path / "split", 2, 0)  # stops inside iteration 0 (4 minibatches per iteration)
     resumed = go(tmp_path / "split", 1000, 7)
     assert [m["step"] for m in resumed] == [m["step"] for m in full]
-    for a, b in zip(full, resumed):
+    for a, b in zip(full, resumed, strict=True):
         assert a.get("loss/kto") == b.get("loss/kto") and a.get("kto/z0") == b.get("kto/z0")

@@ -14,11 +14,13 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from nemo_factuality.testing.fake_openai import ScriptedOpenAIServer
+from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
 from nemo_factuality.testing.methods import FACTS, build_kb, method_judge
 from nemo_factuality.testing.training import read_metrics, write_jsonl
 from nemo_factuality.trainers.cli import main as train_main
@@ -51,16 +53,95 @@ def _check_run(run_dir: Path, steps: int) -> list[dict]:
     return metrics
 
 
-def test_klcf_grpo(tiny_policy, judge, tmp_path):
-    data = write_jsonl(tmp_path / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
+KLCF_ROLES = ("judge", "checklist_judge", "pipeline.extractor.judge", "pipeline.verifier.judge")
+
+
+def _klcf_data(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
                                                  for i in range(4)])
-    url = f"{judge.url}"
-    roles = [f"reward.{k}.base_url={url}" for k in ("judge", "checklist_judge", "pipeline.extractor.judge",
-                                                   "pipeline.verifier.judge")]
-    assert train_main(["grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"), f"data.train={data}",
-                       *roles, "reward.w_rm=0", "reward.general_rm=null"]) == 0
+
+
+def test_klcf_grpo(tiny_policy, judge, tmp_path):
+    data = _klcf_data(tmp_path)
+    roles = [f"reward.{k}.base_url={judge.url}" for k in KLCF_ROLES]
+    old_umask = os.umask(0o022)
+    try:
+        assert train_main(["grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"),
+                           f"data.train={data}", *roles, "reward.w_rm=0", "reward.general_rm=null"]) == 0
+    finally:
+        os.umask(old_umask)
     metrics = _check_run(tmp_path / "run", 3)
     assert metrics[0]["reward/checklist_recall"] == 1.0 and metrics[0]["reward/truthfulness_precision"] == 1.0
+    # the outputs get the mode any file gets under umask 022 (safetensors writes 0600 through a temporary file)
+    final = tmp_path / "run" / "final" / "model.safetensors"
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000003" / "policy.safetensors"
+    assert [oct(p.stat().st_mode & 0o777) for p in (final, checkpoint)] == ["0o644", "0o644"]
+
+
+def test_in_process_reward_with_judges_down_fails_at_start_naming_url_and_key(tiny_policy, judge, tmp_path, capsys):
+    """Before: every reward NaN, 0 optimiser steps, exit 0. Now: one line, exit 2, before any step."""
+    from nemo_factuality.cli import main as cli
+    from nemo_factuality.testing.ports import free_ports
+
+    (down_port,) = free_ports(1)  # nothing listens there
+    outage = ScriptedOpenAIServer(method_judge)
+    outage.models_status = 503  # up, but its health check (GET /v1/models) fails
+    with outage:
+        outage_url = outage.url
+        overrides = [f"reward.judge.base_url={judge.url}", f"reward.pipeline.extractor.judge.base_url={judge.url}",
+                     f"reward.checklist_judge.base_url={outage.url}",
+                     f"reward.pipeline.verifier.judge.base_url=http://127.0.0.1:{down_port}/v1",
+                     "reward.w_rm=0", "reward.general_rm=null"]
+        start = time.monotonic()
+        code = cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"),
+                    f"data.train={_klcf_data(tmp_path)}", *overrides])
+    assert code == 2 and time.monotonic() - start < 60
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("nemo-factuality train: error: the reward is not ready"), errors
+    line = errors[0]
+    assert f"http://127.0.0.1:{down_port}/v1 unreachable" in line and "(config key reward.pipeline.verifier.judge.base_url)" in line
+    assert f"{outage_url}/models answered HTTP 503 (config key reward.checklist_judge.base_url)" in line
+    assert judge.url not in line  # the healthy judge is not blamed
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _failing_judge(req: dict) -> Reply:
+    """Healthy (GET /v1/models answers) but every completion is refused: every reward NaN."""
+    return Reply("scripted refusal", status=400)
+
+
+def test_steps_without_a_valid_sample_stop_the_run_with_a_checkpoint(tiny_policy, tmp_path, capsys):
+    from nemo_factuality.cli import main as cli
+
+    run_dir = tmp_path / "run"
+    with ScriptedOpenAIServer(_failing_judge) as failing:
+        code = cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, run_dir),
+                    f"data.train={_klcf_data(tmp_path)}", *[f"reward.{k}.base_url={failing.url}" for k in KLCF_ROLES],
+                    "reward.w_rm=0", "reward.general_rm=null", "trainer.max_steps=10", "trainer.max_invalid_steps=2"])
+    assert code == 3
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "stopped at step 2: 2 consecutive steps had no valid sample" in errors[0], errors
+    assert "reward NaN for 100% of the samples" in errors[0] and "trainer.max_invalid_steps=2" in errors[0]
+    assert [m["valid_frac"] for m in read_metrics(run_dir)] == [0.0, 0.0]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000002" and not (run_dir / "final").exists()
+
+
+def test_a_kto_iteration_the_labeller_could_not_label_stops_the_run(tiny_policy, kb, tmp_path, capsys):
+    from nemo_factuality.cli import main as cli
+
+    run_dir = tmp_path / "run"
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Write a bio of Ada Varga ({i}).", "topic": "Ada Varga"}
+                                                    for i in range(4)])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Say hi.", "chosen": "Hi there.", "rejected": "No."}])
+    with ScriptedOpenAIServer(_failing_judge) as failing:
+        code = cli(["train", "kto", "--config-name", "tiny_cpu_factalign", *_common(tiny_policy, run_dir),
+                    f"data.train={data}", f"data.general_pairs={pairs}", f"reward.judge.base_url={failing.url}",
+                    f"reward.pipeline.evidence.store_path={kb}"])
+    assert code == 3
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "iteration 0: the labeller could not label any of the 8 samples" in errors[0], errors
+    assert "checkpoints/step_000000 is written" in errors[0]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_000000" and not (run_dir / "final").exists()
 
 
 def test_fspo_grpo_from_parquet(tiny_policy, tiny_nli, tmp_path):
@@ -211,9 +292,11 @@ def test_train_and_serve_configs_use_the_same_reward(method):
     assert OmegaConf.to_container(train) == OmegaConf.to_container(serve)
 
 
-@pytest.mark.parametrize("stage", ["grpo_klcf", "grpo_fspo", "grpo_knowrl", "ppo_rlfh", "kto_factalign", "cpu_standin"])
+@pytest.mark.parametrize("stage", ["grpo_klcf", "grpo_fspo", "grpo_knowrl", "ppo_rlfh", "kto_factalign", "cpu_standin",
+                                   "cpu_standin_klcf"])
 def test_launch_stages_pass_overrides_the_train_schema_accepts(stage):
     """Every key=value a Slurm stage hands its trainer exists in that stage's schema (no silent typo)."""
+    import re
     import shlex
 
     import yaml
@@ -223,8 +306,8 @@ def test_launch_stages_pass_overrides_the_train_schema_accepts(stage):
     from nemo_factuality.trainers.cli import STAGES
 
     command = yaml.safe_load((conf_dir() / "launch" / f"{stage}.yaml").read_text())["trainer_command"]
-    words = shlex.split(command.split("&&")[-1].replace("exec ", "").replace("{ckpt_dir}", "/ckpt")
-                        .replace("$FACTUALITY_REWARD_URL", "http://reward:5555"))
+    command = re.sub(r"(?<!\$)\{(\w+)\}", r"/\1", command.replace("{ckpt_dir}", "/ckpt"))  # {params.x} -> /x
+    words = shlex.split(command.split("&&")[-1].replace("exec ", "").replace("$FACTUALITY_REWARD_URL", "http://reward:5555"))
     module = words[words.index("-m") + 1]
     name = words[words.index("--config-name") + 1]
     overrides = [w for w in words if "=" in w and not w.startswith("-")]
@@ -241,3 +324,85 @@ def test_ppo_on_the_aligner_backend_without_a_critic_server_is_refused_at_start(
                 "model.restore_from_path=/x.nemo", f"exp_manager.explicit_log_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "critic.url must name the critic server" in err and len(err.strip().splitlines()) == 1
+
+
+def _rollout_of(tokenizer, prompt_ids: list[int], responses: list[str]):
+    """One prompt's group: the prompt followed by each response's tokens and EOS (Aligner's right-padded layout)."""
+    import torch
+
+    from nemo_factuality.trainers.interfaces import Rollout
+
+    rows = [prompt_ids + tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in responses]
+    tokens = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_token_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = torch.tensor(r)
+    return Rollout(tokens, torch.tensor([len(prompt_ids)] * len(rows)), torch.tensor([len(r) for r in rows]),
+                   torch.ones(len(rows), dtype=torch.bool))
+
+
+@pytest.mark.slow
+def test_served_fspo_and_knowrl_rewards_vary_within_a_group_and_fspo_flips(tiny_policy, tiny_nli, judge, kb, tmp_path):
+    """The served FSPO and KnowRL rewards (``nemo-factuality serve``) on one group of formatted / unformatted, right /
+    wrong responses (an untrained policy never writes the tags, so its rewards are constant): the scores differ,
+    the group advantages are not 0, FSPO's token signs come over the wire and its flip runs, and the update moves
+    the weights."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+
+    from nemo_factuality.serving.client import RemoteFactualityReward
+    from nemo_factuality.testing.servers import reward_server
+    from nemo_factuality.trainers.backends.hf import HFActor
+    from nemo_factuality.trainers.config import GRPOConfig, load_train_config
+    from nemo_factuality.trainers.data import load_prompts
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.trainers.runtime import encode_prompts, records_for_rows, score_rollout
+
+    template = "<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\nLet me solve this step by step.\n<think>"
+    pq.write_table(pa.Table.from_pylist([{"prompt": [{"role": "user", "content": template.format(q="Who was born in 1917?")}],
+                                          "reward_model": {"style": "rule", "ground_truth": "Ada Varga"},
+                                          "knowledge": FACTS[0][3], "data_source": "HotpotQA"}]), tmp_path / "fspo.parquet")
+    (tmp_path / "knowrl.json").write_text(json.dumps([{"question": "When was Ada Varga born?", "answers": "1917",
+                                                       "title": "Ada Varga;Lev Novak"}]))
+    groups = {  # right, wrong, right with a second step, no format
+        "fspo": [" Ada Varga was born in 1917.</think><answer>Ada Varga</answer>",
+                 " Lev Novak was born in 1850.</think><answer>Lev Novak</answer>",
+                 " Ada Varga was born in 1917. She wrote poems.</think><answer>Ada Varga</answer>", "no tags at all"],
+        "knowrl": ["<think>Ada Varga was born in 1917.</think><answer>1917</answer>",
+                   "<think>She was born long ago.</think><answer>1850</answer>",
+                   "<think>Ada Varga was born in 1917 in Pécs.</think><answer>1917</answer>", "no tags at all"]}
+    serve = {"fspo": [f"reward.verifier.model_path={tiny_nli}"],
+             "knowrl": [f"reward.judge.base_url={judge.url}", f"reward.pipeline.evidence.store_path={kb}",
+                        f"reward.pipeline.verifier.model_path={tiny_nli}"]}
+    data = {"fspo": ("fspo", tmp_path / "fspo.parquet"), "knowrl": ("knowrl", tmp_path / "knowrl.json")}
+    with ExitStack() as stack:
+        servers = {m: stack.enter_context(reward_server(m, [f"policy_tokenizer={tiny_policy}", *serve[m]], tmp_path / m, {}))
+                   for m in groups}
+        for server in servers.values():
+            server["wait_ready"]()
+        for method, responses in groups.items():
+            cfg = load_train_config(GRPOConfig, f"tiny_cpu_{method}", [
+                f"model.path={tiny_policy}", "reward=null", f"remote_rm.url={servers[method]['url']}",
+                f"data.format={data[method][0]}", f"data.train={data[method][1]}", "grpo.num_prompts_per_step=1",
+                "grpo.num_rollouts_per_prompt=4", "model.global_batch_size=4", "model.micro_batch_size=4",
+                f"exp_manager.explicit_log_dir={tmp_path / ('run_' + method)}", "grpo.truncated=keep"])
+            records = load_prompts(cfg.data.train, cfg.data.format)
+            torch.manual_seed(0)
+            actor = HFActor(cfg.model, max_steps=1)
+            reward = RemoteFactualityReward(servers[method]["url"])
+            trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=tmp_path / f"run_{method}")
+            prompt_ids = encode_prompts(records, actor.tokenizer, cfg.data.apply_chat_template, cfg.data.max_prompt_tokens)[0]
+            rollout = _rollout_of(actor.tokenizer, prompt_ids, responses)
+            batch, _ = score_rollout(reward, rollout, records_for_rows(records, 4), actor.tokenizer, actor.eos_id)
+            assert len(set(batch.scores.round(6).tolist())) >= 2, (method, batch.scores)  # the rewards differ
+            exp, metrics = trainer.make_experience(rollout, batch.scores, batch.token_signs)
+            assert metrics["advantage/abs_mean"] > 0, method
+            if method == "fspo":
+                assert batch.token_signs is not None and any(np.any(s != 0) for s in batch.token_signs)
+                assert metrics["fspo/flip_frac"] > 0  # some token's sign disagrees with its sample's advantage
+                plain, _ = trainer.make_experience(rollout, batch.scores, None)  # the same group without the flip
+                assert ((exp["advantages"] * plain["advantages"]) < 0).any()  # ... and its advantage was turned around
+            before = [p.detach().clone() for p in actor.model.parameters()]
+            result = trainer.update(exp)
+            assert result["optimizer_steps"] == 1 and result["grad_norm"] > 0, method
+            assert any(not torch.equal(a, b) for a, b in zip(before, actor.model.parameters(), strict=True))

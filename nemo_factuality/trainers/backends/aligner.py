@@ -16,6 +16,13 @@ NeMo averages gradients over data-parallel ranks; the stage's losses are already
 global count, so the loss handed to Megatron is multiplied back by both and the result is the plain
 sum of gradients over micro batches and DP ranks. ``all_reduce_sum`` gives the stage its global counts.
 
+Checkpoints: NeMo's distributed checkpoint of weights, optimiser and schedule (each tensor written once,
+whatever the layout). The reference policy is not written while it is the initial ``.nemo`` (GRPO, PPO):
+``reference.json`` records ``model.restore_from_path`` and its fingerprint, and a resumed run's restore of
+that path is the reference again (on any layout). After ``reset_reference`` (KTO) it is a Megatron
+distributed checkpoint of its own (``reference/``): written once (data-parallel replicas deduplicated),
+sharded like the policy, and loaded into whatever TP/PP/DP the resumed run has.
+
 Importing this module imports nothing from NeMo; the heavy stack loads in ``AlignerActor.__init__``.
 """
 
@@ -23,14 +30,16 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
+from nemo_factuality.trainers import reference as ref_record
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
+from nemo_factuality.types import FactualityInputError, ServerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +72,7 @@ def _plain(cfg: Any) -> dict:
 
 
 def nemo_optim(optim: Mapping[str, Any], max_steps: int) -> dict:
-    """The stage's ``model.optim`` (adamw|sgd|distributed_fused_adam; constant|cosine) as NeMo's ``model.optim``."""
+    """The stage's ``model.optim`` (adamw|sgd, or mcore_distributed_optim via the model overrides; constant|cosine) as NeMo's ``model.optim``."""
     sched = optim.get("sched") or {}
     name = sched.get("name", "constant")
     if name == "cosine":
@@ -92,8 +101,23 @@ CONVERTED_CHECKPOINT_KEYS = {
 _PRECISION = {"float32": 32, "bfloat16": "bf16-mixed", "float16": "16-mixed"}
 
 
-def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> dict:
-    """Aligner's ``model`` section for the REINFORCE actor, from the stage's ``model.*`` (wins over the checkpoint)."""
+def trt_llm_section(engine: str, runtime: AlignerRuntime, *, model_type: str = "llama", max_input_len: int = 1024) -> dict:
+    """Aligner's ``reinforce.trt_llm`` section: ``rollout.engine=trtllm`` turns on its ``GPTGenerateTRTLLM`` (engine
+    built at the first rollout, refit after every update, rebuilt after a checkpoint load: ``AlignerActor``).
+
+    ``max_input_len`` is the longest prompt (``data.max_prompt_tokens``); the engine's batch is the rollout micro
+    batch (``reinforce.rollout_micro_batch_size``). The engine stays loaded during training (``unload_engine_train``
+    false: the stages open an inference window per call) and the pipeline stages are not resharded (``reshard``
+    false: that reshapes the data-parallel layout, which the stages own)."""
+    if engine not in ("megatron", "trtllm"):
+        raise ValueError(f"rollout.engine={engine!r}: choose megatron or trtllm")
+    return {"enable": engine == "trtllm", "max_input_len": max_input_len, "model_type": model_type,
+            "unload_engine_train": False, "reshard": False, "seed": runtime.seed}
+
+
+def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime, trt_llm: Mapping[str, Any] | None = None) -> dict:
+    """Aligner's ``model`` section for the REINFORCE actor, from the stage's ``model.*`` (wins over the checkpoint);
+    ``trt_llm``: its ``reinforce.trt_llm`` section (``trt_llm_section``; default: NeMo's generation)."""
     sampling, length = model_cfg.get("sampling_params", {}), model_cfg.get("length_params", {})
     precision = _PRECISION[model_cfg.get("dtype", "float32")]
     out = {
@@ -105,7 +129,7 @@ def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> di
         "optim": nemo_optim(model_cfg.get("optim", {"lr": 1e-6}), runtime.max_steps),
         **CONVERTED_CHECKPOINT_KEYS,
         "reinforce": {
-            "rollout_micro_batch_size": model_cfg.get("forward_micro_batch_size", 8),
+            "rollout_micro_batch_size": runtime.rollout_micro_batch_size,  # TensorRT-LLM's engine batch
             "forward_micro_batch_size": model_cfg.get("forward_micro_batch_size", 8),
             "offload_adam_states": True,  # only acts with the distributed optimizer
             "sampling_params": {"use_greedy": sampling.get("use_greedy", False), "temperature": sampling.get("temperature", 1.0),
@@ -113,7 +137,7 @@ def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime) -> di
                                 "repetition_penalty": 1.0, "add_BOS": False, "all_probs": False,
                                 "compute_logprob": False, "end_strings": []},
             "length_params": {"max_length": length.get("max_length", 256), "min_length": 1},
-            "trt_llm": {"enable": False},
+            "trt_llm": dict(trt_llm) if trt_llm is not None else trt_llm_section("megatron", runtime),
         },
     }
     return _merge(out, runtime.model_overrides)
@@ -139,6 +163,19 @@ def _stage_actor_class():
     class StageReinforceActor(MegatronGPTReinforceActorModel):
         stage_loss_fn: LossFn | None = None
         stage_need_entropy: bool = False
+        trtllm_stale: bool = True  # the TensorRT-LLM engine lags the weights (set by updates and checkpoint loads)
+
+        def prepare_for_inference(self):
+            """Aligner's, except that the TensorRT-LLM engine is refit only when the weights changed since the last
+            refit: the stages open an inference window per call (log-probs too), Aligner's trainer one per step."""
+            trtllm, self.use_trtllm_generation = self.use_trtllm_generation, False
+            try:
+                super().prepare_for_inference()
+            finally:
+                self.use_trtllm_generation = trtllm
+            if trtllm and self.trtllm_stale:
+                self.trtllm_generate.refit(self.model)  # builds the engine the first time
+                self.trtllm_stale = False
 
         def get_actor_forward_output_and_loss_func(self):
             loss_fn, need_entropy = self.stage_loss_fn, self.stage_need_entropy
@@ -150,10 +187,12 @@ def _stage_actor_class():
                 parallel_logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=None)
 
                 def loss_func(parallel_logits):
+                    # [b, S-1] for the stage's S: columns added for sequence parallelism are dropped
+                    width = batch["mask"].shape[1] if "mask" in batch else batch["tokens"].shape[1] - 1
                     out = {"logprobs": from_parallel_logits_to_logprobs(vocab_parallel_logits=parallel_logits,
-                                                                        target=batch["tokens"], higher_stability=True)}
+                                                                        target=batch["tokens"], higher_stability=True)[:, :width]}
                     if need_entropy:
-                        out["entropy"] = _token_entropy(parallel_logits)
+                        out["entropy"] = _token_entropy(parallel_logits)[:, :width]
                     loss, metrics = loss_fn(out, batch)
                     reported = {k: torch.as_tensor(float(v)) for k, v in metrics.items()}
                     reported["loss"] = loss.detach().float()  # this micro batch's share of the step's loss
@@ -162,6 +201,39 @@ def _stage_actor_class():
                 return parallel_logits, loss_func
 
             return fwd_output_and_loss_func
+
+        def offload_adam_states(self):
+            # Aligner 0.7.0 offloads only Apex's distributed Adam (its bucket layout); Megatron-Core's distributed
+            # optimizer (`mcore_distributed_optim`) gets the same treatment here.
+            if not self.use_mcore_dist_optim:
+                return super().offload_adam_states()
+            if self.to_offload_adam_states and getattr(self, "_offloaded_optimizer_states", None) is None:
+                self._offloaded_optimizer_states = offload_optimizer_states(self._optimizer.mcore_optimizer)
+            return None
+
+        def onload_adam_states(self):
+            if not self.use_mcore_dist_optim:
+                return super().onload_adam_states()
+            if getattr(self, "_offloaded_optimizer_states", None) is not None:
+                onload_optimizer_states(self._offloaded_optimizer_states)
+                self._offloaded_optimizer_states = None
+            return None
+
+        def _reset_sequence_parallelism_args(self):
+            # NeMo 2.2 turns sequence parallelism off for generation module by module, but megatron-core 0.12's
+            # embeddings (RoPE models) keep reduce-scattering their output over TP: generation then fails or
+            # sees a slice of the sequence. Switch that off too, and back on in the restore below.
+            super()._reset_sequence_parallelism_args()
+            self._scattering_embeddings = [mod for module in self.get_model_module_list() for mod in module.modules()
+                                           if getattr(mod, "reduce_scatter_embeddings", False)]
+            for mod in self._scattering_embeddings:
+                mod.reduce_scatter_embeddings = False
+
+        def _restore_sequence_parallelism_args(self):
+            super()._restore_sequence_parallelism_args()
+            for mod in getattr(self, "_scattering_embeddings", []):
+                mod.reduce_scatter_embeddings = True
+            self._scattering_embeddings = []
 
         def get_loss_and_metrics(self, batch, forward_only):
             tokens = batch["tokens"]
@@ -179,6 +251,46 @@ def _stage_actor_class():
             return _step_metrics(reduced)
 
     return StageReinforceActor
+
+
+@dataclass
+class OffloadedTensors:
+    """Host copies of an optimizer's device tensors, and where each goes back (``onload_optimizer_states``)."""
+
+    states: list[tuple[dict, str, torch.device, torch.Tensor]] = field(default_factory=list)  # (state, key, device, host)
+    params: list[tuple[torch.nn.Parameter, torch.device, torch.Tensor]] = field(default_factory=list)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    host = t.detach().to("cpu", copy=True)  # a copy even on CPU: the device storage is released either way
+    return host.pin_memory() if t.is_cuda else host
+
+
+def offload_optimizer_states(optimizer: Any) -> OffloadedTensors:
+    """Move Megatron-Core's distributed optimizer's Adam moments and fp32 main-parameter shards to host memory
+    (around generation, where they are not needed); ``onload_optimizer_states`` brings them back bit-exactly.
+
+    Only main parameters that are separate fp32 copies of bf16/fp16 weights move: the shards of fp32 weights
+    are views of the weights generation uses."""
+    out = OffloadedTensors()
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in opt.shard_fp32_from_float16_groups:
+            for param in group:
+                out.params.append((param, param.device, _to_host(param.data)))
+                param.data = out.params[-1][2]
+        for state in opt.optimizer.state.values():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    out.states.append((state, key, value.device, _to_host(value)))
+                    state[key] = out.states[-1][3]
+    return out
+
+
+def onload_optimizer_states(offloaded: OffloadedTensors) -> None:
+    for param, device, host in offloaded.params:
+        param.data = host.to(device, copy=True)
+    for state, key, device, host in offloaded.states:
+        state[key] = host.to(device, copy=True)
 
 
 def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, float]]:
@@ -228,7 +340,7 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
 class AlignerActor:
     """``PolicyActor`` on NeMo-Aligner's Megatron REINFORCE actor; one instance per rank (torchrun/srun)."""
 
-    def __init__(self, model_cfg: Any, runtime: AlignerRuntime | None = None) -> None:
+    def __init__(self, model_cfg: Any, runtime: AlignerRuntime | None = None, *, trt_llm: Mapping[str, Any] | None = None) -> None:
         self.runtime = runtime or AlignerRuntime()
         plain = _plain(model_cfg)
         path = plain.get("restore_from_path")
@@ -236,14 +348,18 @@ class AlignerActor:
             raise FileNotFoundError(f"model.restore_from_path={path!r} is not a .nemo file or extracted directory: "
                                     "write one with `nemo-factuality convert hf-to-nemo --extracted`")
         self.forward_micro_batch_size = int(plain.get("forward_micro_batch_size", 8))
-        self.model, self.trainer, self.optimizer, self.scheduler = _restore(str(path), model_overrides(plain, self.runtime),
-                                                                            self.runtime)
+        overrides = model_overrides(plain, self.runtime, trt_llm)
+        self.model, self.trainer, self.optimizer, self.scheduler = _restore(str(path), overrides, self.runtime)
         hf_tokenizer = getattr(self.model.tokenizer, "tokenizer", self.model.tokenizer)
         self.tokenizer = hf_tokenizer
         self.eos_id = int(self.model.tokenizer.eos_id)
         pad = getattr(hf_tokenizer, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else self.eos_id
         self._eos_text = hf_tokenizer.convert_ids_to_tokens(self.eos_id)
+        # Aligner's init_policy_state_dict is the restored .nemo until reset_reference(): checkpoints record, not copy it
+        self.restore_path = str(path)
+        self.initial_reference = ref_record.initial_record(path, "model.restore_from_path")
+        self.reference_is_initial = True
 
     # ---- parallel layout -------------------------------------------------------------------------
     @property
@@ -283,6 +399,13 @@ class AlignerActor:
         torch.distributed.all_gather_object(out, obj, group=mpu.get_data_parallel_group())
         return out
 
+    @property
+    def is_model_parallel_source(self) -> bool:
+        """Whether this rank is its model replica's source rank (the one that calls the reward)."""
+        from megatron.core import parallel_state as mpu
+
+        return torch.distributed.get_rank() == min(torch.distributed.get_process_group_ranks(mpu.get_model_parallel_group()))
+
     def on_model_parallel_source(self, fn: Any) -> Any:
         """``fn()`` once per model replica (its model-parallel source rank), the result broadcast to the replica's
         other ranks: the stages score a rollout, which every rank of a replica holds, through this."""
@@ -297,16 +420,30 @@ class AlignerActor:
 
     # ---- rollouts and log-probs -----------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
-        """Rollouts in chunks of ``rollout_micro_batch_size`` prompts, right-padded with ``pad_id`` to one width."""
+        """``generate_chunks`` assembled in prompt order, right-padded with ``pad_id`` to one width."""
+        return assemble_rollout(list(self.generate_chunks(prompt_ids, sampling)), self.pad_id)
+
+    def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
+        """Rollouts in micro batches of ``rollout_micro_batch_size`` prompts (the preset's KV budget), prompts
+        bucketed by length (a stable sort: a batch wastes no steps on short prompts waiting for long ones, and a
+        prompt's samples stay together), each batch yielded as soon as it is generated. NeMo's generation loop
+        ends a batch at the step where all its sequences have ended. One inference window for all batches (with
+        TensorRT-LLM: one engine refit)."""
+        if not prompt_ids:
+            raise ValueError("generate: no prompts")
+        order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         step = max(1, self.runtime.rollout_micro_batch_size)
-        parts = [self._generate_chunk(prompt_ids[i:i + step], sampling) for i in range(0, len(prompt_ids), step)]
-        if len(parts) == 1:
-            return parts[0]
-        width = max(p.tokens.shape[1] for p in parts)
-        tokens = torch.cat([torch.nn.functional.pad(p.tokens, (0, width - p.tokens.shape[1]), value=self.pad_id) for p in parts])
-        return Rollout(tokens=tokens, prompt_lengths=torch.cat([p.prompt_lengths for p in parts]),
-                       response_lengths=torch.cat([p.response_lengths for p in parts]),
-                       is_end=torch.cat([p.is_end for p in parts]))
+        m = self.model
+        m._length_params = {"max_length": sampling.max_new_tokens, "min_length": 1}
+        m._sampling_params = dict(m._sampling_params, use_greedy=sampling.use_greedy, temperature=sampling.temperature,
+                                  top_k=sampling.top_k, top_p=sampling.top_p, end_strings=[self._eos_text])
+        m.prepare_for_inference()
+        try:
+            for start in range(0, len(order), step):
+                rows = order[start : start + step]
+                yield RolloutChunk(rows, self._generate_chunk([prompt_ids[i] for i in rows], sampling))
+        finally:
+            m.finish_inference()
 
     def _generate_chunk(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
         from nemo_aligner.utils.utils import batch_pad_to_fixed_len
@@ -317,15 +454,7 @@ class AlignerActor:
         # as Aligner's collate: EOS-padded to the longest prompt + the tokens to generate
         text = batch_pad_to_fixed_len([torch.as_tensor(list(p), dtype=torch.long) for p in prompt_ids],
                                       int(lengths.max()) + sampling.max_new_tokens, self.eos_id)
-        m = self.model
-        m._length_params = {"max_length": sampling.max_new_tokens, "min_length": 1}
-        m._sampling_params = dict(m._sampling_params, use_greedy=sampling.use_greedy, temperature=sampling.temperature,
-                                  top_k=sampling.top_k, top_p=sampling.top_p, end_strings=[self._eos_text])
-        m.prepare_for_inference()
-        try:
-            out = m.infer({"text": text.to(self._device()), "length": lengths.to(self._device())})
-        finally:
-            m.finish_inference()
+        out = self.model.infer({"text": text.to(self._device()), "length": lengths.to(self._device())})
         tokens = out["response_tokens"].cpu().long()
         response_lengths = out["response_lengths"].cpu().long()
         positions = torch.arange(tokens.shape[1]).unsqueeze(0)
@@ -357,6 +486,7 @@ class AlignerActor:
     def reset_reference(self) -> None:
         from nemo_aligner.utils.utils import retrieve_model_state_dict_in_cpu
 
+        self.reference_is_initial = False
         self.model.init_policy_state_dict = retrieve_model_state_dict_in_cpu(self.model, megatron_amp_O2=self.model.megatron_amp_O2)
 
     # ---- training ----------------------------------------------------------------------------------
@@ -378,38 +508,97 @@ class AlignerActor:
         m.prepare_for_training_step()
         m.stage_loss_fn, m.stage_need_entropy = loss_fn, need_entropy
         try:
-            _, metrics = m.get_loss_and_metrics(batch=dict(batch), forward_only=False)
+            _, metrics = m.get_loss_and_metrics(batch=self._sequence_parallel_padded(batch), forward_only=False)
         finally:
             m.stage_loss_fn = None
         m.finish_training_step()
         grad_norm = clip_gradients(m, self.runtime.gradient_clip_val)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        stepped = self.optimizer.step()
+        if grad_norm is None and isinstance(stepped, tuple) and len(stepped) == 3:
+            grad_norm = stepped[1]  # Megatron's distributed optimizer clips inside its step: (loss, norm, zeros)
         self.scheduler.step()
+        m.trtllm_stale = True  # TensorRT-LLM: refit at the next inference window
         m.finish_training()
         return {**metrics, "grad_norm": float(grad_norm) if grad_norm is not None else 0.0, "lr": float(lr)}
 
+    def _sequence_parallel_padded(self, batch: Mapping[str, torch.Tensor]) -> dict:
+        """The batch with ``tokens`` right-padded to a multiple of TP under sequence parallelism (Megatron splits the
+        sequence over TP ranks); causal attention keeps the real positions' log-probs unchanged, and the loss
+        sees only the stage's ``[b, S-1]`` columns."""
+        out = dict(batch)
+        tp = int(self.model.cfg.get("tensor_model_parallel_size", 1))
+        width = out["tokens"].shape[1]
+        if self.model.cfg.get("sequence_parallel", False) and tp > 1 and width % tp:
+            out["tokens"] = torch.nn.functional.pad(out["tokens"], (0, tp - width % tp), value=self.pad_id)
+            out.setdefault("mask", torch.ones(out["tokens"].shape[0], width - 1))
+        return out
+
     # ---- checkpoints -------------------------------------------------------------------------------
     def save(self, path: Path) -> None:
-        """NeMo's distributed checkpoint (weights, optimiser, LR schedule) + this rank's reference shard."""
+        """NeMo's distributed checkpoint (weights, optimiser, LR schedule) + the reference: its record while it is the
+        initial .nemo, else its own distributed checkpoint (``reference/``, once, sharded like the policy)."""
         path = Path(path)
         self._check_optimizer_state_is_shardable()
         path.mkdir(parents=True, exist_ok=True)
         self.trainer.save_checkpoint(str(path / "state.ckpt"))
-        rank = torch.distributed.get_rank()
-        if self.model.init_policy_state_dict is not None:
-            torch.save(self.model.init_policy_state_dict, path / f"reference.rank{rank}.pt")
+        if self.reference_is_initial:
+            record = self.initial_reference
+        else:
+            self._save_reference(path / "reference")
+            record = ref_record.stored_record("reference")
+        if torch.distributed.get_rank() == 0:
+            ref_record.write_record(path, record)
         torch.distributed.barrier()
+
+    def _reference_shards(self, state: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The policy's sharded state dict (its layout: TP/PP shards, DP replica ids) with ``state``'s tensors as the
+        data: Megatron's ``model.<name>`` keys are Aligner's state-dict names (TE's ``_extra_state`` objects left out;
+        SwiGLU's fused ``linear_fc1`` is a factory that shards its two halves separately, so TP can change)."""
+        from dataclasses import replace
+
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+        prefix = "model."
+        shards = {k: replace(v, data=state[k[len(prefix):]]) for k, v in self.model.sharded_state_dict().items()
+                  if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and k.startswith(prefix)
+                  and k[len(prefix):] in state}
+        left = [k for k, v in state.items() if torch.is_tensor(v) and not k.endswith("_extra_state")
+                and prefix + k not in shards]
+        if left:  # a weight the reference checkpoint would silently not hold
+            raise RuntimeError(f"reference weights without a sharded-state entry: {left}")
+        return shards
+
+    def _save_reference(self, where: Path) -> None:
+        from megatron.core import dist_checkpointing
+
+        if torch.distributed.get_rank() == 0:
+            where.mkdir(parents=True, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(self._reference_shards(self.model.init_policy_state_dict), str(where))
+
+    def _load_reference(self, where: Path) -> None:
+        """The stored reference into this run's layout (any TP/PP/DP): the current reference's tensors (the right
+        local shapes) are the buffers Megatron loads this rank's shards into."""
+        from megatron.core import dist_checkpointing
+
+        current = self.model.init_policy_state_dict
+        template = self._reference_shards({k: v.clone() for k, v in current.items() if torch.is_tensor(v)})
+        loaded = dist_checkpointing.load(template, str(where))
+        self.model.init_policy_state_dict = {**current, **{k[len("model."):]: v.cpu() for k, v in loaded.items()}}
 
     def _check_optimizer_state_is_shardable(self) -> None:
         """NeMo 2.2 shards a plain torch optimizer's per-parameter state like the parameter itself, so a 0-dim
         per-parameter tensor would fail in Megatron's checkpointing with a bare shape assertion. torch's Adam/AdamW
-        ``step`` is moved out of the way (``shardable_adam_steps``); say what to change for anything else."""
+        ``step`` is moved out of the way (``shardable_adam_steps``); say what to change for anything else.
+        Megatron's distributed optimizer writes its own sharded state."""
+        if getattr(self.model, "use_mcore_dist_optim", False):
+            return
         for state in self.optimizer.state_dict()["state"].values():
             scalars = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() == 0)
             if scalars:
                 raise ValueError(f"{type(self.optimizer).__name__} keeps 0-dim per-parameter state {scalars} that NeMo "
-                                 "2.2's distributed checkpoint cannot shard: use adamw, sgd or distributed_fused_adam "
+                                 "2.2's distributed checkpoint cannot shard: use adamw, sgd or mcore_distributed_optim "
                                  "(model.optim.name / AlignerRuntime.model_overrides optim.name)")
 
     def load(self, path: Path) -> None:
@@ -417,9 +606,36 @@ class AlignerActor:
         if not (path / "state" / "metadata.json").is_file():  # NeMo stores "<name>.ckpt" as the directory <name>/
             raise FileNotFoundError(f"{path / 'state'} holds no distributed checkpoint: not written by AlignerActor.save")
         restore_training_state(self.trainer, self.scheduler, path / "state")
-        reference = path / f"reference.rank{torch.distributed.get_rank()}.pt"
+        self._rebuild_trtllm_engine()
+        record = ref_record.read_record(path)
+        if record is None:
+            self._load_legacy_reference(path)
+        elif record["kind"] == "initial":
+            ref_record.check_initial(record, self.restore_path, path)
+            if not self.reference_is_initial:
+                raise FactualityInputError(f"{path}: its reference is the initial checkpoint, but this process reset its "
+                                           "reference since the restore; load the checkpoint in a fresh run")
+        else:
+            self._load_reference(path / record["where"])
+            self.reference_is_initial = False
+
+    def _load_legacy_reference(self, path: Path) -> None:
+        """Checkpoints written before ``reference.json``: one ``reference.rank<r>.pt`` shard per rank, readable only on
+        the layout that wrote them (never a silent ``None``)."""
+        files = sorted(path.glob("reference.rank*.pt"))
+        world = torch.distributed.get_world_size()
+        if len(files) != world:
+            raise FactualityInputError(f"{path} holds {len(files)} per-rank reference shards (an older checkpoint "
+                                       f"format) but this run has {world} ranks: resume it on the layout that wrote it")
         # tensors and plain containers only: a checkpoint file never runs code
-        self.model.init_policy_state_dict = torch.load(reference, weights_only=True) if reference.exists() else None
+        own = torch.load(path / f"reference.rank{torch.distributed.get_rank()}.pt", weights_only=True)
+        current = self.model.init_policy_state_dict
+        if {k: tuple(v.shape) for k, v in own.items() if torch.is_tensor(v)} != \
+                {k: tuple(v.shape) for k, v in current.items() if torch.is_tensor(v)}:
+            raise FactualityInputError(f"{path}: its per-rank reference shards (an older checkpoint format) were written "
+                                       "on another TP/PP layout: resume it on the layout that wrote it")
+        self.model.init_policy_state_dict = own
+        self.reference_is_initial = False
 
     def load_weights(self, path: Path) -> None:
         """Only the policy weights of a ``save`` directory (the stages' restore-best-on-early-stop)."""
@@ -430,6 +646,14 @@ class AlignerActor:
         connector.resume_start(str(path / "state"))
         connector.restore_model()
         connector.resume_end()
+        self._rebuild_trtllm_engine()
+
+    def _rebuild_trtllm_engine(self) -> None:
+        """After a checkpoint load the TensorRT-LLM engine is built anew at the next rollout (Aligner's generator
+        builds when not compiled, else refits), not refit from weights that were replaced under it."""
+        if getattr(self.model, "use_trtllm_generation", False):
+            self.model.trtllm_generate._trtllm_model_compiled = False
+        self.model.trtllm_stale = True
 
     def export(self, path: Path) -> None:
         """A ``.nemo`` (NeMo's ``save_to``; every rank takes part) that ``convert nemo-to-hf`` turns into HF.
@@ -528,7 +752,29 @@ def build_actor(cfg: Any, **runtime: Any) -> AlignerActor:
                 "num_nodes": int(os.environ.get("SLURM_NNODES", 1)),
                 "max_steps": runtime.pop("max_steps", getattr(trainer, "max_steps", 100)),
                 "gradient_clip_val": getattr(trainer, "gradient_clip_val", 1.0), "seed": getattr(trainer, "seed", 1234)}
-    return AlignerActor(cfg.model, AlignerRuntime(**{**defaults, **runtime}))
+    placed = AlignerRuntime(**{**defaults, **runtime})
+    rollout = getattr(cfg, "rollout", None)
+    engine = getattr(rollout, "engine", "megatron")
+    if engine == "trtllm":
+        require_trtllm()
+    data = getattr(cfg, "data", None)
+    trt_llm = trt_llm_section(engine, placed, model_type=getattr(rollout, "trtllm_model_type", "llama"),
+                              max_input_len=getattr(data, "max_prompt_tokens", 1024))
+    return AlignerActor(cfg.model, placed, trt_llm=trt_llm)
+
+
+def require_trtllm() -> None:
+    """``rollout.engine=trtllm`` needs TensorRT-LLM and a CUDA GPU (the NeMo-Aligner container): say so at start-up,
+    before NeMo loads anything, rather than when the first rollout builds the engine."""
+    import importlib.util
+
+    from nemo_factuality.config import ConfigError
+
+    missing = [what for what, ok in (("the tensorrt_llm package", importlib.util.find_spec("tensorrt_llm") is not None),
+                                      ("a CUDA GPU", torch.cuda.is_available())) if not ok]
+    if missing:
+        raise ConfigError(f"rollout.engine=trtllm needs {' and '.join(missing)} (NeMo-Aligner's TensorRT-LLM generation "
+                          "runs in the NeMo-Aligner container); use rollout.engine=megatron here")
 
 
 PRESET_DIR = Path(__file__).resolve().parents[3] / "conf" / "train" / "aligner"
@@ -585,14 +831,31 @@ def on_model_parallel_source(fn: Any) -> Any:
             box = [("ok", fn())]
         except Exception as err:  # re-raised below, on every rank of the group
             error = err
-            box = [("error", f"{type(err).__name__}: {err}")]
+            box = [(_relay_kind(err), f"{type(err).__name__}: {err}")]
     torch.distributed.broadcast_object_list(box, src=ranks[0], group=group)
     status, value = box[0]
     if error is not None:
         raise error
-    if status == "error":
-        raise RuntimeError(f"model-parallel source rank {ranks[0]} failed: {value}")
-    return value
+    return relayed_result(status, value, ranks[0])
+
+
+def _relay_kind(err: Exception) -> str:
+    """How another rank re-raises a source rank's error: a server gone past its retry window stays one (the stage
+    checkpoints on every rank alike), with its ``checkpoint_safe``; anything else is a failure of that rank."""
+    if isinstance(err, ServerUnavailableError):
+        return "unavailable" if getattr(err, "checkpoint_safe", True) else "unavailable-no-checkpoint"
+    return "error"
+
+
+def relayed_result(status: str, value: Any, source: int) -> Any:
+    """The value another rank broadcast (``status`` "ok"), or its error raised here (see ``_relay_kind``)."""
+    if status == "ok":
+        return value
+    if status.startswith("unavailable"):
+        relayed = ServerUnavailableError(f"{value} (on rank {source})")
+        relayed.checkpoint_safe = status == "unavailable"
+        raise relayed
+    raise RuntimeError(f"model-parallel source rank {source} failed: {value}")
 
 
 def restore_training_state(trainer: Any, scheduler: Any, state_dir: Path) -> None:

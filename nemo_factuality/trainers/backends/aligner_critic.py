@@ -16,7 +16,14 @@ Under data parallelism each rank asks for its own values (the model-parallel sou
 is broadcast in the model-parallel group) and a minibatch is gathered onto rank 0, which sends it once:
 one ``critic_train`` request is one critic optimiser step over the global minibatch.
 
-Every failure names the URL and what to check, within ``critic.timeout_s`` / ``init_timeout_s``.
+Every failure names the URL and what to check, within ``critic.timeout_s`` / ``init_timeout_s``. A server
+that refuses, drops or times out a request is waited for (``critic.retry``, jittered backoff, each wait logged
+with the URL) and sent the same request again. The server keeps its state in memory and resumes from its own
+latest checkpoint when restarted, so once it answers again its optimiser step is compared with the one this
+client expects: equal, the step goes on; one ahead on a ``critic_train`` retry, that update had gone through
+before the connection dropped (its loss is reported as NaN); anything else, the restarted critic is behind the
+actor and ``CriticServerRestarted`` ends the run without a new checkpoint, so the requeued job resumes both
+from the last one they share. Past the window: ``CriticServerUnavailable`` (exit 75 after a checkpoint).
 Importing this module imports neither NeMo nor PyTriton.
 """
 
@@ -31,8 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_factuality.trainers.backends.aligner import on_model_parallel_source
+from nemo_factuality.trainers.backends.aligner import _relay_kind, on_model_parallel_source, relayed_result
 from nemo_factuality.trainers.interfaces import LossFn, Rollout
+from nemo_factuality.types import ServerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,17 @@ INFER, TRAIN, SAVE, STATE = "critic_infer", "critic_train", "critic_save", "crit
 
 class RemoteCriticError(RuntimeError):
     """The critic server could not be reached, refused a request, or holds another step than the checkpoint."""
+
+
+class CriticServerUnavailable(RemoteCriticError, ServerUnavailableError):
+    """The critic server stayed unreachable past ``critic.retry.max_wait_s`` (the stage checkpoints, exits 75)."""
+
+
+class CriticServerRestarted(RemoteCriticError, ServerUnavailableError):
+    """The critic server came back at another optimiser step than this run's: its state is not the actor's
+    partner any more, so no checkpoint may be written now; the run exits 75 and resumes from the last one."""
+
+    checkpoint_safe = False
 
 
 def _what_to_check(url: str) -> str:
@@ -57,6 +76,12 @@ class RemoteCritic:
         self.url = cfg.url.rstrip("/")
         self.timeout_s, self.init_timeout_s = float(cfg.timeout_s), float(cfg.init_timeout_s)
         self.micro_batch_size = int(cfg.micro_batch_size)
+        from nemo_factuality.serving.client import Backoff
+        from nemo_factuality.trainers.runtime import backoff
+
+        retry = getattr(cfg, "retry", None)
+        self.retry = backoff(retry) if retry is not None else Backoff()
+        self.expected_step: int | None = None  # the server's optimiser step as this run knows it
         if check:
             from nemo_factuality.trainers.backends.aligner_reward import check_reward_server
 
@@ -64,28 +89,71 @@ class RemoteCritic:
                                 error=RemoteCriticError, what="critic server")
 
     # ---- requests ------------------------------------------------------------------------------
-    def _request(self, model: str, inputs: Mapping[str, np.ndarray], *, batched: bool) -> dict[str, np.ndarray]:
+    def _send(self, model: str, inputs: Mapping[str, np.ndarray], batched: bool) -> dict[str, np.ndarray]:
         from pytriton.client import ModelClient
 
         from nemo_factuality.serving.client import quiet_pytriton_timeouts
 
+        with quiet_pytriton_timeouts(), ModelClient(self.url, model, init_timeout_s=self.init_timeout_s,
+                                                    inference_timeout_s=self.timeout_s) as client:
+            return client.infer_batch(**inputs) if batched else client.infer_sample(**inputs)
+
+    def _request(self, model: str, inputs: Mapping[str, np.ndarray], *, batched: bool) -> dict[str, np.ndarray]:
+        """One request, retried while the server is away (``critic.retry``); after a failure, the server's step is
+        checked before the request is sent again (see the module docstring)."""
+        from nemo_factuality.serving.client import call_with_retry
+
+        failed = False
+
+        def attempt() -> dict[str, np.ndarray]:
+            if failed and model != STATE:
+                done = self._check_step_after_outage(model)
+                if done is not None:
+                    return done
+            return self._send(model, inputs, batched)
+
+        def note_failure() -> None:
+            nonlocal failed
+            failed = True
+
         try:
-            with quiet_pytriton_timeouts(), ModelClient(self.url, model, init_timeout_s=self.init_timeout_s,
-                                                        inference_timeout_s=self.timeout_s) as client:
-                return client.infer_batch(**inputs) if batched else client.infer_sample(**inputs)
+            return call_with_retry(attempt, what="critic server", url=self.url, backoff=self.retry,
+                                   key="critic.retry.max_wait_s", before_retry=note_failure,
+                                   unavailable=lambda msg: CriticServerUnavailable(f"{msg}: {_what_to_check(self.url)}"))
+        except RemoteCriticError:
+            raise
         except Exception as err:  # PyTriton raises several client error types; all end the step the same way
             raise RemoteCriticError(f"critic server {self.url} failed {model} ({_last_error_line(err)}): "
                                     f"{_what_to_check(self.url)}") from err
 
+    def _check_step_after_outage(self, model: str) -> dict[str, np.ndarray] | None:
+        """The server answers again: is it still at this run's step? ``{"loss_mean": NaN}`` when a retried
+        ``critic_train`` finds its update already applied (send nothing); None to send the request."""
+        if self.expected_step is None:
+            return None
+        out = self._send(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, False)
+        now = int(out["step"].reshape(-1)[0])
+        if now == self.expected_step:
+            return None
+        if model == TRAIN and now == self.expected_step + 1:
+            log.warning("critic server %s had applied the update before the connection dropped (step %d); its loss "
+                        "was lost (logged as NaN)", self.url, now)
+            return {"loss_mean": np.array([np.nan], dtype=np.float32)}
+        raise CriticServerRestarted(
+            f"critic server {self.url} came back at optimiser step {now}, but this run's critic is at step "
+            f"{self.expected_step}: it restarted from an older checkpoint, so the run stops without a new checkpoint; "
+            "rerun (the requeued job) to resume actor and critic from their last shared checkpoint")
+
     # ---- Critic --------------------------------------------------------------------------------
     def values(self, rollout: Rollout) -> torch.Tensor:
         """``[B, S-1]`` values of this rank's rollout (no grad)."""
+        self._know_step()
         tokens = rollout.tokens.long()
         width = tokens.shape[1]
         inputs = {"tokens": tokens.numpy().astype(np.int64),
                   "sequence_lengths": rollout.response_lengths.long().unsqueeze(1).numpy().astype(np.int64)}
         out = on_model_parallel_source(lambda: self._request(INFER, inputs, batched=True)["values"])
-        values = torch.as_tensor(np.asarray(out), dtype=torch.float32)
+        values = torch.from_numpy(np.array(out, dtype=np.float32))  # a copy: the response buffer is read-only
         assert values.shape[0] == tokens.shape[0] and values.shape[1] >= width - 1, (values.shape, tokens.shape)
         return values[:, : width - 1].contiguous()
 
@@ -94,25 +162,30 @@ class RemoteCritic:
         runs Aligner's value loss). ``loss/value`` is the mean share per micro batch and data-parallel rank, as every
         backend's train_step reports it; ``critic/server_loss`` is the server's minibatch loss."""
         del loss_fn
+        self._know_step()
         rows = {"tokens": batch["tokens"].long(), "returns": batch["returns"].float(),
                 "prev_values": batch["old_values"].float(), "mask": batch["mask"].float()}
         gathered = _gather_to_rank0({k: v.numpy() for k, v in rows.items()})
-        loss = None
-        if gathered is not None:
-            sent = _pad_and_concat(gathered)
-            loss = float(self._request(TRAIN, sent, batched=False)["loss_mean"].reshape(-1)[0])
-        loss = _broadcast_from_rank0(loss)
+        loss = _on_rank0(lambda: float(self._request(TRAIN, _pad_and_concat(gathered), batched=False)["loss_mean"]
+                                       .reshape(-1)[0]))
+        self.expected_step = None if self.expected_step is None else self.expected_step + 1  # every rank counts it
         # the stages sum ``loss/*`` back over micro batches and data-parallel ranks (each backend reports its mean share)
         shares = max(1, -(-int(batch["tokens"].shape[0]) // micro_batch_size)) * _data_parallel_size()
         return {"loss/value": loss / shares, "critic/server_loss": loss}
 
     def server_step(self) -> int:
-        return int(_broadcast_from_rank0(_if_rank0(lambda: int(
-            self._request(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)["step"].reshape(-1)[0]))))
+        """The server's optimiser step (asked on rank 0, the same on every rank); this run expects it from now on."""
+        self.expected_step = int(_on_rank0(lambda: int(
+            self._request(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)["step"].reshape(-1)[0])))
+        return self.expected_step
+
+    def _know_step(self) -> None:
+        if self.expected_step is None:
+            self.server_step()
 
     def save(self, path: Path) -> None:
         """The server writes its own checkpoint; ``critic.json`` records which server step belongs to this one."""
-        _if_rank0(lambda: self._request(SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False))
+        _on_rank0(lambda: self._request(SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False) and None)
         step = self.server_step()
         if _rank() == 0:
             Path(path).mkdir(parents=True, exist_ok=True)
@@ -153,16 +226,22 @@ def _data_parallel_size() -> int:
     return mpu.get_data_parallel_world_size()
 
 
-def _if_rank0(fn: Callable[[], Any]) -> Any:
-    return fn() if _rank() == 0 else None
-
-
-def _broadcast_from_rank0(value: Any) -> Any:
+def _on_rank0(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on global rank 0, its result — or its error, re-raised on every rank (so no rank waits in the
+    broadcast while rank 0 checkpoints or stops) — on every rank."""
     if not torch.distributed.is_initialized():
-        return value
-    box = [value]
+        return fn()
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if _rank() == 0:
+        try:
+            box = [("ok", fn())]
+        except Exception as err:
+            error, box = err, [(_relay_kind(err), f"{type(err).__name__}: {err}")]
     torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
+    if error is not None:
+        raise error
+    return relayed_result(*box[0], 0)
 
 
 

@@ -21,9 +21,11 @@ allocator fragmentation).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 GIB = 1024**3
+# What a preset may use of one H100-80GB: torch sees ~79 GiB; 15% stays free for allocator spikes.
+H100_BUDGET_GIB = 0.85 * 79
 
 
 @dataclass(frozen=True)
@@ -102,3 +104,39 @@ def rollout_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
 
 def gib(table: dict[str, float]) -> dict[str, float]:
     return {k: round(v / GIB, 1) for k, v in table.items()}
+
+
+def max_rollout_batch(arch: Arch, lay: Layout, budget_gib: float = H100_BUDGET_GIB) -> int:
+    """The most sequences one rank can generate together within ``budget_gib`` (``rollout_bytes`` is affine in
+    ``rollout_micro_batch``: the resident states plus, per sequence, its KV cache and first-step logits)."""
+    fixed = rollout_bytes(arch, replace(lay, rollout_micro_batch=0))["total"]
+    per_sequence = rollout_bytes(arch, replace(lay, rollout_micro_batch=1))["total"] - fixed
+    return max(0, math.floor((budget_gib * GIB - fixed) / per_sequence))
+
+
+def budgeted_rollout_batch(arch: Arch, lay: Layout, rollouts_per_rank: int, budget_gib: float = H100_BUDGET_GIB) -> int:
+    """A preset's rollout batch: as many of a step's ``rollouts_per_rank`` as the budget allows at once."""
+    return min(rollouts_per_rank, max_rollout_batch(arch, lay, budget_gib))
+
+
+def checkpoint_bytes(arch: Arch, method: str, *, tp: int, pp: int, dp: int) -> dict[str, float]:
+    """Bytes on disk of one stage checkpoint (the whole job's, not per GPU), by component, plus ``total``.
+
+    NeMo's distributed checkpoint writes every tensor once, whatever TP/PP/DP (data-parallel replicas are
+    deduplicated; per-rank metadata and RNG files are a few KB):
+
+    * ``weights``: the policy, bf16 (``megatron_amp_O2``): ``2·P``;
+    * ``optimizer``: the distributed optimizer's fp32 main weights + 2 moments: ``12·P``;
+    * ``reference``: GRPO/PPO 0 (``reference.json`` records the initial ``.nemo``); KTO ``2·P``, stored once;
+    * ``critic`` (PPO, not in ``total``): the critic server's own checkpoint (``<log dir>/critic/checkpoints``), a
+      model the policy's size with its Adam: ``14·P``.
+
+    ``per_rank_references_before`` is what every global rank's ``reference.rank<r>.pt`` (its TP·PP shard of the
+    bf16 weights) used to add to each checkpoint: ``DP`` full copies, ``2·P·DP``."""
+    p = arch.parameters()
+    out = {"weights": 2.0 * p, "optimizer": 12.0 * p, "reference": 2.0 * p if method == "kto" else 0.0}
+    out["total"] = sum(out.values())
+    out["critic"] = 14.0 * p if method == "ppo" else 0.0
+    world = tp * pp * dp
+    out["per_rank_references_before"] = 2.0 * p / (tp * pp) * world
+    return out

@@ -7,8 +7,11 @@ later, and an exception leaves the client's worker threads alive so the process 
 
 * checks, on every rank before the first rollout, that the server answers and serves the model, within
   ``init_timeout_s``, and fails naming the URL, the model and what to check;
-* builds the same client with our timeouts, and turns a failed or timed-out request into a
-  ``RemoteRewardError`` naming the URL;
+* builds the same client with our timeouts; a request the server refused, dropped or timed out is sent
+  again by the project's one retry loop (``serving.client.call_with_retry``, ``remote_rm.retry``: jittered
+  backoff, each wait logged with the URL) on the model-parallel source rank while the other ranks wait in
+  Aligner's broadcast; past the window, or for an error the server answered, a ``RemoteRewardError``
+  (``RewardServerUnavailable``: exit 75) naming the URL;
 * closes the client in ``finally``, whatever happens in the block.
 
     with remote_reward_client(cfg.remote_rm, pad_to_length=4096) as rm:
@@ -29,7 +32,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from nemo_factuality.serving.client import RemoteRewardError
+from nemo_factuality.serving.client import Backoff, RemoteRewardError, RewardServerUnavailable, call_with_retry
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ def check_reward_server(url: str, model: str, *, timeout_s: float, hint: str | N
 
 @functools.lru_cache(maxsize=1)
 def _bounded_client_classes():
+    import torch
     from nemo_aligner.models.nlp.gpt.reward_critic_clients import RemoteGPTRMClient, RMFutureResult
     from nemo_aligner.servers.http_communicator import HTTPCommunicator
     from pytriton.client import FuturesModelClient
@@ -80,20 +84,43 @@ def _bounded_client_classes():
                                         inference_timeout_s=self.inference_timeout_s)
             self.connections[server_name] = (ip, port, client)
 
-    class NamedRMFutureResult(RMFutureResult):
-        """Aligner's result (broadcast over the model-parallel group) with errors that name the server."""
-
-        def __init__(self, rm_future, url: str, model: str) -> None:
-            super().__init__(rm_future)
-            self.url, self.model = url, model
+    class _Done:
+        def __init__(self, output) -> None:
+            self.output = output
 
         def result(self):
+            return self.output
+
+    class NamedRMFutureResult(RMFutureResult):
+        """Aligner's result (broadcast over the model-parallel group): on the source rank the request is retried
+        while the server is away (a fresh synchronous client per resend), and errors name the server."""
+
+        def __init__(self, rm_future, url: str, model: str, resend, backoff: Backoff) -> None:
+            super().__init__(rm_future)
+            self.url, self.model, self.resend, self.backoff = url, model, resend, backoff
+
+        def result(self):
+            if self.rm_future is not None:  # the model-parallel source rank: it alone holds a request
+                self.rm_future = _Done(self._output_with_retry())
+            return super().result()
+
+        def _output_with_retry(self):
+            first = [self.rm_future]
+
+            def attempt():
+                future, first[0] = first[0], None
+                return future.result() if future is not None else self.resend()
+
+            hint = f"{_what_to_check(self.url, self.model)}, or raise remote_rm.timeout_s"
             try:
-                return super().result()
+                return call_with_retry(attempt, what="reward server", url=f"{self.url} (model {self.model!r})",
+                                       backoff=self.backoff, key="remote_rm.retry.max_wait_s",
+                                       unavailable=lambda msg: RewardServerUnavailable(f"{msg}. {hint}"))
+            except RemoteRewardError:
+                raise
             except Exception as err:
                 raise RemoteRewardError(f"reward request to {self.url} (model {self.model!r}) failed: "
-                                        f"{type(err).__name__}: {err}. {_what_to_check(self.url, self.model)}, "
-                                        "or raise remote_rm.timeout_s") from err
+                                        f"{type(err).__name__}: {err}. {hint}") from err
 
     class BoundedRemoteRMClient(RemoteGPTRMClient):
         """``RemoteGPTRMClient`` whose communicator takes ``cfg.init_timeout_s`` / ``cfg.timeout_s``."""
@@ -104,10 +131,26 @@ def _bounded_client_classes():
             self.communicator.add_server_by_name(cfg.reward_model.name, cfg.reward_model.ip, cfg.reward_model.port)
             self.pad_to_length = cfg.pad_to_length
             self.url = f"http://{cfg.reward_model.ip}:{cfg.reward_model.port}"
+            retry = cfg.get("retry") or {}
+            self.backoff = Backoff(**retry) if retry else Backoff()
 
         def infer_rm(self, rollout_batch):
             future = super().infer_rm(rollout_batch)
-            return NamedRMFutureResult(future.rm_future, self.url, self.cfg.reward_model.name)
+            return NamedRMFutureResult(future.rm_future, self.url, self.cfg.reward_model.name,
+                                       lambda: self._send_again(rollout_batch), self.backoff)
+
+        def _send_again(self, rollout_batch):
+            """The same payload as ``infer_rm`` on a fresh synchronous client (the futures client's worker may hold
+            the dropped connection)."""
+            from pytriton.client import ModelClient
+
+            tokens = rollout_batch["response_tokens"].cpu()
+            if self.pad_to_length is not None:
+                tokens = torch.nn.functional.pad(tokens, (0, self.pad_to_length - tokens.size(-1)), value=0)
+            data = {"tokens": tokens.numpy(), "sequence_lengths": rollout_batch["response_lengths"].unsqueeze(1).cpu().numpy()}
+            with ModelClient(self.url, self.cfg.reward_model.name, init_timeout_s=self.cfg.init_timeout_s,
+                             inference_timeout_s=self.cfg.timeout_s) as client:
+                return client.infer_batch(**data)
 
     return BoundedRemoteRMClient
 
@@ -126,10 +169,17 @@ def _endpoint(remote_rm: Any) -> tuple[str, int, str]:
     return remote_rm.reward_model.ip, int(remote_rm.reward_model.port), model
 
 
+def _retry_fields(retry: Any) -> dict[str, float]:
+    if retry is None:
+        return {}
+    return {k: float(getattr(retry, k) if not isinstance(retry, dict) else retry[k])
+            for k in ("max_wait_s", "initial_s", "max_s", "jitter")}
+
+
 @contextmanager
 def remote_reward_client(remote_rm: Any, *, pad_to_length: int | None, check: bool = True) -> Iterator[Any]:
     """Aligner's ``RemoteGPTRMClient`` for ``remote_rm`` (url | reward_model.{name,ip,port}, init_timeout_s,
-    timeout_s), checked before use and always closed."""
+    timeout_s, retry.{max_wait_s,initial_s,max_s,jitter}), checked before use and always closed."""
     from omegaconf import OmegaConf
 
     ip, port, model = _endpoint(remote_rm)
@@ -137,7 +187,8 @@ def remote_reward_client(remote_rm: Any, *, pad_to_length: int | None, check: bo
     if check:
         check_reward_server(f"http://{ip}:{port}", model, timeout_s=init_timeout)
     cfg = OmegaConf.create({"reward_model": {"name": model, "ip": ip, "port": port}, "pad_to_length": pad_to_length,
-                            "init_timeout_s": init_timeout, "timeout_s": float(getattr(remote_rm, "timeout_s", 600.0))})
+                            "init_timeout_s": init_timeout, "timeout_s": float(getattr(remote_rm, "timeout_s", 600.0)),
+                            "retry": _retry_fields(getattr(remote_rm, "retry", None))})
     client = _bounded_client_classes()(cfg)
     try:
         yield client

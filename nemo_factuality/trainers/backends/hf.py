@@ -4,8 +4,17 @@ Reference policy: ``reference="copy"`` keeps a frozen copy of the initial weight
 ``"cpu_weight_swap"`` keeps them as a CPU state dict and swaps them into the model for reference
 log-probs, as NeMo-Aligner does, so only one set of weights sits on the accelerator.
 
-Checkpoints are safetensors (weights, reference) plus ``torch.save`` files of plain tensors/dicts for
-the optimiser and schedule, always read back with ``weights_only=True``: no code runs on load.
+Sampling is exactly the stage's: ``generate`` sees only ``model.sampling_params`` (temperature, top-k, top-p,
+greedy) and ``max_length``, never the checkpoint's ``generation_config.json`` (Qwen2.5-Instruct ships
+repetition_penalty 1.05, top_k 20, top_p 0.8, temperature 0.7; others add suppressed or bad words), which
+transformers would otherwise merge into every call: the rollouts would not come from π. Log-probs (old,
+reference, training) are of the distribution sampled from, ``softmax(logits / T)`` at the sampling temperature
+(as verl does); greedy rollouts use T = 1.
+
+Checkpoints are safetensors (weights) plus ``torch.save`` files of plain tensors/dicts for the optimiser and
+schedule, always read back with ``weights_only=True``: no code runs on load. The reference is not copied while
+it is the initial checkpoint (GRPO, PPO): ``reference.json`` records ``model.path`` and its fingerprint
+(``trainers/reference.py``); after ``reset_reference`` (KTO) it is ``reference.safetensors``.
 """
 
 from __future__ import annotations
@@ -13,15 +22,16 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.config import CriticModelConfig, OptimConfig, PolicyModelConfig
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, SamplingParams
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +58,26 @@ def build_optimizer(params: Sequence[torch.nn.Parameter], cfg: OptimConfig, max_
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``[b, S, V]`` logits, ``[b, S]`` tokens → ``[b, S-1]`` log p(tokens[:, t+1]) (float32)."""
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[b, S, V]`` logits, ``[b, S]`` tokens → ``[b, S-1]`` log softmax(logits / T)(tokens[:, t+1]) (float32)."""
+    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def stage_generation_config(sampling: SamplingParams, eos_id: int, pad_id: int) -> Any:
+    """A ``GenerationConfig`` holding only the stage's sampling: every logits processor transformers would add from a
+    checkpoint's ``generation_config.json`` is set to its no-op value, so none is merged in."""
+    from transformers import GenerationConfig
+
+    neutral = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+               "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_new_tokens": 0,
+               "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1, "num_beam_groups": 1,
+               "diversity_penalty": 0.0, "renormalize_logits": False, "num_return_sequences": 1}
+    cfg = GenerationConfig(max_new_tokens=sampling.max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                           do_sample=not sampling.use_greedy, **neutral)
+    if not sampling.use_greedy:
+        cfg.temperature, cfg.top_p, cfg.top_k = sampling.temperature, sampling.top_p, sampling.top_k
+    return cfg
 
 
 def attention_mask(tokens: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
@@ -114,17 +140,29 @@ class HFActor:
         if self.eos_id is None:
             raise ValueError(f"the tokenizer at {cfg.path} has no eos_token; set one so responses can end")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        sp = cfg.sampling_params
+        self.temperature = 1.0 if sp.use_greedy else float(sp.temperature)  # log-probs of what is sampled
         self.optimizer, self.scheduler = build_optimizer(list(self.model.parameters()), cfg.optim, max_steps)
         self._ref_model: Any = None
         self._ref_state: dict[str, torch.Tensor] | None = None
         self.reset_reference()
+        # the reference is the checkpoint at model.path until reset_reference(): checkpoints record it, not copy it
+        self.initial_reference = ref_record.initial_record(cfg.path, "model.path") if model is None and cfg.path else None
+        self.reference_is_initial = self.initial_reference is not None
 
     # ------------------------------------------------------------------ reference policy
     def reset_reference(self) -> None:
+        self.reference_is_initial = False
         if self.cfg.reference == "copy":
             self._ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         else:
             self._ref_state = _cpu_copy(self.model)
+
+    def _set_reference(self, state: dict[str, torch.Tensor]) -> None:
+        if self._ref_model is not None:
+            self._ref_model.load_state_dict(state)
+        else:
+            self._ref_state = state
 
     def _reference_state(self) -> dict[str, torch.Tensor]:
         if self._ref_model is not None:
@@ -144,17 +182,32 @@ class HFActor:
         for i, p in enumerate(prompt_ids):
             left[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[i, width - len(p):] = 1
-        kwargs: dict[str, Any] = {"max_new_tokens": sampling.max_new_tokens, "eos_token_id": self.eos_id,
-                                  "pad_token_id": self.pad_id, "do_sample": not sampling.use_greedy}
-        if not sampling.use_greedy:
-            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-        out = self.model.generate(input_ids=left.to(self.device), attention_mask=mask.to(self.device), **kwargs).cpu()
+        if not sampling.use_greedy and sampling.temperature != self.temperature:
+            raise ValueError(f"generate: sampling at temperature {sampling.temperature} but the log-probs are at "
+                             f"{self.temperature} (model.sampling_params.temperature)")
+        from transformers import GenerationConfig
+
+        # transformers fills what a passed config leaves unset from model.generation_config (the checkpoint's file):
+        # a blank one stands in for it during the call, and the stage's config sets every processor to a no-op
+        checkpoint_config, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        try:
+            out = self.model.generate(input_ids=left.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=stage_generation_config(sampling, self.eos_id, self.pad_id)).cpu()
+        finally:
+            self.model.generation_config = checkpoint_config
         return self._to_rollout(prompt_ids, out[:, width:])
+
+    def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
+        """``generate`` over consecutive slices of ``model.rollout_micro_batch_size`` prompt rows, each yielded when done."""
+        size = max(1, self.cfg.rollout_micro_batch_size)
+        for start in range(0, len(prompt_ids), size):
+            rows = list(range(start, min(start + size, len(prompt_ids))))
+            yield RolloutChunk(rows, self.generate([prompt_ids[i] for i in rows], sampling))
 
     def _to_rollout(self, prompt_ids: Sequence[Sequence[int]], generated: torch.Tensor) -> Rollout:
         """Left-padded generate output → Aligner's right-padded layout, cut after the first EOS."""
         rows, ends = [], []
-        for p, gen in zip(prompt_ids, generated.tolist()):
+        for p, gen in zip(prompt_ids, generated.tolist(), strict=False):
             if self.eos_id in gen:
                 gen, ended = gen[: gen.index(self.eos_id) + 1], True
             else:
@@ -173,9 +226,9 @@ class HFActor:
                           need_entropy: bool = False) -> dict[str, torch.Tensor]:
         tokens = tokens.to(self.device)
         logits = model(input_ids=tokens, attention_mask=attention_mask(tokens, lengths)).logits
-        out = {"logprobs": token_logprobs(logits, tokens)}
+        out = {"logprobs": token_logprobs(logits, tokens, self.temperature)}
         if need_entropy:
-            logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+            logp = F.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
             out["entropy"] = -(logp.exp() * logp).sum(-1)
         return out
 
@@ -230,7 +283,11 @@ class HFActor:
 
         path.mkdir(parents=True, exist_ok=True)
         save_file(_cpu_copy(self.model), path / "policy.safetensors")
-        save_file(self._reference_state(), path / "reference.safetensors")
+        if self.reference_is_initial:
+            ref_record.write_record(path, self.initial_reference)
+        else:
+            save_file(self._reference_state(), path / "reference.safetensors")
+            ref_record.write_record(path, ref_record.stored_record("reference.safetensors"))
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                    path / "policy_optim.pt")
 
@@ -238,11 +295,18 @@ class HFActor:
         from safetensors.torch import load_file
 
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
-        ref = load_file(path / "reference.safetensors")
-        if self._ref_model is not None:
-            self._ref_model.load_state_dict(ref)
+        record = ref_record.read_record(path) or ref_record.stored_record("reference.safetensors")  # older checkpoints
+        if record["kind"] == "initial":
+            ref_record.check_initial(record, self.cfg.path, path)
+            if not self.reference_is_initial:  # only a reset in this process moves it; rebuild it from the path
+                from transformers import AutoModelForCausalLM
+
+                initial = AutoModelForCausalLM.from_pretrained(record["path"], dtype=_DTYPES[self.cfg.dtype])
+                self._set_reference(_cpu_copy(initial))
+                self.reference_is_initial = True
         else:
-            self._ref_state = ref
+            self._set_reference(load_file(path / record["where"]))
+            self.reference_is_initial = False
         state = torch.load(path / "policy_optim.pt", weights_only=True, map_location="cpu")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -254,9 +318,12 @@ class HFActor:
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
 
     def export(self, path: Path) -> None:
+        from nemo_factuality.fileio import respect_umask
+
         path.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(str(path))
         self.tokenizer.save_pretrained(str(path))
+        respect_umask(path)  # safetensors writes 0600 through a temporary file: the policy is an ordinary output
 
 
 class HFCritic:

@@ -1,0 +1,68 @@
+"""``bash tools/run_tests.sh`` (the README's test command) runs the NeMo-Aligner backend's tests too: it finds the
+aligner venv, or builds it when missing, and exports it before pytest starts (before: those tests all skipped).
+
+No real venv is built here: ``ALIGNER_VENV_ROOT`` points the setup script at a scratch directory holding a fake
+complete venv, or at an empty one with a Python that cannot build a venv.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from nemo_factuality.config import REPO_ROOT
+
+SCRIPT = REPO_ROOT / "tools" / "run_tests.sh"
+SETUP = REPO_ROOT / "tools" / "setup_aligner_env.sh"
+PROBE = '''
+import os
+
+from nemo_factuality.testing.aligner_env import aligner_venv  # this test file runs programs in the aligner venv
+
+
+def test_probe():
+    print("RESOLVED", os.environ.get("NEMO_FACTUALITY_ALIGNER_VENV"), aligner_venv())
+'''
+
+
+def _run_tests(tmp_path: Path, root: Path, **env: str) -> subprocess.CompletedProcess:
+    probe = tmp_path / "probe" / "test_probe.py"
+    probe.parent.mkdir(exist_ok=True)
+    probe.write_text(PROBE)
+    base = {k: v for k, v in os.environ.items() if k not in ("NEMO_FACTUALITY_ALIGNER_VENV", "NEMO_FACTUALITY_SKIP_ALIGNER")}
+    return subprocess.run(["bash", str(SCRIPT), str(probe), "-s", "-p", "no:cacheprovider"], capture_output=True, text=True,
+                          timeout=180, env={**base, "PYTHONPATH": str(REPO_ROOT), "ALIGNER_VENV_ROOT": str(root), **env})
+
+
+def _venv_path(root: Path) -> Path:
+    out = subprocess.run(["bash", str(SETUP), "--path"], capture_output=True, text=True, check=True, timeout=30,
+                         env={**os.environ, "ALIGNER_VENV_ROOT": str(root)})
+    return Path(out.stdout.strip())
+
+
+def test_the_test_command_exports_the_aligner_venv_it_finds(tmp_path):
+    root = tmp_path / "venvs"
+    venv = _venv_path(root)
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".complete").touch()
+    res = _run_tests(tmp_path, root)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert f"RESOLVED {venv} {venv}" in res.stdout  # exported to the tests, which find it
+    assert f"== NeMo-Aligner venv: {venv}" in res.stderr and "building" not in res.stderr
+
+
+def test_a_missing_venv_is_built_first(tmp_path):
+    """The build is attempted (and its failure stops the run) rather than every aligner test skipping."""
+    res = _run_tests(tmp_path, tmp_path / "empty", PYTHON="false")  # `false -m venv` fails at once
+    assert res.returncode != 0 and "RESOLVED" not in res.stdout
+    assert "the NeMo-Aligner venv is missing: building it" in res.stderr
+    assert "building the NeMo-Aligner venv in" in res.stderr  # the setup script's own progress
+
+
+def test_the_opt_out_skips_the_build(tmp_path):
+    res = _run_tests(tmp_path, tmp_path / "empty", PYTHON="false", NEMO_FACTUALITY_SKIP_ALIGNER="1")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "RESOLVED None None" in res.stdout and "building" not in res.stderr

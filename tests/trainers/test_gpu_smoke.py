@@ -1,0 +1,59 @@
+"""The GPU smoke kit's CPU path (``bash tools/gpu_smoke.sh --cpu``): the same program that runs on a GPU, on a tiny
+model in the NeMo-Aligner venv — build + convert, the aligner backend's generation at batch 16 and at the largest
+batch the formula allows (capped), GRPO steps of the real stage with the presets' GPU settings, and TRL's
+GRPOTrainer as the peer; then the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smoke(venv, tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("gpu_smoke")
+    env = dict(os.environ, NEMO_FACTUALITY_ALIGNER_VENV=str(venv), OMP_NUM_THREADS="2")
+    res = subprocess.run(["bash", "tools/gpu_smoke.sh", "--cpu", "--out", str(out), "--steps", "2"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    return json.loads((out / "smoke.json").read_text()), (out / "smoke.md").read_text()
+
+
+def test_the_aligner_backend_generates_and_trains_with_the_presets_settings(smoke):
+    result, _ = smoke
+    a = result["aligner"]
+    assert result["device"] == "cpu" and result["model"] == "tiny"
+    for gen, batch in ((a["generation_16"], 16), (a["generation_max"], 48)):  # 48 = the CPU path's cap
+        assert gen["batch"] == batch and gen["tokens"] > batch and gen["tokens_per_s"] > 0
+        assert gen["tokens"] <= batch * result["shape"]["new_tokens"]
+    assert a["formula_max_batch"] >= 48 and a["oom_batches"] == []
+    assert a["steps"] == 2 and all(0.0 <= r <= 1.0 for r in a["rewards"])
+    split = a["step_split_s"]
+    assert set(split) == {"generate", "reward", "logprobs", "train", "step"}
+    assert all(v >= 0 for v in split.values()) and split["step"] >= split["generate"] + split["train"]
+    assert a["predicted_gib"]["train"] > 0 and a["stubbed_packages"] == []  # CI's venv has NeMo's whole stack
+
+
+def test_trl_grpo_runs_as_the_peer_on_the_same_model_and_batch(smoke):
+    result, report = smoke
+    t = result["trl"]
+    assert t["steps"] == 2 and t["step_s"] > 0
+    assert 0 < t["generation"]["tokens"] <= 2 * 16 * result["shape"]["new_tokens"] and t["generation"]["tokens_per_s"] > 0
+    assert math.isnan(t["peak_gib"])  # no GPU: memory is not measured, and says so
+    assert "TRL GRPOTrainer 0.15.2" in report and "generation tokens/s, rollout batch 16" in report
+    assert "rollout batch 48" in report
+
+
+def test_the_gpu_path_refuses_a_machine_without_a_gpu_in_one_line(tmp_path):
+    res = subprocess.run(["bash", "tools/gpu_smoke.sh", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines()[-1] == "gpu_smoke: PyTorch sees no GPU here; run with --cpu for the CPU path"

@@ -1,0 +1,378 @@
+"""GPU smoke kit: the aligner backend's GRPO stage on one GPU, with TRL's GRPOTrainer as the peer.
+
+    bash tools/gpu_smoke.sh                 # a GPU machine with PyTorch; installs the carried wheels first
+    bash tools/gpu_smoke.sh --cpu           # the same path on CPU with a tiny model (CI runs it)
+    python tools/gpu_smoke.py --out DIR [--cpu] [--steps N] [--max-batch-cap N]   # what the script runs
+
+One run builds a Qwen2-shaped model from a config (``qwen2-0.5b``: Qwen2.5-0.5B's shape, random weights, bf16;
+``--cpu``: a 2-layer one) with a word-level tokenizer over its whole vocabulary, converts it to ``.nemo`` with
+``nemo-factuality convert``, then, each in its own process:
+
+* **aligner**: NeMo-Aligner 0.7.0's actor (the stage's ``AlignerActor``) with a preset's GPU settings (bf16 +
+  ``megatron_amp_O2``, Megatron-Core's distributed optimizer, full recompute, Adam-state offload; TP=1, so no
+  sequence parallelism): generation tokens/s at rollout batch 16 and at the largest batch the memory formula
+  allows (halved on an out-of-memory error), then ``--steps`` GRPO steps of the real stage on a toy reward,
+  with the step-time split from ``metrics.jsonl`` and peak GPU memory against ``aligner_memory``'s prediction;
+* **trl**: TRL's ``GRPOTrainer`` on the same HF weights, prompts, group size, completion length and reward.
+
+It prints a table and writes ``smoke.json`` and ``smoke.md`` under ``--out``. Without Transformer Engine and Apex
+(a bare GPU) Megatron-Core's local layer spec and ``nemo_factuality.testing.apex_free`` stand in for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODELS = {  # Qwen2 configs: Qwen2.5-0.5B's shape, and a tiny one for the CPU path
+    "qwen2-0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+                   "intermediate_size": 4864, "vocab_size": 151936, "tie_word_embeddings": True, "rope_theta": 1e6,
+                   "max_position_embeddings": 4096},
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128, "vocab_size": 1024, "tie_word_embeddings": True, "rope_theta": 5e4,
+             "max_position_embeddings": 512},
+}
+SPECIALS = ["<unk>", "<|endoftext|>", "<pad>", "<|im_end|>"]
+PRESET = "qwen2.5-7b"  # whose GPU settings the aligner run takes (TP=1 here)
+
+
+def shape(args) -> dict:
+    """The run's sizes: GPU (0.5B) or CPU (tiny)."""
+    if args.cpu:
+        return {"model": "tiny", "prompt_tokens": 8, "new_tokens": 16, "prompts_per_step": 4, "group": 4,
+                "micro_batch": 4, "lr": 1e-4}
+    return {"model": "qwen2-0.5b", "prompt_tokens": 64, "new_tokens": 256, "prompts_per_step": 4, "group": 4,
+            "micro_batch": 4, "lr": 1e-6}
+
+
+def prompts(n: int, tokens: int, vocab: int) -> list[str]:
+    """``n`` fixed prompts of ``tokens`` words (one token each with the word-level tokenizer)."""
+    import random
+
+    rng = random.Random(0)
+    return [" ".join(f"w{rng.randrange(vocab - len(SPECIALS))}" for _ in range(tokens)) for _ in range(n)]
+
+
+def toy_reward_scores(completions: list[str]) -> list[float]:
+    """The fraction of a completion's words whose id is a multiple of 7 (a learnable, judge-free signal)."""
+    out = []
+    for text in completions:
+        words = [w for w in text.split() if w.startswith("w") and w[1:].isdigit()]
+        out.append(sum(int(w[1:]) % 7 == 0 for w in words) / max(len(words), 1))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ build
+def build(out: Path, model: str) -> tuple[Path, Path]:
+    """HF model + word-level tokenizer in ``out/hf``, converted to an extracted ``.nemo`` in ``out/policy``."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    hf, nemo = out / "hf", out / "policy"
+    if (nemo / "model_config.yaml").is_file():
+        return hf, nemo
+    cfg = MODELS[model]
+    vocab = {w: i for i, w in enumerate([f"w{i}" for i in range(cfg["vocab_size"] - len(SPECIALS))] + SPECIALS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", pad_token="<pad>")
+    fast.save_pretrained(str(hf))
+    torch.manual_seed(0)
+    config = Qwen2Config(**cfg, torch_dtype="bfloat16", pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
+                         bos_token_id=fast.bos_token_id)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(str(hf))
+    cmd = [sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf), "--out", str(nemo),
+           "--extracted"]
+    subprocess.run(cmd, check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    return hf, nemo
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+# ------------------------------------------------------------------------------------------------ aligner
+def _model_overrides(cpu: bool) -> dict:
+    import yaml
+
+    from nemo_factuality.trainers.backends.aligner import PRESET_DIR
+
+    gpu = dict(yaml.safe_load((PRESET_DIR / f"{PRESET}.yaml").read_text())["common"]["aligner"])
+    gpu["sequence_parallel"] = False  # TP=1
+    from nemo_factuality.testing.aligner_cpu import CPU_MODEL_OVERRIDES
+
+    # the fused kernels NeMo switches on need Apex/TE; without them (CPU, a bare GPU) they stay off
+    fusions = {k: v for k, v in CPU_MODEL_OVERRIDES.items() if k not in ("precision", "megatron_amp_O2", "sequence_parallel")}
+    if not cpu:
+        fusions["use_cpu_initialization"] = False
+    return {**fusions, **gpu}
+
+
+def _peak_gib() -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def _reset_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def measure_generation(actor, ids: list[list[int]], batch: int, new_tokens: int) -> dict:
+    """Tokens/s generating ``batch`` sequences at once (sampled, T=1), and the peak memory while doing it."""
+    import torch
+
+    from nemo_factuality.trainers.interfaces import SamplingParams
+
+    rows = [ids[i % len(ids)] for i in range(batch)]
+    actor.runtime.rollout_micro_batch_size = batch
+    _reset_peak()
+    start = time.perf_counter()
+    rollout = actor.generate(rows, SamplingParams(max_new_tokens=new_tokens, temperature=1.0))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = int((rollout.response_lengths - rollout.prompt_lengths).sum())
+    return {"batch": batch, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": _peak_gib()}
+
+
+def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
+    import torch
+
+    from nemo_factuality.testing import aligner_cpu, apex_free
+
+    stubs = apex_free.stub_absent_modules()  # NeMo's import-time extras this machine lacks (none in CI's venv)
+    if args.cpu:
+        aligner_cpu.apply()
+    else:
+        apex_free.apply()
+    from nemo_factuality.trainers.backends.aligner import build_actor
+    from nemo_factuality.trainers.backends.aligner_memory import (
+        GIB,
+        Arch,
+        Layout,
+        max_rollout_batch,
+        rollout_bytes,
+        training_bytes,
+    )
+    from nemo_factuality.trainers.config import GRPOConfig, load_train_config
+    from nemo_factuality.trainers.data import PromptRecord
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.types import RewardBatch
+
+    s = shape(args)
+    rollouts = s["prompts_per_step"] * s["group"]
+    overrides = [f"model.restore_from_path={nemo}", "trainer.backend=aligner", f"trainer.max_steps={args.steps}",
+                 "trainer.save_interval=0", "trainer.progress_bar=false", "model.dtype=bfloat16",
+                 f"model.micro_batch_size={s['micro_batch']}", f"model.global_batch_size={rollouts}",
+                 f"model.forward_micro_batch_size={s['micro_batch']}", f"model.length_params.max_length={s['new_tokens']}",
+                 f"model.optim.lr={s['lr']}", "model.optim.sched.name=constant",
+                 f"grpo.num_prompts_per_step={s['prompts_per_step']}", f"grpo.num_rollouts_per_prompt={s['group']}",
+                 "grpo.truncated=keep", "data.apply_chat_template=false", f"exp_manager.explicit_log_dir={run_dir}",
+                 "exp_manager.create_tensorboard_logger=false",
+                 "remote_rm.url=http://127.0.0.1:1"]  # schema: a reward must be named; the stage gets the toy one below
+    cfg = load_train_config(GRPOConfig, None, overrides)
+    t0 = time.perf_counter()
+    actor = build_actor(cfg, max_steps=args.steps, rollout_micro_batch_size=16, model_overrides=_model_overrides(args.cpu))
+    setup_s = time.perf_counter() - t0
+    arch_cfg = MODELS[s["model"]]
+    arch = Arch(hidden=arch_cfg["hidden_size"], layers=arch_cfg["num_hidden_layers"], heads=arch_cfg["num_attention_heads"],
+                kv_heads=arch_cfg["num_key_value_heads"], ffn=arch_cfg["intermediate_size"], vocab=arch_cfg["vocab_size"],
+                tied=arch_cfg["tie_word_embeddings"])
+    seq = s["prompt_tokens"] + s["new_tokens"]
+    layout = Layout(tp=1, pp=1, dp=1, micro_batch=s["micro_batch"], seq_len=seq, rollout_micro_batch=16,
+                    prompt_len=s["prompt_tokens"], sequence_parallel=False, overhead_gib=0.0 if args.cpu else 4.0)
+    texts = prompts(64, s["prompt_tokens"], arch.vocab)
+    ids = [actor.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    measure_generation(actor, ids, 16, s["new_tokens"])  # warm-up: first-call allocations, kernel selection, JIT
+    gen16 = measure_generation(actor, ids, 16, s["new_tokens"])
+    budget = 0.85 * torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 67.15
+    largest = min(args.max_batch_cap, max_rollout_batch(arch, layout, budget))
+    gen_max, tried = None, []
+    while largest >= 16 and gen_max is None:
+        try:
+            gen_max = measure_generation(actor, ids, largest, s["new_tokens"])
+        except torch.OutOfMemoryError:  # the formula's batch did not fit: say so, and halve
+            tried.append(largest)
+            torch.cuda.empty_cache()
+            largest //= 2
+    actor.runtime.rollout_micro_batch_size = 16
+
+    def reward(prompts_, completions, **_):
+        return RewardBatch(toy_reward_scores(completions))
+
+    records = [PromptRecord(t, [{"role": "user", "content": t}]) for t in texts[: 4 * s["prompts_per_step"]]]
+    trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=run_dir)
+    _reset_peak()
+    history = trainer.fit()
+    train_peak = _peak_gib()
+    steady = history[1:] or history  # step 1 pays one-time costs (optimizer state allocation, kernel selection)
+    split = {k.removeprefix("time/"): sum(h[k] for h in steady) / len(steady)
+             for k in ("time/generate", "time/reward", "time/logprobs", "time/train", "time/step") if k in steady[0]}
+    return {
+        "setup_s": setup_s, "generation_16": gen16, "generation_max": gen_max, "oom_batches": tried,
+        "formula_max_batch": max_rollout_batch(arch, layout, budget), "budget_gib": budget,
+        "step_split_s": split, "steps": len(history), "rewards": [h.get("reward/score") for h in history],
+        "tokens_per_step": rollouts * s["new_tokens"],
+        "peak_gib": {"train": train_peak, "rollout_16": gen16["peak_gib"]},
+        "predicted_gib": {"train": training_bytes(arch, layout)["total"] / GIB,
+                          "rollout_16": rollout_bytes(arch, layout)["total"] / GIB},
+        "parameters_b": arch.parameters() / 1e9, "stubbed_packages": sorted(stubs.stubbed),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ trl
+def run_trl(args, hf: Path, run_dir: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    s = shape(args)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    tok.padding_side = "left"
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=dtype)
+    texts = prompts(64, s["prompt_tokens"], model.config.vocab_size)[: 4 * s["prompts_per_step"]]
+    gen = {"seconds": 0.0, "tokens": 0}
+    generate = model.generate
+
+    def timed_generate(*a, **k):  # TRL calls the unwrapped model's generate once per step
+        start = time.perf_counter()
+        out = generate(*a, **k)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        gen["seconds"] += time.perf_counter() - start
+        prompt_len = (k.get("input_ids") if "input_ids" in k else a[0]).shape[1]
+        completion = out[:, prompt_len:]
+        ended = (completion == tok.eos_token_id).int().cumsum(1)  # tokens up to and including the first EOS
+        gen["tokens"] += int(((ended == 0) | ((ended == 1) & (completion == tok.eos_token_id))).sum())
+        return out
+
+    model.generate = timed_generate
+    steps: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_a, **_k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *_a, **_k):
+            steps.append(time.perf_counter() - self.t0)
+
+    def reward(prompts, completions, **_):
+        return toy_reward_scores(completions)
+
+    config = GRPOConfig(output_dir=str(run_dir), per_device_train_batch_size=s["prompts_per_step"] * s["group"],
+                        num_generations=s["group"], max_prompt_length=s["prompt_tokens"],
+                        max_completion_length=s["new_tokens"], learning_rate=s["lr"], beta=0.001, temperature=1.0,
+                        max_steps=args.steps, logging_steps=1, report_to="none", save_strategy="no",
+                        bf16=not args.cpu, use_cpu=args.cpu, seed=1234)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config,
+                          train_dataset=Dataset.from_list([{"prompt": t} for t in texts]), processing_class=tok,
+                          callbacks=[StepTimes()])
+    _reset_peak()
+    trainer.train()
+    steady = steps[1:] or steps
+    return {"step_s": sum(steady) / len(steady), "steps": len(steps),
+            "generation": {"tokens": gen["tokens"], "seconds": gen["seconds"],
+                           "tokens_per_s": gen["tokens"] / gen["seconds"] if gen["seconds"] else float("nan")},
+            "peak_gib": _peak_gib()}
+
+
+# ------------------------------------------------------------------------------------------------ report
+def report(result: dict) -> str:
+    """The run as a markdown table (aligner backend vs TRL) with the memory formula's predictions."""
+    a, t = result["aligner"], result.get("trl") or {}
+    g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
+    size = a["parameters_b"]
+    trl_gen = f"{t['generation']['tokens_per_s']:.0f}" if t else "not run"
+    lines = [f"# GPU smoke: {result['device']}, {result['model']} "
+             f"({size:.2f} B parameters)" if size >= 0.1 else f"# GPU smoke: {result['device']}, {result['model']} "
+             f"({size * 1e3:.2f} M parameters)", "",
+             "| | aligner backend (NeMo-Aligner 0.7.0) | TRL GRPOTrainer 0.15.2 |", "|---|---|---|",
+             f"| generation tokens/s, rollout batch 16 | {g16['tokens_per_s']:.0f} | {trl_gen} |"]
+    if gmax:
+        lines.append(f"| generation tokens/s, rollout batch {gmax['batch']} (the formula allows {a['formula_max_batch']}) "
+                     f"| {gmax['tokens_per_s']:.0f} | — |")
+    else:
+        lines.append(f"| generation at the largest batch | out of memory at {a['oom_batches']} | — |")
+    lines += [f"| GRPO step, s: total (generate / reward / log-probs / train) | {split.get('step', float('nan')):.2f} "
+              f"({split.get('generate', 0):.2f} / {split.get('reward', 0):.2f} / {split.get('logprobs', 0):.2f} / "
+              f"{split.get('train', 0):.2f}) | {t['step_s']:.2f} |" if t else
+              f"| GRPO step, s | {split.get('step', float('nan')):.2f} | not run |",
+              f"| peak GPU memory, GiB, training (the formula's prediction) | {a['peak_gib']['train']:.1f} "
+              f"({a['predicted_gib']['train']:.1f}) | {t['peak_gib']:.1f} |" if t else "",
+              f"| peak GPU memory, GiB, rollout batch 16 (prediction) | {a['peak_gib']['rollout_16']:.1f} "
+              f"({a['predicted_gib']['rollout_16']:.1f}) | — |", "",
+              f"{a['steps']} GRPO steps of {a['tokens_per_step']} new tokens; toy reward per step: "
+              f"{', '.join(f'{r:.3f}' for r in a['rewards'])}. Restore + init {a['setup_s']:.1f} s; "
+              f"steps after the first are averaged."]
+    return "\n".join(line for line in lines if line is not None) + "\n"
+
+
+def _phase(args, phase: str, out: Path) -> dict:
+    """Run one phase in its own process (NeMo's and TRL's globals and GPU memory stay apart)."""
+    cmd = [sys.executable, __file__, "--phase", phase, "--out", str(out), "--steps", str(args.steps),
+           "--max-batch-cap", str(args.max_batch_cap), *(["--cpu"] if args.cpu else [])]
+    res = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    if res.returncode:
+        raise SystemExit(f"gpu_smoke: the {phase} phase failed (exit {res.returncode}); its output is above")
+    return json.loads((out / f"{phase}.json").read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", default="outputs/gpu_smoke", help="folder for the model, runs, smoke.json and smoke.md")
+    ap.add_argument("--cpu", action="store_true", help="the CPU path: a tiny model, no GPU needed")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO steps per trainer (default 4 on GPU, 2 with --cpu)")
+    ap.add_argument("--max-batch-cap", type=int, default=None,
+                    help="upper bound on the largest rollout batch tried (default 1024 on GPU, 48 with --cpu)")
+    ap.add_argument("--skip-trl", action="store_true", help="only the aligner backend")
+    ap.add_argument("--phase", choices=("aligner", "trl"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.steps = args.steps or (2 if args.cpu else 4)
+    args.max_batch_cap = args.max_batch_cap or (48 if args.cpu else 1024)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    s = shape(args)
+    if args.phase:
+        hf, nemo = out / "hf", out / "policy"
+        run_dir = out / f"{args.phase}_run"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume of the last one
+        fn = run_aligner if args.phase == "aligner" else run_trl
+        result = fn(args, nemo if args.phase == "aligner" else hf, run_dir)
+        (out / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
+        return 0
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        raise SystemExit("gpu_smoke: no CUDA device visible; use --cpu for the CPU path")
+    build(out, s["model"])
+    result = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "model": s["model"], "shape": s,
+              "torch": torch.__version__, "aligner": _phase(args, "aligner", out)}
+    if not args.skip_trl:
+        result["trl"] = _phase(args, "trl", out)
+    (out / "smoke.json").write_text(json.dumps(result, indent=1))
+    text = report(result)
+    (out / "smoke.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
