@@ -1,7 +1,7 @@
 """Core contracts: types validate their inputs, registries refuse silent overwrites, configs reject typos."""
 
-from dataclasses import dataclass, field
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest

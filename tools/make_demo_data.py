@@ -26,7 +26,7 @@ def _wrong_value(rng: random.Random, rel: str, value: str) -> str:
 
 def main() -> None:
     rng = random.Random(7)
-    people = [f"{f} {l}" for f, l in zip(FIRST, rng.sample(LAST * 2, len(FIRST)))]
+    people = [f"{first} {last}" for first, last in zip(FIRST, rng.sample(LAST * 2, len(FIRST)))]
     facts, passages, records = [], [], []
     for p in people:
         vals = {"born_year": str(rng.randint(1890, 1990)), "birthplace": rng.choice(TOWNS),

@@ -3,7 +3,12 @@
 import torch
 
 from nemo_factuality.algorithms import (
-    gae, group_ids_from_prompts, kl_penalty, response_mask, rloo_baseline, scalar_rewards_with_kl,
+    gae,
+    group_ids_from_prompts,
+    kl_penalty,
+    response_mask,
+    rloo_baseline,
+    scalar_rewards_with_kl,
 )
 from nemo_factuality.testing.paths import load_parity
 

@@ -6,9 +6,22 @@ import pytest
 import torch
 
 from nemo_factuality.algorithms import (
-    aggregate, dense_rewards_with_kl, expand_to_tokens, factalign_loss, fspo_flip, grpo_advantages, kl_loss,
-    kl_penalty, kto_loss, masked_whiten, ppo_policy_loss, reference_point, rloo_advantages, sentence_logratios,
-    sequence_logratios, value_loss,
+    aggregate,
+    dense_rewards_with_kl,
+    expand_to_tokens,
+    factalign_loss,
+    fspo_flip,
+    grpo_advantages,
+    kl_loss,
+    kl_penalty,
+    kto_loss,
+    masked_whiten,
+    ppo_policy_loss,
+    reference_point,
+    rloo_advantages,
+    sentence_logratios,
+    sequence_logratios,
+    value_loss,
 )
 
 T = torch.tensor

@@ -2,7 +2,14 @@
 
 import pytest
 
-from nemo_factuality.claims.llm import ExtractionParseError, FactScoreExtractor, RLFHExtractor, SAFEExtractor, parse_bullets, parse_rlfh
+from nemo_factuality.claims.llm import (
+    ExtractionParseError,
+    FactScoreExtractor,
+    RLFHExtractor,
+    SAFEExtractor,
+    parse_bullets,
+    parse_rlfh,
+)
 from nemo_factuality.interfaces import VerifyItem
 from nemo_factuality.judge.client import OpenAIJudgeClient
 from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
