@@ -56,6 +56,16 @@ def half_good_labeller(prompts, completions, completion_ids, **_):
     return RewardBatch(label, {"label": label}, sentence_labels=[[x == 1.0] for x in label], sentence_spans=spans)
 
 
+def set_dotted(cfg, overrides: dict) -> None:
+    """Set ``{"a.b.c": value}`` on a config object's nested attributes (the tests' keyword overrides)."""
+    for key, value in overrides.items():
+        *path, last = key.split(".")
+        obj = cfg
+        for part in path:
+            obj = getattr(obj, part)
+        setattr(obj, last, value)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

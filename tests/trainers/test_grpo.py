@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_factuality.testing.training import good_fraction, prompts, read_metrics
+from nemo_factuality.testing.training import good_fraction, prompts, read_metrics, set_dotted
 from nemo_factuality.trainers.backends.hf import HFActor
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.grpo import GRPOTrainer
@@ -28,12 +28,7 @@ def grpo_cfg(policy, run_dir, **over) -> GRPOConfig:
     cfg.exp_manager.explicit_log_dir = str(run_dir)
     cfg.exp_manager.create_tensorboard_logger = False
     cfg.reward = {"name": "toy"}
-    for key, value in over.items():
-        obj = cfg
-        *path, last = key.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, value)
+    set_dotted(cfg, over)
     return cfg
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_factuality.testing.training import good_fraction, good_tokens_dense, half_good_labeller, prompts
+from nemo_factuality.testing.training import good_fraction, good_tokens_dense, half_good_labeller, prompts, set_dotted
 from nemo_factuality.trainers import kto as kto_module
 from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
 from nemo_factuality.trainers.config import GRPOConfig, KTOConfig, PPOConfig
@@ -53,12 +53,7 @@ def _configure(cfg, policy, run_dir, **over):
     cfg.trainer.progress_bar, cfg.trainer.save_interval = False, 0
     cfg.exp_manager.explicit_log_dir, cfg.exp_manager.create_tensorboard_logger = str(run_dir), False
     cfg.reward = {"name": "toy"}
-    for key, value in over.items():
-        obj = cfg
-        *path, last = key.split(".")
-        for p in path:
-            obj = getattr(obj, p)
-        setattr(obj, last, value)
+    set_dotted(cfg, over)
     return cfg
 
 
