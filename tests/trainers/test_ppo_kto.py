@@ -185,3 +185,31 @@ def test_kto_resumes_mid_iteration(tiny_policy, tmp_path):
     assert [m["step"] for m in resumed] == [m["step"] for m in full]
     for a, b in zip(full, resumed, strict=True):
         assert a.get("loss/kto") == b.get("loss/kto") and a.get("kto/z0") == b.get("kto/z0")
+
+
+def test_a_kto_sample_whose_sentences_cannot_be_placed_is_dropped_alone(tiny_policy, tmp_path, monkeypatch, caplog):
+    """A sample whose ids do not align to its text (tests/rewards/test_failures.py builds one) has no sentence
+    positions: KTO drops it from the labelled set, counts it, and trains on the rest."""
+    from nemo_factuality.trainers import kto as kto_module
+    from nemo_factuality.types import FactualityInputError
+
+    placed = kto_module.sentence_token_ranges
+    calls = []
+
+    def first_fails(tokenizer, completion, ids, spans, prompt_len):
+        calls.append(completion)
+        if len(calls) == 1:
+            raise FactualityInputError("token alignment: offsets out of order")
+        return placed(tokenizer, completion, ids, spans, prompt_len)
+
+    monkeypatch.setattr(kto_module, "sentence_token_ranges", first_fails)
+    torch.manual_seed(0)
+    cfg = kto_cfg(tiny_policy, tmp_path / "kto")
+    actor = HFActor(cfg.model, max_steps=100)
+    with caplog.at_level("WARNING", logger="nemo_factuality.trainers.kto"):
+        KTOTrainer(cfg, actor, half_good_labeller, prompts(8), run_dir=tmp_path / "kto").fit()
+    logged = read_metrics(tmp_path / "kto")
+    assert len(calls) == 32
+    assert logged[0]["kto/labelled"] == 31 and logged[0]["kto/dropped_unlabelled"] == 1
+    assert all(math.isfinite(m["loss/kto"]) for m in logged)
+    assert any("sample 0 dropped" in r.getMessage() and "offsets out of order" in r.getMessage() for r in caplog.records)
