@@ -33,7 +33,7 @@ from nemo_factuality.trainers.config import RetryConfig
 from nemo_factuality.trainers.interfaces import Rollout
 
 pytest.importorskip("pytriton")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
 
 
 class _Critic:
@@ -110,20 +110,23 @@ def test_a_critic_that_comes_back_continues_the_step_unless_it_lost_steps_and_on
     assert critic.expected_step == 3
     # 1. back at the same step (a deploy, a node drain): the same values request is sent again and answered
     critic_server.kill()
-    critic_server.restart_later(1.0)
+    back = critic_server.restart_later(1.0)
     assert torch.equal(before, critic.values(ROLLOUT))
+    back.join(timeout=120)  # its readiness poll done before the next kill (the client may be answered first)
     # 2. a train request: sent again once the server is back, applied once
     critic_server.kill()
-    critic_server.restart_later(1.0)
+    back = critic_server.restart_later(1.0)
     loss = critic.train_step(BATCH, lambda *a: None, micro_batch_size=2)["critic/server_loss"]
+    back.join(timeout=120)
     assert loss == pytest.approx(6.0 / 4)  # the mask-weighted mean of the returns: one step, once
     assert critic.server_step() == 4 == int(critic_server.state.read_text())
     # 3. back at an older step (its latest checkpoint is behind the run): no checkpoint may pair them, stop
     critic_server.kill()
     critic_server.state.write_text("2")
-    critic_server.restart_later(1.0)
+    back = critic_server.restart_later(1.0)
     with pytest.raises(CriticServerRestarted) as err:
         critic.values(ROLLOUT)
+    back.join(timeout=120)
     assert err.value.checkpoint_safe is False and err.value.EXIT_CODE == 75
     assert "step 2" in str(err.value) and "at step 4" in str(err.value)
     # 4. gone past critic.retry.max_wait_s: a temporary failure (exit 75 after the stage's checkpoint)
