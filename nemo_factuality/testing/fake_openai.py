@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -43,6 +44,13 @@ class _Server(ThreadingHTTPServer):
     # The socketserver default backlog of 5 drops bursts of new connections (clients then wait ~1 s
     # for a SYN retransmit), which would make high-concurrency runs look slow for the wrong reason.
     request_queue_size = 256
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up mid-request (a reward server killed by an outage test) is the client's event, not
+        # the server's error; socketserver would print its traceback to stderr, where a CLI's one-line check reads.
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 @dataclass

@@ -131,3 +131,23 @@ def test_the_tls_context_is_built_once_per_client(monkeypatch):
             assert [r.text for r in client.complete_batch([_req("a"), _req("b")])] == ["ok", "ok"]
         client.close()
     assert built == [1]
+
+
+def test_the_scripted_judge_prints_nothing_when_a_client_resets_its_connection(capfd):
+    """A reward server killed mid-run resets its keep-alive connections to the judge; the stand-in judge (in the test
+    process) must not print socketserver's traceback to the stderr a CLI's one-line error check reads."""
+    import json
+    import socket
+    import time
+
+    with ScriptedOpenAIServer(lambda req: Reply("ok")) as srv:
+        host, port = srv.url.split("//")[1].split("/")[0].split(":")
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]}).encode()
+        conn = socket.create_connection((host, int(port)))
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert b"200" in conn.recv(65536).split(b"\r\n")[0]
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # close = RST
+        conn.close()
+        time.sleep(0.5)  # the server thread's read of the next request line meets the reset
+        assert srv.url  # still serving
+    assert "Traceback" not in capfd.readouterr().err
