@@ -107,11 +107,15 @@ def _route_stage(word: str, text: str, targets: list[str], out: dict, scoped: bo
 
 
 def _route_reward(word: str, option: str, value: str, targets: list[str], out: dict, scoped: bool) -> None:
-    import yaml
+    from omegaconf import OmegaConf
 
+    from nemo_factuality.config import parse_override
     from nemo_factuality.registry import REWARDS
 
-    parsed = yaml.safe_load(value) if value else None
+    parsed = None
+    if value:  # parsed as every override is (YAML); a malformed value is a one-line error naming the override
+        node = OmegaConf.select(parse_override(word.partition(":")[2] if scoped else word), f"reward.{option}")
+        parsed = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
     accepted = [m for m in targets if _takes(REWARDS.get(METHODS[m].reward["name"]), option)]
     if not accepted or (scoped and len(accepted) < len(targets)):
         names = sorted({METHODS[m].reward["name"] for m in targets})

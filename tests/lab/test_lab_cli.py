@@ -32,6 +32,8 @@ def test_a_misspelt_override_fails_before_any_work(tmp_path, capsys):
     (["rlfh:grpo.num_epochs=2", "--methods", "rlfh"], "grpo"),
     (["klcf:critic.optim.lr=1"], "critic"),
     (["notanoverride"], "notanoverride"),
+    (["reward.gamma=[1,"], "cannot parse the value '[1,'"),
+    (["--methods", "knowrl", "knowrl:reward.gamma=[1,"], "reward.gamma"),
 ])
 def test_usage_errors_are_one_line_with_exit_2(tmp_path, capsys, argv, needle):
     assert main(["lab", "--out", str(tmp_path / "run"), *argv]) == 2
