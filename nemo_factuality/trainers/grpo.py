@@ -208,7 +208,7 @@ class GRPOTrainer:
         out = {}
         if not self.reuses_training_logprobs():
             out["old_logprobs"] = self.actor.logprobs(rollout)
-        if self.cfg.grpo.initial_policy_kl_penalty > 0:
+        if self._algo().initial_policy_kl_penalty > 0:
             out["ref_logprobs"] = self.actor.reference_logprobs(rollout)
         return out
 

@@ -94,12 +94,8 @@ class PPOTrainer(GRPOTrainer):
     def _logprobs(self, rollout: Rollout) -> dict[str, torch.Tensor]:
         """The critic's ``values`` and the policy's ``old_logprobs`` (unless the training forward provides them)
         and ``ref_logprobs`` (with a KL penalty), ``[B, S-1]`` each: computed while the reward is in flight."""
-        out = {"values": self.critic.values(rollout)}
-        if not self.reuses_training_logprobs():
-            out["old_logprobs"] = self.actor.logprobs(rollout)
-        if self.cfg.ppo.initial_policy_kl_penalty > 0:
-            out["ref_logprobs"] = self.actor.reference_logprobs(rollout)
-        return out
+        values = self.critic.values(rollout)
+        return {"values": values, **super()._logprobs(rollout)}
 
     def reuses_training_logprobs(self) -> bool:
         """Exactly on-policy (one epoch, one minibatch) without a KL penalty: the training forward's detached
