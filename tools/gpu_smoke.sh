@@ -52,6 +52,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   exit 2
 fi
 echo "== installing $(find "$wheels" -maxdepth 1 -type f | wc -l) carried packages into $site" >&2
+# megatron-core's sdist (no cp312 wheel) runs `python3 -m pybind11` from PATH while it builds its C++ helper: make
+# that the interpreter installing it, the one whose pybind11/setuptools --no-build-isolation uses
+python_dir=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
+export PATH="$python_dir:$PATH"
 rm -rf "$site"
 shopt -s nullglob
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$site" \

@@ -44,8 +44,14 @@ def _stub_transformer_engine() -> None:
         def __init__(self, *args, **kwargs):
             raise RuntimeError("Transformer Engine is not installed")
 
+    def te_name(name: str):
+        # dunders stay absent: ``inspect`` (torch.library, at torchvision's import) reads a module's ``__file__``
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _NoTransformerEngine
+
     stub = types.ModuleType("megatron.core.extensions.transformer_engine")
-    stub.__getattr__ = lambda name: _NoTransformerEngine
+    stub.__getattr__ = te_name
     sys.modules.setdefault("megatron.core.extensions.transformer_engine", stub)
 
 

@@ -293,6 +293,15 @@ def onload_optimizer_states(offloaded: OffloadedTensors) -> None:
         state[key] = host.to(device, copy=True)
 
 
+def collective_device() -> torch.device:
+    """Where a tensor must live for the default process group's collectives: NCCL takes CUDA tensors only (a CPU
+    tensor raises "No backend type associated with device type cpu", first seen on the GPU smoke run), gloo
+    takes CPU ones."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, float]]:
     """Loss functions' metrics averaged over micro batches; ``loss`` summed over micro batches and DP ranks
     (the step's global loss, since each share is normalised by the global count). They exist on the last
@@ -303,7 +312,7 @@ def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[s
     if reduced:
         keys = sorted(k for k in reduced[0] if k != "loss")
         values = torch.tensor([sum(float(r[k]) for r in reduced) / len(reduced) for k in keys]
-                              + [sum(float(r["loss"]) for r in reduced)], dtype=torch.float64)
+                              + [sum(float(r["loss"]) for r in reduced)], dtype=torch.float64, device=collective_device())
         torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group())
         dp = mpu.get_data_parallel_world_size()
         metrics = {k: float(v) / dp for k, v in zip(keys, values[:-1].tolist(), strict=True)}
@@ -387,7 +396,7 @@ class AlignerActor:
         """Sum over data-parallel ranks (the stage's global token/sequence counts); returns a new CPU tensor."""
         from megatron.core import parallel_state as mpu
 
-        out = value.detach().clone().to(self._device())
+        out = value.detach().clone().to(collective_device())
         torch.distributed.all_reduce(out, group=mpu.get_data_parallel_group())
         return out.cpu()
 
