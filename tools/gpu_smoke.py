@@ -116,7 +116,11 @@ def _model_overrides(cpu: bool) -> dict:
     fusions = {k: v for k, v in CPU_MODEL_OVERRIDES.items() if k not in ("precision", "megatron_amp_O2", "sequence_parallel")}
     if not cpu:
         fusions["use_cpu_initialization"] = False
-    return {**fusions, **gpu}
+    import importlib.util
+
+    # the presets build TE's spec (the container has TE); a bare GPU cannot carry it: Megatron's local spec there
+    te = importlib.util.find_spec("transformer_engine") is not None
+    return {**fusions, **gpu, "transformer_engine": gpu.get("transformer_engine", False) and te}
 
 
 def _peak_gib() -> float:

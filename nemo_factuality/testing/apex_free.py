@@ -5,8 +5,8 @@ Never imported by production code. The GPU smoke kit (``tools/gpu_smoke.sh``) ca
 machine where only these Python packages could be carried; ``aligner_cpu.apply()`` calls it under its CPU
 device layer. Each patch is a failure observed without those CUDA-built packages:
 
-* Transformer Engine: a stub so Megatron picks its local layer spec (NeMo's ``get_specs`` builds TE specs
-  eagerly); the local spec's torch norms refuse ``sequence_parallel`` — built and marked for the TP all-reduce
+* Transformer Engine: a stub so Megatron decides it is absent (the spec itself is production's choice,
+  ``trainers/backends/aligner_spec.py``); the local spec's torch norms refuse ``sequence_parallel`` — built and marked for the TP all-reduce
   as TE's norms are; megatron-core 0.12's distributed optimizer "quantizes" fp8 parameters after every step and
   raises without TE even when there are none.
 * Apex: names NeMo imports (``FusedLayerNorm``, ``MixedFusedRMSNorm``, ``listify_model``, ``amp_C`` kernels
@@ -93,7 +93,6 @@ def _multi_tensor_scale(_chunk, _overflow_buf, tensor_lists, scale):
 
 
 def _patch_nemo_model_building() -> None:
-    import nemo.collections.nlp.models.language_modeling.megatron_gpt_model as gpt_module
     import nemo.collections.nlp.modules.common.megatron.build_model as build_module
     import nemo.collections.nlp.parts.nlp_overrides as nlp_overrides
     from megatron.core.tensor_parallel.layers import set_defaults_if_not_set_tensor_model_parallel_attributes
@@ -108,8 +107,7 @@ def _patch_nemo_model_building() -> None:
     if not hasattr(nlp_overrides, "MegatronDistributedFusedAdam"):
         nlp_overrides.MegatronDistributedFusedAdam = type("MegatronDistributedFusedAdam", (), {})
     build_module.set_defaults_if_not_set_tensor_model_parallel_attributes = set_defaults_if_not_set_tensor_model_parallel_attributes
-    # get_specs builds every spec eagerly (TE ones included); without TE only the local spec exists
-    gpt_module.get_specs = lambda *args, **kwargs: gpt_module.get_gpt_layer_local_spec(None, False)
+    # (the layer spec is production's: trainers/backends/aligner_spec.py builds the one the config asks for)
 
 
 def _patch_checkpoint_writer() -> None:

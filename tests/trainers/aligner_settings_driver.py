@@ -81,6 +81,7 @@ def setting_overrides(setting: str, preset: str, tp: int) -> tuple[str, dict]:
     gpu = dict(common["aligner"])
     if tp == 1:  # Megatron refuses sequence parallelism without tensor parallelism (every preset has TP > 1)
         gpu["sequence_parallel"] = False
+    gpu["transformer_engine"] = False  # no TE on CPU: the local spec (test_container_spec builds it with Apex importable)
     if setting == "exact":
         return "float32", {**cpu, **gpu, "megatron_amp_O2": False}
     cpu.pop("precision")  # the stage's model.dtype gives it

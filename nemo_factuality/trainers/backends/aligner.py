@@ -729,6 +729,9 @@ def nemo_trainer(model_cfg: Any, runtime: AlignerRuntime, section: str = "reinfo
     from nemo_aligner.utils.train_script_utils import resolve_and_create_trainer
     from omegaconf import OmegaConf
 
+    from nemo_factuality.trainers.backends.aligner_spec import use_checkpoint_layer_specs
+
+    use_checkpoint_layer_specs(bool(model_cfg.get("transformer_engine", False)))  # before any model is built
     accelerator = runtime.accelerator if runtime.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
     cfg = OmegaConf.create({
         "trainer": {"devices": runtime.devices, "num_nodes": runtime.num_nodes, "accelerator": accelerator,
