@@ -117,12 +117,23 @@ def call_with_retry(request: Callable[[], T], *, what: str, url: str, backoff: B
                 raise unavailable(f"{what} {url} did not come back within {key}={backoff.max_wait_s:g} s "
                                   f"({attempt + 1} tries; last: {reason})") from err
             delay = min(backoff.delay(attempt, rng), backoff.max_wait_s - waited)
-            log.warning("%s %s unavailable (%s); retrying the same request in %.1f s (%.0f of %g s waited, %s)",
-                        what, url, reason, delay, waited, backoff.max_wait_s, key)
+            log.warning("%s %s %s (%s); retrying the same request in %.1f s (%.0f of %g s waited, %s)",
+                        what, url, failure_kind(err), reason, delay, waited, backoff.max_wait_s, key)
             sleep(delay)
             attempt += 1
             if before_retry is not None:
                 before_retry()
+
+
+def failure_kind(err: BaseException) -> str:
+    """How a request failed, as the retry log says it: a timeout (the server may still be working on it, so a resend
+    must be one it can recognise) apart from a refused or dropped connection (the request did not run, or died)."""
+    chain = [err, *filter(None, [err.__cause__, err.__context__])]
+    for e in chain:
+        name, text = type(e).__name__.lower(), str(e).lower()
+        if isinstance(e, TimeoutError) or "timeout" in name or "timed out" in text or "timeout" in text:
+            return "timed out (the request may still be running there)"
+    return "refused the connection or lost it"
 
 
 def _first_line(err: BaseException) -> str:

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -185,10 +186,38 @@ def _server_class():
     from nemo_aligner.utils.server_utils import lock_method
     from pytriton.decorators import sample
 
+    from pytriton.model_config import Tensor
+
+    parent_train = CriticServerTrainer.__dict__["server_train"].__wrapped__  # under @sample: locked, takes arrays
+
     class FactualityCriticServer(CriticServerTrainer):
         trainer: Any = None
         checkpoints: Path
         keep: int = 2
+        applied: tuple[int, dict] | None = None  # (request_id, its answer) of the last update applied
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            # reentrant: server_train holds it while the parent's (locked) update runs inside it
+            self.lock = threading.RLock()
+            self.train_inputs = (*self.train_inputs, Tensor(name="request_id", shape=(1,), dtype=np.int64, optional=True))
+
+        @sample
+        @lock_method("self.lock")
+        def server_train(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+            """One critic update per request id: a client that timed out resends the same id, and when the first
+            request was only slow (queued or still running, not lost) the resend is answered from what the first
+            one applied — never a second optimiser step for one minibatch. No id: Aligner's behaviour."""
+            request_id = inputs.pop("request_id", None)
+            key = None if request_id is None else int(np.asarray(request_id).reshape(-1)[0])
+            if key is not None and self.applied is not None and self.applied[0] == key:
+                log.warning("critic_train request %d repeated (its client timed out while it ran): answered from the "
+                            "update already applied at server step %d, not applied again", key, self.step)
+                return dict(self.applied[1])
+            out = parent_train(self, **inputs)
+            if key is not None:
+                self.applied = (key, {k: np.array(v, copy=True) for k, v in out.items()})
+            return out
 
         @torch.no_grad()
         def run_inference(self, inputs=None):

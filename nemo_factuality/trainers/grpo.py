@@ -134,10 +134,11 @@ class GRPOTrainer:
                          metrics.get("kl", math.nan), metrics.get("loss/policy", math.nan), metrics.get("time/step", math.nan))
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/score', math.nan):.3f}", kl=f"{metrics.get('kl', math.nan):.4f}")
-                if preempted:
+                if self.parallel.any_rank(bool(preempted)):  # the signal reaches the ranks at different moments
                     self._save()
-                    log.warning("stopped by %s at step %d; checkpoint written, rerun to resume", preempted.signal, self.step)
-                    stop_reason = preempted.signal
+                    log.warning("stopped by %s at step %d; checkpoint written, rerun to resume",
+                                preempted.signal or "a signal to another rank", self.step)
+                    stop_reason = preempted.signal or "preempted"
                     break
                 if stalled:
                     bar.close()
@@ -178,8 +179,8 @@ class GRPOTrainer:
                 rollout = assemble_rollout(chunks, self.actor.pad_id)
                 if not scorer.overlap:
                     scorer.submit(rollout_rows(rollout))  # generate → reward → log-probs, one after the other
-                with timer("logprobs"):
-                    logprobs = self._logprobs(rollout)
+                with timer("logprobs"):  # PPO's critic values too: a server call that can fail on one replica
+                    logprobs = self.parallel.agreed(lambda: self._logprobs(rollout))
                 rewards = scorer.result()
             with timer("advantages"):
                 experience, metrics = self._experience(rollout, rewards, logprobs)
@@ -342,13 +343,17 @@ class GRPOTrainer:
         ids = encode_prompts(self.val_data, self.actor.tokenizer, self.cfg.data.apply_chat_template,
                              self.cfg.data.max_prompt_tokens)
         mine = self.parallel.split(range(len(ids)))
-        parts = []
-        if mine:
+
+        def score_mine() -> list[RewardBatch]:
+            if not mine:
+                return []
             greedy = SamplingParams(self.sampling.max_new_tokens, use_greedy=True)
             rollout = self.actor.generate([ids[i] for i in mine], greedy)
             records = [self.val_data[i] for i in mine]
-            parts.append(self.parallel.on_model_parallel_source(
-                lambda: score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id))[0])
+            return [self.parallel.on_model_parallel_source(
+                lambda: score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id))[0]]
+
+        parts = self.parallel.agreed(score_mine)  # every rank reaches the gather, or every rank stops
         batch = RewardBatch.concat([b for rank_parts in self.parallel.gather(parts) for b in rank_parts])
         logged = batch.log_dict("reward")
         return {k.replace("reward/", "val/reward/"): v for k, v in logged.items()} | {"val/reward": logged["reward/score"]}

@@ -414,9 +414,11 @@ class KTOTrainer:
             self.step += 1
             self.position += 1
             self.logger.log(self.step, metrics)
-            if preempted or (self.cfg.trainer.save_interval and self.step % self.cfg.trainer.save_interval == 0):
+            stopping = self.parallel.any_rank(bool(preempted))  # the signal reaches the ranks at different moments
+            if stopping or (self.cfg.trainer.save_interval and self.step % self.cfg.trainer.save_interval == 0):
                 self._save()
-            if preempted:
+            if stopping:
+                preempted.signal = preempted.signal or "a signal to another rank"
                 return False
         return True
 

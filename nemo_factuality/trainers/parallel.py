@@ -139,6 +139,28 @@ class DataParallel:
         runner = getattr(self.actor, "on_model_parallel_source", None)
         return runner(fn) if runner is not None else fn()
 
+    def agreed(self, fn: Callable[[], T]) -> T:
+        """``fn()``, then one decision on every rank of the job before any other collective: all go on, or all raise
+        the worst failure any rank had (a server gone past its window: every rank checkpoints and exits 75). For the
+        calls that can fail on some ranks only — a replica's reward, its critic values, its validation scoring —
+        which, decided per rank, would leave one rank in the step's all-reduce and another in the checkpoint's
+        barrier until the NCCL watchdog ends the job. Without an actor that agrees (world 1) it is ``fn()``."""
+        agree = getattr(self.actor, "agree_on_failure", None)
+        if agree is None:
+            return fn()
+        try:
+            value = fn()
+        except Exception as err:
+            agree(err)  # raises on every rank
+            raise
+        agree(None)
+        return value
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the job (every rank calls it at the same point)."""
+        fn = getattr(self.actor, "any_rank", None)
+        return bool(fn(flag)) if fn is not None else bool(flag)
+
     def barrier(self) -> None:
         fn = getattr(self.actor, "barrier", None)
         if fn is not None:

@@ -320,9 +320,8 @@ def checkpoint_if_server_gone(save: Callable[[], Path], *, step: int, before_sav
     ``RunStopped`` naming the server and the checkpoint. No checkpoint when the error says one would be
     inconsistent (``checkpoint_safe = False``: a restarted critic behind the actor) or the step had updated weights.
 
-    Under data parallelism every rank's client gives up within moments of the others (same server, same window),
-    and the checkpoint is collective; a server back at the very end of the window can still split the ranks,
-    which then fail on the distributed timeout and resume from the previous checkpoint."""
+    Under data parallelism the stages decide together before this sees the error (``DataParallel.agreed``): when
+    one replica's server is gone every rank raises, so every rank restores, saves (collective) and stops alike."""
     try:
         yield
     except ServerUnavailableError as err:

@@ -16,8 +16,9 @@ after generation (generate → reward → log-probs, one after the other).
 
 Under model parallelism the ranks of a replica hold the same rollout: only the replica's source rank calls
 the reward, and ``result`` broadcasts its batch (``DataParallel.on_model_parallel_source``). An exception
-raised by the reward is re-raised by ``result`` unchanged (on the source rank; the replica's other ranks get
-a ``RuntimeError`` naming it), and the micro batches submitted after it are not scored.
+raised by the reward is re-raised by ``result`` — never by ``submit`` — unchanged on the rank that had it and
+relayed to every other rank of the job (``DataParallel.agreed``: a server gone on one replica stops them all
+alike), and the micro batches submitted after it are not scored.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class RolloutScorer:
         self._done: list[_Scored] = []  # in line: what each call returned (on every rank)
         self._pending: list[Future] = []
         self._failed = threading.Event()
+        self._inline_error: Exception | None = None  # an in-line call's failure, raised by result()
         self._worker = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
                         if overlap and parallel.is_model_parallel_source else None)
 
@@ -68,16 +70,27 @@ class RolloutScorer:
             if self._worker is not None:
                 self._pending.append(self._worker.submit(self._score, chunk))
             return
+        if self._inline_error is not None:
+            return  # raised by result(), where every rank of the job decides together
         start = time.perf_counter()
         try:
             self._done.append(self.parallel.on_model_parallel_source(lambda: self._score(chunk)))
+        except Exception as err:
+            self._inline_error = err
         finally:
             self.exposed_s += time.perf_counter() - start
 
     def result(self) -> RewardBatch:
-        """Every submitted row's rewards in row order (waits for the worker); token outputs checked per token."""
+        """Every submitted row's rewards in row order (waits for the worker); token outputs checked per token.
+
+        A failure on any rank (another replica's server gone) is raised on every rank (``DataParallel.agreed``)."""
+        return self.parallel.agreed(self._result)
+
+    def _result(self) -> RewardBatch:
         start = time.perf_counter()
         try:
+            if self._inline_error is not None:
+                raise self._inline_error
             scored = self.parallel.on_model_parallel_source(self._collect) if self.overlap else self._done
         finally:
             self.exposed_s += time.perf_counter() - start

@@ -103,3 +103,25 @@ def test_waiting_leaves_the_global_random_streams_untouched():
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
     _retry(_Flaky(3, OSError("refused")), Backoff(max_wait_s=1e6), [])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
+
+
+def test_a_timeout_is_logged_apart_from_a_refused_or_lost_connection(caplog):
+    """A timed-out request may still be running on the server (a resend must be one it recognises); a refused or
+    dropped connection did not run. The retry log says which, so an operator reading it knows."""
+    failures = [TimeoutError("timed out after 600 s"), ConnectionRefusedError("[Errno 111] Connection refused"),
+                ConnectionResetError("Connection reset by peer")]
+
+    def request():
+        if failures:
+            raise failures.pop(0)
+        return "ok"
+
+    with caplog.at_level(logging.WARNING, logger="nemo_factuality.serving.client"):
+        out = call_with_retry(request, what="critic server", url="http://c:1", backoff=Backoff(max_wait_s=60),
+                              key="critic.retry.max_wait_s", unavailable=RuntimeError, went_away=lambda e: True,
+                              sleep=lambda s: None)
+    assert out == "ok"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert "timed out (the request may still be running there)" in lines[0]
+    assert all("refused the connection or lost it" in line and "timed out" not in line for line in lines[1:])

@@ -153,3 +153,28 @@ def test_an_update_that_went_through_before_the_connection_dropped_is_not_applie
     watcher.join(timeout=120)
     assert math.isnan(out["critic/server_loss"])  # the loss was lost with the connection, and is said to be
     assert critic.expected_step == 8 == critic.server_step() == int(critic_server.state.read_text())
+
+
+@pytest.mark.parametrize("ids", [True, False], ids=["request-ids", "server-ignoring-ids"])
+def test_a_slow_update_resent_after_a_timeout_is_applied_once(critic_server, ids):
+    """The server is slow, not down: the client times out while the update is still running, the state query says
+    the step has not moved, and the client resends. The resend carries the same request id, so the server answers it
+    from the update it applied; a server that ignored ids would apply a second optimiser step for one minibatch."""
+    critic_server.state.write_text("4")
+    critic_server.start("--train-delay=4", *([] if ids else ["--ignore-request-id"]))
+    retry = RetryConfig(max_wait_s=60, initial_s=0.2, max_s=0.5)
+    critic = RemoteCritic(SimpleNamespace(url=f"http://127.0.0.1:{critic_server.port}", timeout_s=1.0, init_timeout_s=1,
+                                          micro_batch_size=4, retry=retry))
+    assert critic.server_step() == 4
+    critic.train_step(BATCH, lambda *a: None, micro_batch_size=2)
+    applied_log = Path(f"{critic_server.state}.applied")
+    deadline = time.monotonic() + 30  # a queued resend finishes within two delays
+    while time.monotonic() < deadline and (not ids and len(applied_log.read_text().split()) < 2):
+        time.sleep(0.2)
+    time.sleep(4.5)  # one more update's time: anything still queued has run
+    applied = applied_log.read_text().split()
+    if ids:
+        assert applied == ["4"], applied  # one update, though the client sent it more than once
+        assert critic.expected_step == 5 == critic.server_step() == int(critic_server.state.read_text())
+    else:  # what the ids prevent: the resend applied as a second step, and the run would not know
+        assert len(applied) == 2 and int(critic_server.state.read_text()) == 6

@@ -420,6 +420,14 @@ class AlignerActor:
         other ranks: the stages score a rollout, which every rank of a replica holds, through this."""
         return on_model_parallel_source(fn)
 
+    def agree_on_failure(self, error: Exception | None) -> None:
+        """The stages' one decision after a call that can fail on some ranks only (``agree_on_failure``)."""
+        agree_on_failure(error)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the job (``any_rank``)."""
+        return any_rank(flag)
+
     def global_sum(self, value: float) -> float:
         """The stages' hook for global token/sequence counts (sum over data-parallel ranks)."""
         return float(self.all_reduce_sum(torch.tensor([float(value)], dtype=torch.float64))[0])
@@ -867,7 +875,48 @@ def relayed_result(status: str, value: Any, source: int) -> Any:
         relayed = ServerUnavailableError(f"{value} (on rank {source})")
         relayed.checkpoint_safe = status == "unavailable"
         raise relayed
-    raise RuntimeError(f"model-parallel source rank {source} failed: {value}")
+    raise RuntimeError(f"rank {source} failed: {value}")
+
+
+# how bad a rank's outcome is; the job acts on the worst (a crash anywhere beats a checkpoint, and a checkpoint
+# that would be inconsistent anywhere is written nowhere)
+_SEVERITY = {"ok": 0, "unavailable": 1, "unavailable-no-checkpoint": 2, "error": 3}
+
+
+def agree_on_failure(error: Exception | None) -> None:
+    """One decision for the whole job after a call that can fail on some ranks only (a replica's reward or critic
+    server gone, its validation scoring): returns when no rank failed; otherwise raises on every rank the worst
+    failure — its own error where this rank had that one, else the failing rank's, relayed (``relayed_result``).
+
+    Every rank calls it at the same point, so the job's next collective is the same on every rank: all go on, all
+    checkpoint and exit 75, or all stop. One int64 all-reduce when nothing failed; a gather of the reports else."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    kind = "ok" if error is None else _relay_kind(error)
+    flag = torch.tensor([_SEVERITY[kind]], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    worst = int(flag.item())
+    if worst == 0:
+        return
+    reports: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(reports, (kind, "" if error is None else f"{type(error).__name__}: {error}"))
+    if error is not None and _SEVERITY[kind] == worst:
+        raise error
+    source = next(r for r, (k, _) in enumerate(reports) if _SEVERITY[k] == worst)
+    if error is None:
+        log.warning("rank %d: %s; stopping with it", source, reports[source][1])
+    relayed_result(*reports[source], source)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the job (a preemption signal reaches the ranks at different moments)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return bool(flag)
+    value = torch.tensor([int(bool(flag))], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def restore_training_state(trainer: Any, scheduler: Any, state_dir: Path) -> None:

@@ -18,7 +18,9 @@ one ``critic_train`` request is one critic optimiser step over the global miniba
 
 Every failure names the URL and what to check, within ``critic.timeout_s`` / ``init_timeout_s``. A server
 that refuses, drops or times out a request is waited for (``critic.retry``, jittered backoff, each wait logged
-with the URL) and sent the same request again. The server keeps its state in memory and resumes from its own
+with the URL) and sent the same request again — a ``critic_train`` with the same request id (the server step it
+applies to), which the server answers from the update it already applied when the first request was only slow
+(queued or running, not lost), so one minibatch is never two optimiser steps. The server keeps its state in memory and resumes from its own
 latest checkpoint when restarted, so once it answers again its optimiser step is compared with the one this
 client expects: equal, the step goes on; one ahead on a ``critic_train`` retry, that update had gone through
 before the connection dropped (its loss is reported as NaN); anything else, the restarted critic is behind the
@@ -166,8 +168,11 @@ class RemoteCritic:
         rows = {"tokens": batch["tokens"].long(), "returns": batch["returns"].float(),
                 "prev_values": batch["old_values"].float(), "mask": batch["mask"].float()}
         gathered = _gather_to_rank0({k: v.numpy() for k, v in rows.items()})
-        loss = _on_rank0(lambda: float(self._request(TRAIN, _pad_and_concat(gathered), batched=False)["loss_mean"]
-                                       .reshape(-1)[0]))
+        # the update's id: the server step it applies to. A resend after a timeout carries the same id, and a server
+        # whose first request was only slow answers it from that update instead of applying a second one
+        request_id = np.array([self.expected_step], dtype=np.int64)
+        loss = _on_rank0(lambda: float(self._request(TRAIN, {**_pad_and_concat(gathered), "request_id": request_id},
+                                                     batched=False)["loss_mean"].reshape(-1)[0]))
         self.expected_step = None if self.expected_step is None else self.expected_step + 1  # every rank counts it
         # the stages sum ``loss/*`` back over micro batches and data-parallel ranks (each backend reports its mean share)
         shares = max(1, -(-int(batch["tokens"].shape[0]) // micro_batch_size)) * _data_parallel_size()

@@ -1,0 +1,70 @@
+"""A fault that reaches one data-parallel replica stops every rank alike (issue: the job hung until the NCCL watchdog).
+
+Each replica used to decide "reward server gone" and "preempted" on its own: replica 1 entered the checkpoint's
+barrier while replica 0 entered the step's all-reduce, and the job hung — no checkpoint, no exit 75, no requeue.
+Here, at TP=2 × DP=2 (4 ranks, gloo), replica 1's reward client gives up at step 2 while replica 0's answers, and
+in another run SIGUSR1 reaches the last rank alone: every rank must write the same checkpoint and stop with the
+same exit code (75 for the server, 0 after the preemption checkpoint) well within the test's bound, and the rerun
+of the same command must end where the undisturbed run ends.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nemo_factuality.testing.aligner_env import run_in_aligner_venv
+from nemo_factuality.testing.servers import convert_checkpoint
+from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer
+
+pytestmark = pytest.mark.slow
+DRIVER = "tests/trainers/fault_agreement_driver.py"
+
+
+@pytest.fixture(scope="module")
+def ranks(venv, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault_agreement")
+    build_tiny_causal_lm("qwen2", vocab_size=400, out_dir=root / "hf")
+    build_tiny_tokenizer(root / "hf")
+    convert_checkpoint("hf-to-nemo", "--hf", str(root / "hf"), "--out", str(root / "policy"), "--extracted")
+    out = root / "out"
+    out.mkdir()
+    # bounded: before the fix this run hung in mismatched collectives until killed here
+    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={root / 'policy'}", f"--out={out}", "--tp=2"], nproc=4, timeout=540)
+    assert res.returncode == 0, res.stdout[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def test_layout_is_two_replicas_of_two_ranks(ranks):
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
+
+
+def test_one_replicas_server_gone_stops_every_rank_with_a_checkpoint_and_exit_75(ranks):
+    for r in ranks:
+        outage = r["runs"]["outage"]
+        assert outage["exit"] == 75, (r["rank"], outage["exit"])
+        # step 1 finished and checkpointed; step 2 abandoned before any update: its start is the checkpoint
+        assert outage["checkpoints"][-1] == "step_000001" and "latest" in outage["checkpoints"], outage["checkpoints"]
+        assert not any(c.endswith(".partial") for c in outage["checkpoints"])
+    # only replica 1's source rank saw the fault; the others were told, not timed out
+    assert {r["runs"]["outage"]["calls"] for r in ranks if r["dp_rank"] == 0 and r["runs"]["outage"]["calls"]} == {2}
+
+
+def test_preemption_on_one_rank_checkpoints_every_rank_at_the_same_step(ranks):
+    for r in ranks:
+        preempt = r["runs"]["preempt"]
+        assert preempt["exit"] == 0, (r["rank"], preempt)
+        assert preempt["checkpoints"][-1] == "step_000002", preempt["checkpoints"]
+        assert len(preempt["metrics"]) == 2  # the writer logged steps 1 and 2 (every rank reads its file)
+
+
+@pytest.mark.parametrize("name", ["outage", "preempt"])
+def test_the_rerun_equals_the_undisturbed_run(ranks, name):
+    for r in ranks:
+        undisturbed, resumed = r["runs"]["undisturbed"], r["runs"][f"{name}_resumed"]
+        assert resumed["exit"] == 0 and resumed["checkpoints"][-1] == "step_000003"
+        assert resumed["logprobs"] == undisturbed["logprobs"], r["rank"]  # the same weights, exactly
+    writer = ranks[0]["runs"]
+    scores = lambda run: [(m["step"], m["reward/score"]) for m in run["metrics"]]  # noqa: E731
+    assert scores(writer[f"{name}_resumed"])[-3:] == scores(writer["undisturbed"])
