@@ -165,7 +165,7 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
     return values
 
 
-def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="nemo-factuality eval",
                        description="Score responses with FActScore, SAFE F1@K, VeriScore and HalluLens. Records without "
                                    "labelled claims are fact-checked first with the --config-name pipeline.",
@@ -186,6 +186,11 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="exit 1 when more than this fraction of records could not be fact-checked")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first record whose fact-check fails")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. pipeline.verifier.store_path=kb.sqlite")
+    return p
+
+
+def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = build_parser()
     args = p.parse_intermixed_args(list(argv))
     overrides = split_overrides(args.overrides, p.prog)
     if not args.demo and args.input is None:

@@ -14,11 +14,7 @@ from nemo_factuality.config import load_config, to_yaml
 log = logging.getLogger(__name__)
 
 
-def main(argv: Sequence[str]) -> int:
-    from nemo_factuality.registry import build_reward
-    from nemo_factuality.serving.config import DEFAULT_REWARD, ServeConfig
-    from nemo_factuality.serving.server import FactualityRewardServer, check_ports
-
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="nemo-factuality serve",
                             description="Serve a method reward on PyTriton: reward_model (NeMo-Aligner 0.7.0's protocol) "
                                         "and factuality_reward (token rewards), with health and Prometheus endpoints.",
@@ -33,6 +29,15 @@ def main(argv: Sequence[str]) -> int:
                         help="fail a whole batch when any sample's judge/fact-check fails (default: that sample is NaN "
                              "with details.error; reward_model sends nan_reward). Same as fail_fast=true")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    from nemo_factuality.registry import build_reward
+    from nemo_factuality.serving.config import DEFAULT_REWARD, ServeConfig
+    from nemo_factuality.serving.server import FactualityRewardServer, check_ports
+
+    parser = build_parser()
     args = parser.parse_intermixed_args(list(argv))
     overrides = split_overrides(args.overrides, parser.prog)
     if args.fail_fast:
