@@ -58,14 +58,14 @@ _LABEL_FROM_VERDICT = {
 class EvalConfig:
     """Typed schema for ``conf/eval/*.yaml``: the pipeline used when records carry no labels."""
 
-    pipeline: dict[str, Any] = field(default_factory=lambda: {
+    pipeline: dict[str, Any] = field(default_factory=lambda: {  # the fact-checking pipeline for records without labels (see Fact-checking pipeline)
         "segmenter": {"name": "regex"},
         "extractor": {"name": "identity"},
         "evidence": {"name": "none"},
         "verifier": {"name": "kb_exact"},  # store_path must be given: pipeline.verifier.store_path=kb.sqlite
     })
-    topic_field: str = "topic"
-    materials_field: str = "materials"
+    topic_field: str = "topic"  # the record field holding the topic (entity) the evidence is searched for
+    materials_field: str = "materials"  # the record field holding given evidence passages (RLFH-style `materials`)
 
 
 def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:

@@ -44,11 +44,11 @@ _FORMAT = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
 
 @dataclass
 class KLCFConfig:
-    w_checklist: float = 1.0
-    w_truthfulness: float = 1.0
-    w_rm: float = 1.0
-    require_format: bool = False
-    format_penalty: float = -1.0
+    w_checklist: float = 1.0  # weight of checklist recall
+    w_truthfulness: float = 1.0  # weight of claim truthfulness (precision)
+    w_rm: float = 1.0  # weight of σ(general RM score / rm_temperature); 0 = no general RM
+    require_format: bool = False  # score <think>…</think><answer>…</answer> (the zero-RL setting)
+    format_penalty: float = -1.0  # added when require_format and the format is broken
     rm_temperature: float = 1.0  # σ(s / T) squashing of the general RM score
     guards: GuardConfig = field(default_factory=GuardConfig)
 

@@ -55,7 +55,7 @@ METRICS: tuple[Metric, ...] = (
            condition="trainer.backend=aligner"),
     Metric("clipfrac", (GRPO, PPO), "share of response tokens whose ratio was clipped"),
     Metric("dual_clipfrac", (GRPO, PPO), "share of tokens capped by the dual clip (`model.clip_ratio_c`)"),
-    Metric("approx_kl", (GRPO, PPO), "mean (ratio − 1) − log ratio: how far the update moved from the rollout policy"),
+    Metric("approx_kl", (GRPO, PPO), "k3 estimate of KL(π_old ‖ π) over response tokens: how far the update moved from the rollout policy"),
     Metric("ratio_mean", (GRPO, PPO), "mean importance ratio π/π_old over response tokens (1 on-policy)"),
     Metric("advantage/abs_mean", (GRPO,), "mean |advantage| over the tokens in the loss (0: no group had signal)"),
     Metric("fspo/flip_frac", (GRPO,), "share of tokens whose advantage FSPO's flip reversed (the reward's token signs)"),
