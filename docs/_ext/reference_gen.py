@@ -123,7 +123,7 @@ def cli_markdown() -> str:
              "[](exit_codes.md). A training stage's `python -m nemo_factuality.trainers.<stage>` entry and "
              "`python -m nemo_factuality.trainers.critic_server` (RLFH's critic on the aligner backend) take the "
              "options of `nemo-factuality train <stage>` (`ppo` for the critic server).", ""]
-    for name, parser in command_parsers():
+    for _, parser in command_parsers():
         for sub in walk_parsers(parser):
             if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions) and not parser_options(sub):
                 lines += [f"## `{sub.prog}`", "", cell(sub.description or ""), "",

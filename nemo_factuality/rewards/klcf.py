@@ -9,10 +9,11 @@
 * ``s_RM``: a general reward model's score (callable ``(prompts, completions) -> list[float]``; from
   config ``general_rm: {kind: hf | remote, ...}``, see ``rewards.general_rm``).
 
-Failures: a failed extraction/verification, an unjudged checklist item or a failed general RM
-makes the sample NaN with ``details[i]["error"]``; it is never scored as 0 or "not covered".
 * ``r_fmt``: 0 when ``<think>…</think><answer>…</answer>`` is well formed, else ``format_penalty``
   (only when ``require_format``, the zero-RL setting).
+
+Failures: a failed extraction/verification, an unjudged checklist item or a failed general RM
+makes the sample NaN with ``details[i]["error"]``; it is never scored as 0 or "not covered".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """RLFH (arXiv 2406.12221): token-level dense rewards from verified atomic statements.
 
-For sentence ``s`` with statements ``a`` (verification label ``v_a``, informativeness ``i_a``):
+For sentence ``s`` with statements ``a`` (verification label ``v_a``, informativeness ``i_a``)::
 
     r_truth(a) = truth_weight · VERIF[v_a] · |INFO[i_a]|          placed on the token holding a's last character
     r_info(s)  = info_weight · ln(max(ε, Σ_a INFO[i_a]) + μ)      placed on the sentence's last token

@@ -274,7 +274,7 @@ class PPOConfig:
     ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     critic: CriticModelConfig = field(default_factory=CriticModelConfig)
-    reward: dict[str, Any] | None = None
+    reward: dict[str, Any] | None = None  # in-process reward: {name: rlfh, ...} (conf/serve's reward block)
     remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -4,7 +4,7 @@ The docs' metric reference is generated from ``METRICS``; ``tests/docs`` runs ea
 that every key it logs matches an entry here, and that every entry is logged by the stages it names. A name with
 ``<...>`` is a family: ``reward/<component>`` is one key per component the reward returns.
 
->>> find("reward/recall").name
+>>> find("reward/checklist_recall").name
 'reward/<component>'
 >>> find("time/generate").stages
 ('grpo', 'ppo')
@@ -38,8 +38,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("step", ALL, "the optimiser-visible step this line belongs to (GRPO/PPO: rollout step; KTO: optimiser step)"),
     # reward
     Metric("reward/score", (GRPO, PPO), "mean reward over the step's valid samples (NaN samples left out)"),
-    Metric("reward/<component>", (GRPO, PPO), "mean of one named component the reward returns (KLCF `recall`, "
-           "`precision`, `rm`; KnowRL `format`, `correctness`, `fact`; …)"),
+    Metric("reward/<component>", (GRPO, PPO), "mean of one named component the reward returns (KLCF "
+           "`checklist_recall`, `truthfulness_precision`, `general_rm`; KnowRL `format`, `correct`, `fact`; …)"),
     Metric("reward/abstain_frac", (GRPO, PPO), "share of samples whose score is NaN: abstained (blank) or failed"),
     Metric("reward/token_sum", (PPO,), "mean over valid samples of the summed token rewards (RLFH's dense reward)"),
     Metric("valid_frac", (GRPO, PPO), "share of samples that enter the loss (not NaN; under `truncated=mask`, "
