@@ -40,23 +40,23 @@ log = logging.getLogger(__name__)
 class JudgeConfig:
     """An OpenAI-compatible judge endpoint (vLLM ``serve`` in production)."""
 
-    base_url: str = "http://127.0.0.1:8000/v1"
-    model: str = "judge"
-    api_key: str | None = None
-    concurrency: int = 32
-    timeout_s: float = 60.0
-    max_retries: int = 3
-    backoff_s: float = 0.5
-    cache_path: str | None = None
+    base_url: str = "http://127.0.0.1:8000/v1"  # the OpenAI-compatible API root, e.g. http://judge-node:8000/v1
+    model: str = "judge"  # the model name the server serves (vLLM's --served-model-name)
+    api_key: str | None = None  # bearer token, if the server wants one
+    concurrency: int = 32  # requests in flight at once
+    timeout_s: float = 60.0  # one request
+    max_retries: int = 3  # retries on 5xx, 429, timeouts, dropped connections, malformed bodies
+    backoff_s: float = 0.5  # the first retry's wait (jittered, doubling)
+    cache_path: str | None = None  # SQLite cache of successful replies, keyed by model + messages + params (None: no cache)
 
 
 @dataclass
 class PipelineConfig:
-    segmenter: dict[str, Any] = field(default_factory=lambda: {"name": "regex"})
-    extractor: dict[str, Any] = field(default_factory=lambda: {"name": "identity"})
-    evidence: dict[str, Any] = field(default_factory=lambda: {"name": "none"})
+    segmenter: dict[str, Any] = field(default_factory=lambda: {"name": "regex"})  # sentence segmenter: {name: regex}
+    extractor: dict[str, Any] = field(default_factory=lambda: {"name": "identity"})  # claim extractor: identity | rlfh | factscore | safe | klcf
+    evidence: dict[str, Any] = field(default_factory=lambda: {"name": "none"})  # evidence provider: none | given | bm25_sections | kb | kb_hybrid
     verifier: dict[str, Any] = field(default_factory=lambda: {"name": "kb_exact"})  # needs store_path
-    judge: JudgeConfig | None = None
+    judge: JudgeConfig | None = None  # the judge the LLM stages use when their block names none
     # FActScore abstention rule applied to whole responses before extraction ("generic",
     # "perplexity_ai" or None); an abstained response gets no claims.
     abstain_detection: str | None = "generic"

@@ -23,3 +23,6 @@ if [ ${#need[@]} -gt 0 ]; then
     echo "warning: missing ${need[*]} and cannot apt-get install; Slurm/shellcheck tests will fail" >&2
   fi
 fi
+
+# The docs site's toolchain (Sphinx + MyST; tests/docs builds the site with warnings as errors).
+python -m pip install -q -e ".[docs]"

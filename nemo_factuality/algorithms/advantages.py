@@ -22,6 +22,11 @@ KLKind = Literal["k1", "abs", "k3"]
 def response_mask(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Mask of action positions: ``mask[i, prompt_len-1 : response_len-1] = 1`` (keeps one EOS).
 
+    Example:
+        >>> response_mask(torch.tensor([2, 3]), torch.tensor([5, 4]), 5)
+        tensor([[0., 1., 1., 1., 0.],
+                [0., 0., 1., 0., 0.]])
+
     Args:
         prompt_lengths: ``[B]`` int, tokens in each prompt.
         response_lengths: ``[B]`` int, prompt + response tokens (Aligner's ``response_lengths``).
@@ -171,6 +176,10 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, *, scale: Li
     0: no learning signal from a prompt sampled once. ``singleton="raw"`` is verl's convention
     (mean 0, std 1), i.e. the raw reward is the advantage.
 
+    Example: two groups of two; the second has no spread, so no signal.
+        >>> grpo_advantages(torch.tensor([1.0, 0.0, 2.0, 2.0]), torch.tensor([0, 0, 1, 1]))
+        tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
+
     Args:
         rewards: ``[B]`` sequence rewards (NaN only where ``valid`` is 0).
         group_ids: ``[B]`` int group index (one group per prompt).
@@ -222,6 +231,10 @@ def fspo_flip(advantages: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     A token in a sentence verified as supported (sign +1) never gets a negative advantage, one in an
     unsupported sentence (sign -1) never gets a positive one, and sign 0 leaves ``A`` unchanged.
     Apply after group normalisation.
+
+    Example:
+        >>> fspo_flip(torch.tensor([[0.5, 0.5, -0.5]]), torch.tensor([[1, -1, 1]]))
+        tensor([[ 0.5000, -0.5000,  0.5000]])
 
     Args:
         advantages: ``[B, T]`` token advantages.

@@ -162,7 +162,14 @@ def sentence_logratios(logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
 
 
 def reference_point(kl_pair_logratios: torch.Tensor) -> torch.Tensor:
-    """KTO's ``z0 = clamp_min(mean(r on mismatched pairs), 0)``, detached (``[M]`` → scalar)."""
+    """KTO's ``z0 = clamp_min(mean(r on mismatched pairs), 0)``, detached (``[M]`` → scalar).
+
+    Example:
+        >>> reference_point(torch.tensor([0.3, 0.1]))
+        tensor(0.2000)
+        >>> reference_point(torch.tensor([0.2, -0.6]))  # a negative mean is clamped
+        tensor(0.)
+    """
     if kl_pair_logratios.numel() == 0:
         return kl_pair_logratios.new_zeros(())
     return kl_pair_logratios.detach().mean().clamp(min=0)

@@ -26,7 +26,7 @@ def add_verify_arguments(v: argparse.ArgumentParser) -> None:
     v.add_argument("--tol", type=float, default=1e-5, help="largest allowed max |logit (or reward) difference|; exit 1 above")
 
 
-def _parser() -> ArgumentParser:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="nemo-factuality convert", description="HF <-> NeMo (Megatron-Core torch_dist) checkpoint "
                        "conversion, and a logits check of the result against HF")
     sub = p.add_subparsers(dest="action", required=True, metavar="{hf-to-nemo,nemo-to-hf,verify}")
@@ -61,7 +61,7 @@ def _require(path: str, flag: str, kind: str) -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    args = _parser().parse_args(list(argv))
+    args = build_parser().parse_args(list(argv))
     if args.action == "hf-to-nemo":
         from nemo_factuality.convert.nemo_format import hf_to_nemo
 

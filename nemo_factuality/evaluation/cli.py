@@ -58,14 +58,14 @@ _LABEL_FROM_VERDICT = {
 class EvalConfig:
     """Typed schema for ``conf/eval/*.yaml``: the pipeline used when records carry no labels."""
 
-    pipeline: dict[str, Any] = field(default_factory=lambda: {
+    pipeline: dict[str, Any] = field(default_factory=lambda: {  # the fact-checking pipeline for records without labels (see Fact-checking pipeline)
         "segmenter": {"name": "regex"},
         "extractor": {"name": "identity"},
         "evidence": {"name": "none"},
         "verifier": {"name": "kb_exact"},  # store_path must be given: pipeline.verifier.store_path=kb.sqlite
     })
-    topic_field: str = "topic"
-    materials_field: str = "materials"
+    topic_field: str = "topic"  # the record field holding the topic (entity) the evidence is searched for
+    materials_field: str = "materials"  # the record field holding given evidence passages (RLFH-style `materials`)
 
 
 def read_jsonl(path: Path) -> list[tuple[str, dict[str, Any]]]:
@@ -165,7 +165,7 @@ def _floats(text: str, flag: str) -> tuple[float, ...]:
     return values
 
 
-def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="nemo-factuality eval",
                        description="Score responses with FActScore, SAFE F1@K, VeriScore and HalluLens. Records without "
                                    "labelled claims are fact-checked first with the --config-name pipeline.",
@@ -186,6 +186,11 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="exit 1 when more than this fraction of records could not be fact-checked")
     p.add_argument("--fail-fast", action="store_true", help="stop at the first record whose fact-check fails")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. pipeline.verifier.store_path=kb.sqlite")
+    return p
+
+
+def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = build_parser()
     args = p.parse_intermixed_args(list(argv))
     overrides = split_overrides(args.overrides, p.prog)
     if not args.demo and args.input is None:

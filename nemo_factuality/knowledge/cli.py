@@ -27,7 +27,7 @@ SCORE_NOTE = {
 }
 
 
-def _parser() -> ArgumentParser:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="nemo-factuality kb", description="embedded knowledge store (SQLite + tantivy BM25)")
     sub = p.add_subparsers(dest="action", required=True, metavar="{build,query,migrate}")
     b = sub.add_parser("build", help="stream passages (and facts) from JSONL into a store",
@@ -64,7 +64,7 @@ def _require_file(path: Path | None, flag: str) -> None:
 def main(argv: Sequence[str]) -> int:
     from nemo_factuality.knowledge.store import KnowledgeStore, build_store, docdb_to_jsonl
 
-    args = _parser().parse_args(list(argv))
+    args = build_parser().parse_args(list(argv))
     if args.action == "migrate":
         from nemo_factuality.knowledge.legacy_fts5 import migrate_fts5_store
 

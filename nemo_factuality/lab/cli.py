@@ -25,7 +25,7 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _parser() -> ArgumentParser:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="nemo-factuality lab", description=__doc__.split("\n\n")[1].replace("\n", " "),
                        epilog="key=value overrides change the selected methods' stage configs (conf/lab/{grpo,ppo,kto}.yaml), "
                               "e.g. trainer.max_steps=40; reward.<option>=value changes their rewards; prefix "
@@ -77,7 +77,7 @@ def main(argv: Sequence[str]) -> int:
     from nemo_factuality.lab.methods import check_overrides, select_methods
     from nemo_factuality.lab.run import LabConfig, quick_config, run_lab
 
-    p = _parser()
+    p = build_parser()
     args = p.parse_intermixed_args(list(argv))
     bad = [o for o in args.overrides if "=" not in o or o.startswith("=")]
     if bad:

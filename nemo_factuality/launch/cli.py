@@ -24,7 +24,7 @@ def _names(group: str) -> str:
     return ", ".join(sorted(p.stem for p in (REPO_ROOT / "conf" / group).glob("*.yaml")))
 
 
-def _parser() -> ArgumentParser:
+def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="nemo-factuality launch",
                        description="Render slurm/het_job.sbatch.j2 for a stage (conf/launch) on a cluster profile "
                                    "(conf/cluster) and submit it with sbatch. --dry-run prints it and writes it to --out "
@@ -44,7 +44,7 @@ def _parser() -> ArgumentParser:
 
 
 def main(argv: Sequence[str]) -> int:
-    p = _parser()
+    p = build_parser()
     args = p.parse_intermixed_args(list(argv))
     overrides = split_overrides(args.overrides, p.prog)
     stage_over = [o for o in overrides if not o.startswith("cluster.")]

@@ -7,23 +7,28 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ClusterProfile:
-    """``conf/cluster/<name>.yaml``: site settings, independent of the stage."""
+    """``conf/cluster/<name>.yaml``: site settings, independent of the stage.
 
-    account: str | None = None
-    partition: str | None = None
-    gpus_per_node: int = 8
-    cpus_per_task: int | None = None
+    ``container_mounts``: pyxis ``--container-mounts`` of every step (``/lustre:/lustre``, …).
+    """
+
+    account: str | None = None  # sbatch --account
+    partition: str | None = None  # sbatch --partition
+    gpus_per_node: int = 8  # GPUs per node of the partition
+    cpus_per_task: int | None = None  # sbatch --cpus-per-task
     mem: str | None = None  # e.g. "0" = all memory of the node
-    time_limit: str = "04:00:00"
+    time_limit: str = "04:00:00"  # sbatch --time
     # pyxis/enroot images (squashfs path or registry URI) by the name a step asks for (ServerSpec.image; the
     # trainer runs `trainer`): `trainer` = `docker build .`, `judge` = `docker build --target judge .` (vLLM).
     # Empty = bare metal: every step runs in the submitting environment.
     images: dict[str, str] = field(default_factory=dict)
     container_mounts: list[str] = field(default_factory=list)
+    # pyxis --container-workdir of the steps running the `trainer` image (where this package lives in it); a step in
+    # another image (vLLM's `judge`) starts in that image's own directory: pyxis fails a step whose workdir is missing
     container_workdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # NCCL / TE / HF settings exported to every step
-    log_root: str = "logs"
-    python: str = "python"
+    log_root: str = "logs"  # where the rendered script and one log per component go
+    python: str = "python"  # the interpreter the steps run
 
 
 @dataclass
@@ -35,12 +40,12 @@ class ServerSpec:
     ``params`` key of the stage.
     """
 
-    name: str = "server"
-    command: str = ""
-    port: int = 5555
+    name: str = "server"  # the server's name: its log file and its $<NAME>_URL / _HOST / _NODE variables
+    command: str = ""  # the command the step runs
+    port: int = 5555  # where it listens
     health_port: int | None = None  # where health_path is served, if not on `port` (our reward server: health_port)
-    health_path: str = "/health"
-    ready_deadline_s: int = 900
+    health_path: str = "/health"  # GET path that answers once it is ready
+    ready_deadline_s: int = 900  # fail the job when it is not ready after this long
     nodes: int = 1  # the critic only: its Megatron ranks span nodes; every other server is one task on one node
     gpus: int = 0  # GPUs of its node this server gets (CUDA_VISIBLE_DEVICES is split between a node's servers)
     image: str = "trainer"  # which of the profile's images runs it (vLLM lives in `judge`)
@@ -54,7 +59,7 @@ class ServerSpec:
 class LaunchConfig:
     """``conf/launch/<stage>.yaml``: the het-job topology of one training stage."""
 
-    job_name: str = "factuality"
+    job_name: str = "factuality"  # Slurm job name; also names the checkpoint directory
     # Site-specific values the commands use as {key}: the policy, the training data, each judge's checkpoint.
     # A null value is required: rendering stops until it is set (`params.policy_model=/models/...`).
     params: dict[str, str | None] = field(default_factory=dict)
@@ -67,16 +72,16 @@ class LaunchConfig:
     actor_nodes: int | None = None  # None: the preset's nodes, else 1
     tensor_parallel: int | None = None  # None: the preset's TP, else 1
     pipeline_parallel: int | None = None  # None: the preset's PP, else 1
-    trainer_command: str = "python -m nemo_factuality.launch.standins trainer --ckpt-dir {ckpt_dir} --steps 100"
-    ckpt_dir: str = "checkpoints/{job_name}"
+    trainer_command: str = "python -m nemo_factuality.launch.standins trainer --ckpt-dir {ckpt_dir} --steps 100"  # the trainer's command in het group 0 (may use {ckpt_dir}, {preset}, params)
+    ckpt_dir: str = "checkpoints/{job_name}"  # the trainer's run directory (exp_manager.explicit_log_dir)
     # group 1: factuality reward server(s); group 2: judges (vLLM, a served general RM; omitted when empty).
     # Servers of a group are packed onto its nodes in order (first fit by GPUs).
     reward_servers: list[ServerSpec] = field(default_factory=list)
-    judges: list[ServerSpec] = field(default_factory=list)
+    judges: list[ServerSpec] = field(default_factory=list)  # the judge servers (vLLM, a served general RM)
     # its own group (last): NeMo-Aligner's PPO critic server, one task per GPU (`gpus` per node) on `nodes`
     # nodes; its URL reaches the trainer as $<NAME>_URL, like the reward servers'
     critic: ServerSpec | None = None
     # preemption: SIGUSR1 this many seconds before the time limit -> checkpoint -> requeue
     signal_before_end_s: int = 300
-    max_restarts: int = 3
+    max_restarts: int = 3  # stop requeueing after this many restarts (SLURM_RESTART_COUNT)
     ckpt_grace_s: int = 120  # how long the trainer may take to write its checkpoint after USR1

@@ -43,9 +43,9 @@ _PAD = re.compile(r"(?:<pad>|<\|endoftext\|>|<\|im_end\|>|</s>|<unk>|\[PAD\]|\s)
 class GuardConfig:
     """Reward-hacking guards (see module docstring)."""
 
-    neutralize_injection: bool = True
+    neutralize_injection: bool = True  # blank verdict-like text and instructions to the judge in responses before any judge sees them
     injection_penalty: float = 0.0  # subtracted from the score of a completion that tried
-    dedup_claims: bool = True
+    dedup_claims: bool = True  # count repeated claims once
 
 
 def is_blank(text: str) -> bool:

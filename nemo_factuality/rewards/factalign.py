@@ -38,12 +38,12 @@ from nemo_factuality.types import FactualityInputError, Label, RewardBatch, Span
 
 @dataclass
 class FactAlignConfig:
-    k: int = 100
-    t: float = 0.75
-    t_s: float = 1.0
-    rep_ngram: int = 10
-    max_response_repeats: int = 5
-    max_sentence_repeats: int = 3
+    k: int = 100  # K of f1@K (the response label's score)
+    t: float = 0.75  # a response is desirable when f1@K > t
+    t_s: float = 1.0  # a sentence is true when this share of its claims is supported
+    rep_ngram: int = 10  # n of the repetition filter's n-grams
+    max_response_repeats: int = 5  # a response repeating an n-gram more often is undesirable
+    max_sentence_repeats: int = 3  # a sentence repeating an n-gram more often is false
     # "safe": P = S/(S+NS) (SAFE's metric_utils, the default); "notebook": P = S/num_claims with
     # irrelevant claims counted (FactAlign's training notebook, Untitled.ipynb cell 30).
     precision: str = "safe"

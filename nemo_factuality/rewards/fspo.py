@@ -48,8 +48,8 @@ class FSPOConfig:
     answer_metric: str = "f1"  # "f1" (HotpotQA/2Wiki) or "em" (math)
     fact_weight: float = 0.0  # 0 = released code, 1 = paper
     outside_mask: int = 1  # 1 = released code, 0 = recommended
-    prompt_opens_think: bool = True
-    format_failure: float = -2.0
+    prompt_opens_think: bool = True  # the prompt ends inside <think>, as FSPO's templates do
+    format_failure: float = -2.0  # the score of a response without the <think>/<answer> format
     guards: GuardConfig = field(default_factory=GuardConfig)
 
     def __post_init__(self) -> None:

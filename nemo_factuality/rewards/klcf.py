@@ -9,10 +9,11 @@
 * ``s_RM``: a general reward model's score (callable ``(prompts, completions) -> list[float]``; from
   config ``general_rm: {kind: hf | remote, ...}``, see ``rewards.general_rm``).
 
-Failures: a failed extraction/verification, an unjudged checklist item or a failed general RM
-makes the sample NaN with ``details[i]["error"]``; it is never scored as 0 or "not covered".
 * ``r_fmt``: 0 when ``<think>…</think><answer>…</answer>`` is well formed, else ``format_penalty``
   (only when ``require_format``, the zero-RL setting).
+
+Failures: a failed extraction/verification, an unjudged checklist item or a failed general RM
+makes the sample NaN with ``details[i]["error"]``; it is never scored as 0 or "not covered".
 """
 
 from __future__ import annotations
@@ -44,11 +45,11 @@ _FORMAT = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
 
 @dataclass
 class KLCFConfig:
-    w_checklist: float = 1.0
-    w_truthfulness: float = 1.0
-    w_rm: float = 1.0
-    require_format: bool = False
-    format_penalty: float = -1.0
+    w_checklist: float = 1.0  # weight of checklist recall
+    w_truthfulness: float = 1.0  # weight of claim truthfulness (precision)
+    w_rm: float = 1.0  # weight of σ(general RM score / rm_temperature); 0 = no general RM
+    require_format: bool = False  # score <think>…</think><answer>…</answer> (the zero-RL setting)
+    format_penalty: float = -1.0  # added when require_format and the format is broken
     rm_temperature: float = 1.0  # σ(s / T) squashing of the general RM score
     guards: GuardConfig = field(default_factory=GuardConfig)
 

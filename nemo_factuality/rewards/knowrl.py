@@ -55,7 +55,7 @@ GRADE_REWARD = {"CORRECT": 2.0, "NOT_ATTEMPTED": 1.0, "INCORRECT": -1.0}
 @dataclass
 class KnowRLConfig:
     combine: str = "gated"  # "gated" (released code) or "additive" (paper)
-    gamma: float = 10.0
+    gamma: float = 10.0  # FActScore length penalty γ of the fact reward
     grade_failure: float | None = None  # None: a failed grade fails the sample (NaN); released code: 0.0
     guards: GuardConfig = field(default_factory=GuardConfig)
 

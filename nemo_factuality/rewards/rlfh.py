@@ -1,6 +1,6 @@
 """RLFH (arXiv 2406.12221): token-level dense rewards from verified atomic statements.
 
-For sentence ``s`` with statements ``a`` (verification label ``v_a``, informativeness ``i_a``):
+For sentence ``s`` with statements ``a`` (verification label ``v_a``, informativeness ``i_a``)::
 
     r_truth(a) = truth_weight · VERIF[v_a] · |INFO[i_a]|          placed on the token holding a's last character
     r_info(s)  = info_weight · ln(max(ε, Σ_a INFO[i_a]) + μ)      placed on the sentence's last token
@@ -51,20 +51,20 @@ _REFUSAL = re.compile(
 
 @dataclass
 class RLFHConfig:
-    verif_map: dict[str, float] = field(default_factory=lambda: {
+    verif_map: dict[str, float] = field(default_factory=lambda: {  # verification label → truthfulness value (README's values; train.sh's differ)
         "Correct": 0.45, "Hedged correct": 0.35, "Vague": -1.0, "Hedged wrong": -1.5, "Wrong": -1.7})
-    info_map: dict[str, float] = field(default_factory=lambda: {"5": 1.25, "4": 1.0, "3": 0.75, "2": 0.1, "1": -0.2})
-    truth_weight: float = 1.0
-    info_weight: float = 1.2
-    epsilon: float = -0.9
-    mu: float = 1.0
-    default_for_none: float = 0.0
-    eos_penalty: float = -1.0
-    reward_clip: tuple[float, float] = (-10.0, 10.0)
+    info_map: dict[str, float] = field(default_factory=lambda: {"5": 1.25, "4": 1.0, "3": 0.75, "2": 0.1, "1": -0.2})  # informativeness grade 1–5 → value
+    truth_weight: float = 1.0  # scale of r_truth
+    info_weight: float = 1.2  # scale of r_info
+    epsilon: float = -0.9  # ε in r_info = info_weight · ln(max(ε, Σ INFO) + μ)
+    mu: float = 1.0  # μ in r_info
+    default_for_none: float = 0.0  # reward of a sentence without statements
+    eos_penalty: float = -1.0  # on the last token of a response that did not end (no EOS)
+    reward_clip: tuple[float, float] = (-10.0, 10.0)  # token rewards are clipped to this range
     # Statements whose verification or informativeness reply was unreadable: "skip" them (default),
     # or treat them as these labels (the released code falls back to Vague and '1'/'3').
     unparseable_verdict: str = "skip"
-    unparseable_info: str = "skip"
+    unparseable_info: str = "skip"  # as unparseable_verdict, for the informativeness replies
     guards: GuardConfig = field(default_factory=GuardConfig)
 
 

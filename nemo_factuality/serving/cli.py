@@ -19,20 +19,7 @@ def main(argv: Sequence[str]) -> int:
     from nemo_factuality.serving.config import DEFAULT_REWARD, ServeConfig
     from nemo_factuality.serving.server import FactualityRewardServer, check_ports
 
-    parser = ArgumentParser(prog="nemo-factuality serve",
-                            description="Serve a method reward on PyTriton: reward_model (NeMo-Aligner 0.7.0's protocol) "
-                                        "and factuality_reward (token rewards), with health and Prometheus endpoints.",
-                            usage="nemo-factuality serve --config-name NAME [key=value ...]",
-                            epilog="key=value overrides set any ServeConfig field (nemo_factuality/serving/config.py), "
-                                   "e.g. http_port=5555 max_batch_size=1024 nan_reward=0.0 policy_tokenizer=/models/policy "
-                                   "reward.judge.base_url=http://judge:8000/v1")
-    parser.add_argument("--config-name", default=None,
-                        help="conf/serve/<name>.yaml (klcf, rlfh, fspo, knowrl, factalign, demo) or a YAML path; "
-                             "without it, ServeConfig's defaults")
-    parser.add_argument("--fail-fast", action="store_true",
-                        help="fail a whole batch when any sample's judge/fact-check fails (default: that sample is NaN "
-                             "with details.error; reward_model sends nan_reward). Same as fail_fast=true")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    parser = build_parser()
     args = parser.parse_intermixed_args(list(argv))
     overrides = split_overrides(args.overrides, parser.prog)
     if args.fail_fast:
@@ -51,3 +38,21 @@ def main(argv: Sequence[str]) -> int:
     finally:
         server.stop()
     return 0
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="nemo-factuality serve",
+                            description="Serve a method reward on PyTriton: reward_model (NeMo-Aligner 0.7.0's protocol) "
+                                        "and factuality_reward (token rewards), with health and Prometheus endpoints.",
+                            usage="nemo-factuality serve --config-name NAME [key=value ...]",
+                            epilog="key=value overrides set any ServeConfig field (nemo_factuality/serving/config.py), "
+                                   "e.g. http_port=5555 max_batch_size=1024 nan_reward=0.0 policy_tokenizer=/models/policy "
+                                   "reward.judge.base_url=http://judge:8000/v1")
+    parser.add_argument("--config-name", default=None,
+                        help="conf/serve/<name>.yaml (klcf, rlfh, fspo, knowrl, factalign, demo) or a YAML path; "
+                             "without it, ServeConfig's defaults")
+    parser.add_argument("--fail-fast", action="store_true",
+                        help="fail a whole batch when any sample's judge/fact-check fails (default: that sample is NaN "
+                             "with details.error; reward_model sends nan_reward). Same as fail_fast=true")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    return parser

@@ -18,24 +18,24 @@ class ServeConfig:
     policy_tokenizer: str | None = None
     # Text that starts the response in a rendered chat (None: derived from the tokenizer's chat template).
     response_marker: str | None = None
-    host: str = "0.0.0.0"
+    host: str = "0.0.0.0"  # interface the servers bind (0.0.0.0: every interface)
     http_port: int = 5555  # NeMo-Aligner's remote_rm.reward_model.port default
-    grpc_port: int = 5565
-    triton_metrics_port: int = 5575
+    grpc_port: int = 5565  # Triton's gRPC port
+    triton_metrics_port: int = 5575  # Triton's own metrics port
     health_port: int = 5580  # GET /health/live, /health/ready (JSON with reasons)
     metrics_port: int = 5581  # Prometheus text format
     reward_model_name: str = "reward_model"  # NeMo-Aligner's remote_rm.reward_model.name
-    rich_model_name: str = "factuality_reward"
+    rich_model_name: str = "factuality_reward"  # the Triton model with token rewards, signs and details
     # Largest request (samples) Triton accepts. NeMo-Aligner's RemoteGPTRMClient sends a whole rollout batch in
     # one request and Aligner's own reward server accepts any size (9999999), so this default does too; lower it
     # to cap memory per batch (a larger request is then refused with Triton's batch-size error).
     max_batch_size: int = 9_999_999
-    preferred_batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])
-    max_queue_delay_us: int = 2000
+    preferred_batch_sizes: list[int] = field(default_factory=lambda: [8, 16, 32])  # Triton dynamic batching's preferred sizes
+    max_queue_delay_us: int = 2000  # how long Triton waits to fill a preferred batch
     # NeMo-Aligner cannot take NaN rewards: abstentions are sent as this value on the reward_model wire.
     nan_reward: float = 0.0
     # A sample whose judge/fact-check failed is NaN (+ details.error) by default; fail_fast fails the whole
     # batch instead, so the caller (trainer) stops rather than trains around the failures.
     fail_fast: bool = False
-    health_check_interval_s: float = 5.0
+    health_check_interval_s: float = 5.0  # how often readiness re-checks the judges and the store
     workspace: str | None = None  # PyTriton workspace (default: a temporary directory)

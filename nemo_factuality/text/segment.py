@@ -99,7 +99,13 @@ def _is_word_char(ch: str) -> bool:
 
 
 def split_sentences(text: str, start: int = 0, end: int | None = None) -> list[Span]:
-    """Sentence spans (whitespace-trimmed) inside ``text[start:end]``."""
+    """Sentence spans (whitespace-trimmed) inside ``text[start:end]``.
+
+    Example: an abbreviation does not end a sentence.
+        >>> text = "Dr. Smith was born in 1950. He lived in Oslo."
+        >>> [span.slice(text) for span in split_sentences(text)]
+        ['Dr. Smith was born in 1950.', 'He lived in Oslo.']
+    """
     end = len(text) if end is None else end
     spans: list[Span] = []
     sent_start = start

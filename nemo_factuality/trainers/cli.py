@@ -31,13 +31,29 @@ def _parser(stage: str, prog: str | None = None) -> argparse.ArgumentParser:
     p = ArgumentParser(prog=prog, usage=f"{prog} --config-name NAME [--preset PRESET] [key=value ...]",
                        description=STAGES[stage][1],
                        epilog="key=value overrides change any config key, e.g. trainer.max_steps=10 model.optim.lr=1e-6")
+    _add_stage_arguments(p)
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``nemo-factuality train`` with one sub-command per stage, each taking ``_parser(stage)``'s arguments
+    (``main`` dispatches on the stage name itself; this parser is what the docs' reference reads)."""
+    from nemo_factuality.cli import ArgumentParser
+
+    p = ArgumentParser(prog="nemo-factuality train", description="run a training stage")
+    sub = p.add_subparsers(dest="stage", required=True, metavar="{" + ",".join(STAGES) + "}")
+    for stage, (_, help_) in STAGES.items():
+        _add_stage_arguments(sub.add_parser(stage, help=help_, description=help_))
+    return p
+
+
+def _add_stage_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config-name", default=None,
                    help="conf/train/<name>.yaml (klcf, fspo, knowrl -> grpo; rlfh -> ppo; factalign -> kto) or a YAML path")
     p.add_argument("--preset", default=None,
                    help="trainer.backend=aligner: a model preset, conf/train/aligner/<name>.yaml (its layout, batch "
                         "sizes and NeMo model settings for this stage; key=value overrides still win)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    return p
 
 
 def parse_stage_config(stage: str, argv: Sequence[str] | None, *, prog: str | None = None) -> tuple[Any, dict]:

@@ -25,17 +25,17 @@ T = TypeVar("T")
 @dataclass
 class SchedConfig:
     name: str = "constant"  # constant | cosine (to min_lr after warmup)
-    warmup_steps: int = 0
-    min_lr: float = 0.0
+    warmup_steps: int = 0  # linear warm-up steps from 0 to lr
+    min_lr: float = 0.0  # the cosine schedule's final lr
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | sgd
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
+    lr: float = 1e-6  # peak learning rate
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam's (β1, β2)
+    eps: float = 1e-8  # Adam's ε
     sched: SchedConfig = field(default_factory=SchedConfig)
 
 
@@ -43,10 +43,10 @@ class OptimConfig:
 class SamplingParams:
     """Aligner's ``model.<algo>.sampling_params`` (``end_strings`` = the tokenizer's EOS)."""
 
-    use_greedy: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
+    use_greedy: bool = False  # greedy decoding instead of sampling
+    temperature: float = 1.0  # sampling temperature (the hf backend's log-probs use it too)
+    top_k: int = 0  # sample from the k likeliest tokens (0 = off; not applied to log-probs)
+    top_p: float = 1.0  # nucleus sampling (1.0 = off; not applied to log-probs)
 
 
 @dataclass
@@ -60,8 +60,8 @@ class PolicyModelConfig:
 
     path: str | None = None  # HF directory (hf backend)
     restore_from_path: str | None = None  # .nemo checkpoint (aligner backend)
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # TP (aligner backend)
+    pipeline_model_parallel_size: int = 1  # PP (aligner backend)
     dtype: str = "float32"  # float32 | bfloat16 | float16
     micro_batch_size: int = 4  # sequences per forward/backward
     global_batch_size: int = 32  # sequences per optimiser step
@@ -76,7 +76,7 @@ class PolicyModelConfig:
     ratio_eps_high: float | None = None  # DAPO clip-higher (None = symmetric)
     clip_ratio_c: float | None = None  # dual clip (None = off; verl uses 3.0)
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
-    entropy_bonus: float = 0.0
+    entropy_bonus: float = 0.0  # coefficient of the entropy bonus subtracted from the policy loss
     optim: OptimConfig = field(default_factory=OptimConfig)
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     length_params: LengthParams = field(default_factory=LengthParams)
@@ -92,7 +92,7 @@ class EarlyStoppingConfig:
 
 @dataclass
 class GRPOAlgoConfig:
-    num_prompts_per_step: int = 8
+    num_prompts_per_step: int = 8  # prompts per rollout step (each sampled num_rollouts_per_prompt times)
     num_rollouts_per_prompt: int = 4  # group size n
     num_epochs: int = 1  # passes over each rollout batch (minibatches of model.global_batch_size)
     advantage_scale: str = "std"  # std (GRPO) | none (Dr.GRPO)
@@ -112,10 +112,10 @@ class GRPOAlgoConfig:
 @dataclass
 class PPOAlgoConfig:
     num_prompts_per_step: int = 8  # rollouts per step (one response per prompt)
-    num_epochs: int = 1
+    num_epochs: int = 1  # passes over each rollout batch
     critic_warmup_steps: int = 0  # first steps train only the critic
-    discount_factor: float = 1.0
-    gae_lambda: float = 0.95
+    discount_factor: float = 1.0  # GAE's γ
+    gae_lambda: float = 0.95  # GAE's λ
     normalize_advantages: bool = True  # masked whitening, unbiased variance (verl)
     initial_policy_kl_penalty: float = 0.01  # in the token reward (RLFH / OpenRLHF / Aligner)
     kl_estimator: str = "k3"  # RLFH uses k3; Aligner's default is abs
@@ -126,16 +126,16 @@ class PPOAlgoConfig:
 @dataclass
 class KTOAlgoConfig:
     num_iterations: int = 3  # sample → label → train, reference = each iteration's starting policy
-    prompts_per_iteration: int = 64
-    samples_per_prompt: int = 4
-    epochs_per_iteration: int = 1
-    beta: float = 0.1
+    prompts_per_iteration: int = 64  # prompts sampled per iteration
+    samples_per_prompt: int = 4  # responses sampled per prompt
+    epochs_per_iteration: int = 1  # passes over an iteration's labelled set
+    beta: float = 0.1  # KTO's β (response level)
     beta_f: float = 0.5  # paper; released code 0.1
     lam: float = 2.0  # paper; released code 1.0
-    w_desirable: float = 1.0
-    w_undesirable: float = 1.0
-    w_f_desirable: float = 1.0
-    w_f_undesirable: float = 1.0
+    w_desirable: float = 1.0  # KTO weight of desirable responses
+    w_undesirable: float = 1.0  # KTO weight of undesirable responses
+    w_f_desirable: float = 1.0  # fKTO weight of true sentences
+    w_f_undesirable: float = 1.0  # fKTO weight of false sentences
     general_data_ratio: float = 1.0  # general preference pairs per labelled sample (0 = none)
     overlap_reward: bool = True  # label each generated micro batch in a worker while the next one is generated
     # reference log-probs of the iteration's examples and of every minibatch's mismatched (z0) pairs, computed once
@@ -150,11 +150,11 @@ class TrainerConfig:
     max_steps: int = 100  # optimiser-visible steps (rollout steps for GRPO/PPO, iterations × batches for KTO)
     val_check_interval: int = 0  # validate every N steps (0 = never)
     save_interval: int = 50  # checkpoint every N steps (0 = only at the end / on SIGUSR1)
-    gradient_clip_val: float = 1.0
-    seed: int = 1234
+    gradient_clip_val: float = 1.0  # clip the gradient norm to this (0 = off)
+    seed: int = 1234  # seeds python, numpy and torch (and the prompt sampler)
     device: str = "cpu"  # hf backend: cpu | cuda
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
-    progress_bar: bool = True
+    progress_bar: bool = True  # a progress bar per phase on rank 0
     # GRPO/PPO: stop (exit 3, after writing a checkpoint) once this many consecutive rollout steps had no valid
     # sample: every reward NaN (judges failing, every response abstaining) or, with truncated=mask, every
     # response cut off. 0 = never stop for this. (KTO stops at the first iteration it could label nothing in.)
@@ -169,10 +169,10 @@ class RetryConfig:
     and exits 75 (EX_TEMPFAIL) for the launcher to requeue. 0 = no waiting. Keep ``max_wait_s`` below the
     distributed timeout (30 min in torch): under model/data parallelism the other ranks wait in a collective."""
 
-    max_wait_s: float = 600.0
-    initial_s: float = 1.0
-    max_s: float = 30.0
-    jitter: float = 0.5
+    max_wait_s: float = 600.0  # give up (checkpoint, exit 75) this long after the first failure; 0 = no waiting
+    initial_s: float = 1.0  # the first wait
+    max_s: float = 30.0  # the longest single wait
+    jitter: float = 0.5  # each wait is scaled by a factor in [1 − jitter, 1]
 
 
 @dataclass
@@ -188,9 +188,9 @@ class RolloutConfig:
 
 @dataclass
 class RemoteRMEndpoint:
-    name: str = "factuality_reward"
-    ip: str | None = None
-    port: int = 5555
+    name: str = "factuality_reward"  # the Triton model to call: factuality_reward (token rewards) or reward_model (Aligner's)
+    ip: str | None = None  # the server's host (Aligner's remote_rm shape; `remote_rm.url` wins)
+    port: int = 5555  # the server's HTTP port
 
 
 @dataclass
@@ -199,8 +199,8 @@ class RemoteRMConfig:
 
     url: str | None = None  # e.g. http://reward-node:5555 (wins over reward_model.ip/port)
     reward_model: RemoteRMEndpoint = field(default_factory=RemoteRMEndpoint)
-    timeout_s: float = 600.0
-    init_timeout_s: float = 60.0
+    timeout_s: float = 600.0  # one reward request
+    init_timeout_s: float = 60.0  # waiting for the server to be ready at start-up
     retry: RetryConfig = field(default_factory=RetryConfig)  # a server that goes away mid-run
 
     def resolved_url(self) -> str | None:
@@ -214,7 +214,7 @@ class RemoteRMConfig:
 @dataclass
 class DataConfig:
     train: str | None = None  # a file in `format`
-    validation: str | None = None
+    validation: str | None = None  # validation prompts in `format` (greedy, scored by the training reward)
     # klcf | rlfh | fspo | knowrl | factalign | jsonl ({"prompt", ...columns}); see trainers/data.py
     format: str = "jsonl"
     apply_chat_template: bool = True  # render {"role": "user", "content": prompt} with the tokenizer's template
@@ -224,13 +224,13 @@ class DataConfig:
 
 @dataclass
 class ExpManagerConfig:
-    explicit_log_dir: str = "results/run"
-    resume_if_exists: bool = True
+    explicit_log_dir: str = "results/run"  # the run directory: config.yaml, metrics.jsonl, tensorboard/, checkpoints/, final/
+    resume_if_exists: bool = True  # resume from the run directory's latest checkpoint
     save_top_k: int = 2  # checkpoints kept (the newest, plus the best when early stopping)
-    create_tensorboard_logger: bool = True
-    create_wandb_logger: bool = False
-    wandb_project: str = "nemo_factuality"
-    wandb_name: str | None = None
+    create_tensorboard_logger: bool = True  # write tensorboard/ in the run directory
+    create_wandb_logger: bool = False  # log to Weights & Biases
+    wandb_project: str = "nemo_factuality"  # the wandb project
+    wandb_name: str | None = None  # the wandb run name (None: the run directory's name)
 
 
 @dataclass
@@ -253,14 +253,14 @@ class CriticModelConfig:
 
     # hf: an HF directory; aligner: a .nemo. None = initialise from the policy (RLFH/OpenRLHF), value head zeroed
     path: str | None = None
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # sequences per critic forward/backward
     loss_clip_val: float = 0.2  # Aligner's critic loss_clip_val / RLFH value_clip
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=9e-6))
     # aligner backend only
     url: str | None = None  # the PPO stage's critic server, e.g. http://critic-node:5556
     port: int = 5556  # where critic_server listens (critic_infer / critic_train / critic_save / critic_state)
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int = 1  # the critic server's TP
+    pipeline_model_parallel_size: int = 1  # the critic server's PP
     timeout_s: float = 600.0  # one critic request (a train request holds a whole PPO step's minibatch)
     init_timeout_s: float = 60.0  # waiting for the server to be ready at start-up
     retry: RetryConfig = field(default_factory=RetryConfig)  # a server that goes away mid-run
@@ -274,7 +274,7 @@ class PPOConfig:
     ppo: PPOAlgoConfig = field(default_factory=PPOAlgoConfig)
     model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
     critic: CriticModelConfig = field(default_factory=CriticModelConfig)
-    reward: dict[str, Any] | None = None
+    reward: dict[str, Any] | None = None  # in-process reward: {name: rlfh, ...} (conf/serve's reward block)
     remote_rm: RemoteRMConfig = field(default_factory=RemoteRMConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)

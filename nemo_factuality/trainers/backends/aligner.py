@@ -52,11 +52,11 @@ class AlignerRuntime:
     """How the actor is placed and optimised: NeMo's trainer + model knobs the stage config does not carry."""
 
     devices: int = 1  # processes per node (one per GPU; torchrun/srun start them)
-    num_nodes: int = 1
+    num_nodes: int = 1  # nodes the Megatron ranks span
     accelerator: str = "auto"  # auto = gpu when CUDA is available, else cpu (gloo)
     max_steps: int = 100  # the LR schedule's horizon (optimiser steps)
-    gradient_clip_val: float = 1.0
-    seed: int = 1234
+    gradient_clip_val: float = 1.0  # NeMo's gradient clipping
+    seed: int = 1234  # NeMo's seed
     rollout_micro_batch_size: int = 16  # prompts generated together (KV cache ∝ this × sequence length)
     # Merged last onto the checkpoint's model config (Aligner's ``++model.*`` overrides), e.g. the
     # presets' activation recompute / distributed optimizer / sequence parallel settings.
