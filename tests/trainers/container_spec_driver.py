@@ -48,8 +48,9 @@ def main() -> int:
                  "model.optim.name=adamw", "model.optim.sched.name=constant", "remote_rm.url=http://127.0.0.1:5555"]
     actor = build_actor(load_train_config(GRPOConfig, None, overrides), max_steps=2, rollout_micro_batch_size=2,
                         model_overrides=model_overrides)
-    norms = sorted({f"{type(m).__module__}.{type(m).__name__}" for name, m in actor.model.named_modules()
-                    if name.endswith(("layernorm", "norm"))})
+    roles = ("input_layernorm", "pre_mlp_layernorm", "final_layernorm")  # the layers' norms and the block's last
+    norms = {role: sorted({f"{type(m).__module__}.{type(m).__name__}" for module in actor.model.get_model_module_list()
+                           for name, m in module.named_modules() if name.endswith(role)}) for role in roles}
     tokens = torch.tensor(TOKENS)
     rollout = Rollout(tokens, torch.tensor([3, 3]), torch.tensor([tokens.shape[1]] * 2), torch.ones(2, dtype=torch.bool))
     logprobs = actor.logprobs(rollout)

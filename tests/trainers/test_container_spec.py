@@ -45,7 +45,8 @@ def test_rmsnorm_actor_builds_with_apex_importable_and_matches_hf(venv, policy, 
     assert res.returncode == 0, res.stdout[-5000:]
     built = json.loads(out.read_text())
     assert built["normalization"] == "RMSNorm"
-    assert built["norms"] == ["torch.nn.modules.normalization.RMSNorm"], built["norms"]  # layers and final norm
+    rms = ["torch.nn.modules.normalization.RMSNorm"]
+    assert built["norms"] == {"input_layernorm": rms, "pre_mlp_layernorm": rms, "final_layernorm": rms}, built["norms"]
     assert built["critic_norms"] == ["WrappedTorchNorm"], built["critic_norms"]
     tokens = torch.tensor(built["tokens"])
     model = AutoModelForCausalLM.from_pretrained(str(policy[0]), torch_dtype=torch.float32).eval()
