@@ -5,6 +5,7 @@
 #                                                          # installs the wheels carried in $NF_SMOKE_WHEELS (.whl)
 #   bash tools/gpu_smoke.sh --download DIR                # on a machine with PyPI: fetch those wheels into DIR
 #   bash tools/gpu_smoke.sh --cpu [--out DIR]             # the CPU path (tiny model) in the NeMo-Aligner venv; CI runs it
+#   bash tools/gpu_smoke.sh --install-only                # only the offline install of the carried wheels (CI: Python 3.12)
 #
 # requirements/gpu_smoke.txt lists what is carried: NeMo, Megatron-Core, NeMo-Aligner and what they import that a
 # bare PyTorch machine lacks, at the versions CI tests (Transformer Engine and Apex are CUDA builds that cannot be
@@ -40,8 +41,12 @@ for arg in "$@"; do
   fi
 done
 
-python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || {
-  echo "gpu_smoke: PyTorch sees no GPU here; run with --cpu for the CPU path" >&2; exit 2; }
+install_only=0
+for arg in "$@"; do [ "$arg" = --install-only ] && install_only=1; done
+if [ $install_only = 0 ]; then
+  python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || {
+    echo "gpu_smoke: PyTorch sees no GPU here; run with --cpu for the CPU path" >&2; exit 2; }
+fi
 missing=()
 while read -r pin; do
   name=${pin%%==*}; name=${name%%[*}; file=$(echo "$name" | tr '-' '_')
@@ -60,5 +65,6 @@ rm -rf "$site"
 shopt -s nullglob
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --no-build-isolation --target "$site" \
   "$wheels"/*.whl "$wheels"/*.tar.gz "$wheels"/*.zip
+[ $install_only = 1 ] && { echo "== installed into $site" >&2; exit 0; }
 export PYTHONPATH="$site:$PWD"
 exec python3 tools/gpu_smoke.py "$@"

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU smoke kit's carried wheels (requirements/gpu_smoke.txt, fetched by `gpu_smoke.sh --download`) and a
+# Python 3.12 venv shaped like the GPU machine's build tools (setuptools, wheel, pybind11: what megatron-core's
+# sdist build uses there with --no-build-isolation), for tests/trainers/test_gpu_smoke_install.py. Cached under
+# ~/.cache/nemo_factuality keyed by the requirements file; prints "WHEELS VENV" on the last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+key=$(sha256sum requirements/gpu_smoke.txt | cut -c1-12)
+root=${ALIGNER_VENV_ROOT:-$HOME/.cache/nemo_factuality}
+wheels="$root/gpu-smoke-wheels-$key" venv="$root/gpu-smoke-py312-$key"
+if [ ! -f "$wheels/.complete" ]; then
+  echo "== fetching the GPU smoke kit's wheels into $wheels (about 1 min, 22 MB)" >&2
+  rm -rf "$wheels" && mkdir -p "$wheels"
+  bash tools/gpu_smoke.sh --download "$wheels" >&2
+  touch "$wheels/.complete"
+fi
+if [ ! -f "$venv/.complete" ]; then
+  python=$(bash tools/setup_container_python_env.sh --find 3.12 2>/dev/null || true)
+  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.*/bin/python "$(command -v python3.12 || true)"; do
+    [ -n "$candidate" ] && [ -x "$candidate" ] && python=$candidate
+  done
+  [ -n "$python" ] || { echo "no Python 3.12 found (pyenv's versions/3.12.* or python3.12 on PATH)" >&2; exit 3; }
+  echo "== building the GPU-machine-shaped Python 3.12 venv in $venv" >&2
+  rm -rf "$venv" && "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --progress-bar off setuptools wheel pybind11 numpy >&2
+  touch "$venv/.complete"
+fi
+echo "$wheels $venv"
