@@ -12,8 +12,7 @@ sample for ``trainer.max_invalid_steps`` steps) and ``ServerUnavailableError`` (
 server stayed away past its retry window; a training stage checkpointed first; "try again later", which the
 Slurm launcher's requeue acts on). ``--debug`` (anywhere on the command line) or ``NEMO_FACTUALITY_DEBUG=1``
 re-raises it with the traceback, for bug reports. Commands raise; they do not print errors themselves.
-Exit codes: 0 done, 2 user error, 3 stalled training, 75 temporary failure (requeue), 130 interrupted,
-1 anything else (a bug: traceback).
+Exit codes: ``nemo_factuality.exit_codes`` (one table, also in the README).
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
+
+from nemo_factuality import exit_codes
 
 DEBUG_ENV = "NEMO_FACTUALITY_DEBUG"
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -117,7 +118,7 @@ def run_command(func: Callable[[list[str]], int | None], argv: Sequence[str], na
         return int(func(argv) or 0)
     except KeyboardInterrupt:
         print(f"nemo-factuality {name}: interrupted", file=sys.stderr)
-        return 130
+        return exit_codes.INTERRUPTED
     except Exception as err:
         code = getattr(err, "exit_code", None)  # a run that stopped without a result: stalled, or a server gone
         if debug or not (isinstance(err, _user_error_types()) or isinstance(code, int)):
@@ -126,7 +127,7 @@ def run_command(func: Callable[[list[str]], int | None], argv: Sequence[str], na
             print(f"nemo-factuality {name}: error: {_one_line(err)} (exit {code})", file=sys.stderr)
             return code
         print(f"nemo-factuality {name}: error: {_one_line(err)}", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
 
 
 def _usage() -> str:
@@ -143,17 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     words = [a for a in argv if a != "--debug"]
     if not words or words[0] in ("-h", "--help"):
         print(_usage())
-        return 0
+        return exit_codes.OK
     if words[0] == "--version":
         from nemo_factuality import __version__
 
         print(f"nemo-factuality {__version__}")
-        return 0
+        return exit_codes.OK
     command = words[0]
     if command not in COMMANDS:
         print(f"nemo-factuality: error: unknown command {command!r}; commands: {', '.join(COMMANDS)} "
               "(see 'nemo-factuality --help')", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module_name, func_name = COMMANDS[command][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)

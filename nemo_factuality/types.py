@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from nemo_factuality import exit_codes
+
 SegmentName = Literal["think", "answer", "response"]
 SEGMENT_NAMES: tuple[str, ...] = ("think", "answer", "response")
 
@@ -38,7 +40,7 @@ class ServerUnavailableError(RuntimeError):
     ``EX_TEMPFAIL``), which a launcher reads as "requeue".
     """
 
-    EXIT_CODE = 75
+    EXIT_CODE = exit_codes.TEMPFAIL
     exit_code = EXIT_CODE  # the attribute the command boundary reads from any error that stops a run
 
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from nemo_factuality import exit_codes
 from nemo_factuality.fileio import respect_umask
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.trainers.interfaces import Rollout
@@ -265,7 +266,7 @@ class TrainingStalledError(RuntimeError):
 
     Not a user error and not a crash: the CLI boundary prints it as one line and exits with ``exit_code``."""
 
-    exit_code = 3
+    exit_code = exit_codes.TRAINING_STALLED
 
 
 class InvalidSteps:
