@@ -297,11 +297,11 @@ class HFActor:
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
         record = ref_record.read_record(path) or ref_record.stored_record("reference.safetensors")  # older checkpoints
         if record["kind"] == "initial":
-            ref_record.check_initial(record, self.cfg.path, path)
+            initial_path = ref_record.check_initial(record, self.cfg.path, path)
             if not self.reference_is_initial:  # only a reset in this process moves it; rebuild it from the path
                 from transformers import AutoModelForCausalLM
 
-                initial = AutoModelForCausalLM.from_pretrained(record["path"], dtype=_DTYPES[self.cfg.dtype])
+                initial = AutoModelForCausalLM.from_pretrained(initial_path, dtype=_DTYPES[self.cfg.dtype])
                 self._set_reference(_cpu_copy(initial))
                 self.reference_is_initial = True
         else:
