@@ -12,7 +12,7 @@ stopped requeueing. 4 is outside sysexits' 64–78 (76 would be read as ``EX_PRO
 from __future__ import annotations
 
 OK = 0  # done
-FAILURE = 1  # a bug (printed with its traceback), or a run whose output is not a result (eval, lab --quick say why)
+FAILURE = 1  # a bug (printed with its traceback), or an output that is not a result (eval, lab --quick, convert verify say why)
 USER_ERROR = 2  # bad input, config, override or flag: one line on stderr
 TRAINING_STALLED = 3  # trainer.max_invalid_steps steps without a valid sample (a checkpoint is written)
 TOO_MANY_RESTARTS = 4  # sbatch: requeued more than the stage's max_restarts; not resuming again
@@ -21,7 +21,8 @@ INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 
 MEANINGS: dict[int, str] = {
     OK: "done",
-    FAILURE: "a bug (traceback printed), or no result: eval over --max-failed-fraction, lab --quick's check",
+    FAILURE: "a bug (traceback printed), or no result: eval over --max-failed-fraction, lab --quick's check, "
+             "convert verify's logits past --tol",
     USER_ERROR: "user error (input, config, override, flag): one line",
     TRAINING_STALLED: "training stalled: trainer.max_invalid_steps steps without a valid sample; checkpoint written",
     TOO_MANY_RESTARTS: "Slurm job requeued more than max_restarts times (or a server stayed away at the last one); "
