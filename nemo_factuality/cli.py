@@ -12,8 +12,7 @@ sample for ``trainer.max_invalid_steps`` steps) and ``ServerUnavailableError`` (
 server stayed away past its retry window; a training stage checkpointed first; "try again later", which the
 Slurm launcher's requeue acts on). ``--debug`` (anywhere on the command line) or ``NEMO_FACTUALITY_DEBUG=1``
 re-raises it with the traceback, for bug reports. Commands raise; they do not print errors themselves.
-Exit codes (``nemo_factuality.exit_codes``): 0 done, 2 user error, 3 stalled training, 75 temporary failure
-(requeue), 130 interrupted, 1 anything else (a result that is not one, or a bug: traceback).
+Exit codes: ``nemo_factuality.exit_codes`` (one table, also in the README).
 """
 
 from __future__ import annotations
@@ -128,7 +127,7 @@ def run_command(func: Callable[[list[str]], int | None], argv: Sequence[str], na
             print(f"nemo-factuality {name}: error: {_one_line(err)} (exit {code})", file=sys.stderr)
             return code
         print(f"nemo-factuality {name}: error: {_one_line(err)}", file=sys.stderr)
-        return exit_codes.USAGE
+        return exit_codes.USER_ERROR
 
 
 def _usage() -> str:
@@ -145,17 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     words = [a for a in argv if a != "--debug"]
     if not words or words[0] in ("-h", "--help"):
         print(_usage())
-        return 0
+        return exit_codes.OK
     if words[0] == "--version":
         from nemo_factuality import __version__
 
         print(f"nemo-factuality {__version__}")
-        return 0
+        return exit_codes.OK
     command = words[0]
     if command not in COMMANDS:
         print(f"nemo-factuality: error: unknown command {command!r}; commands: {', '.join(COMMANDS)} "
               "(see 'nemo-factuality --help')", file=sys.stderr)
-        return 2
+        return exit_codes.USER_ERROR
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     module_name, func_name = COMMANDS[command][0].split(":")
     func = getattr(importlib.import_module(module_name), func_name)

@@ -338,6 +338,47 @@ def opened_nemo(path: str | Path) -> Iterator[Path]:
         yield Path(tmp)
 
 
+def read_packed_file(path: str | Path, name: str) -> bytes | None:
+    """One top-level file of a ``.nemo`` (tar, read in place: a 32B archive is not extracted for a config) or of an
+    extracted checkpoint; None when it has none."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / name).read_bytes() if (path / name).is_file() else None
+    if not path.is_file() or not tarfile.is_tarfile(path):
+        raise FactualityInputError(f"{path} is neither a .nemo tar archive nor an extracted checkpoint directory")
+    with tarfile.open(path) as tar:
+        for member in (f"./{name}", name):
+            try:
+                handle = tar.extractfile(member)
+            except KeyError:
+                continue
+            return handle.read() if handle is not None else None
+    return None
+
+
+def checkpoint_family(path: str | Path) -> str:
+    """``qwen2`` or ``llama``: the HF family of a ``.nemo``, from the ``hf_config.json`` our converter packs, else
+    (a checkpoint NeMo saved, which drops it) from ``model_config.yaml``: Qwen2 has QKV biases and no others, Llama
+    no biases. Any other architecture is a ``FactualityInputError`` naming what it found."""
+    packed = read_packed_file(path, "hf_config.json")
+    if packed is not None:
+        family = json.loads(packed).get("model_type")
+        if family in ("qwen2", "llama"):
+            return family
+        raise FactualityInputError(f"{path}: hf_config.json has model_type={family!r}; only qwen2 and llama are known")
+    raw = read_packed_file(path, "model_config.yaml")
+    if raw is None:
+        raise FactualityInputError(f"{path} has no model_config.yaml; is this a NeMo checkpoint?")
+    cfg = yaml.safe_load(raw)
+    if not isinstance(cfg, dict):
+        raise FactualityInputError(f"{path}: model_config.yaml is not a mapping")
+    qkv_bias = bool(cfg.get("qkv_bias") or cfg.get("add_qkv_bias"))
+    if cfg.get("bias"):  # every linear layer biased (GPT-2 style): neither family
+        raise FactualityInputError(f"{path}: model_config.yaml has bias=true (biases on every linear layer): neither "
+                                   "Qwen2 nor Llama")
+    return "qwen2" if qkv_bias else "llama"
+
+
 def read_nemo_config(root: Path, hf_config_path: str | Path | None = None) -> tuple[dict, dict]:
     """(model_config.yaml, HF config) of an opened checkpoint; the HF config is derived when not packed."""
     for needed in ("model_weights", "model_config.yaml"):

@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from nemo_factuality import exit_codes
+
 
 def build_model(spec, tp: int, pp: int = 1, pre_process: bool = True, post_process: bool = True):
     import torch.nn.functional as F
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.hf, args.nemo, args.tp, args.tol, pp=args.pp)
     if "max_abs_diff" in result:  # the reporting rank (last pipeline stage, TP rank 0)
         print(json.dumps(result), flush=True)
-        return 0 if result["ok"] else 1
+        return exit_codes.OK if result["ok"] else exit_codes.FAILURE  # the logits differ past --tol
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from nemo_factuality import exit_codes
 from nemo_factuality.cli import ArgumentParser, UsageError, positive_int, split_overrides
 from nemo_factuality.config import load_config
 from nemo_factuality.evaluation.render import render_markdown, render_plot
@@ -263,7 +264,7 @@ def main(argv: Sequence[str]) -> int:
         failed = label_with_pipeline(rows, cfg, fail_fast=args.fail_fast)
     except EvalFailedError as err:
         print(f"nemo-factuality eval: {err}", file=sys.stderr)
-        return 1
+        return exit_codes.FAILURE
     records: list[EvalRecord] = [parse_record(raw, where=where, group_by=args.group_by) for where, raw in
                                  tqdm(rows, desc="scoring", unit="rec", disable=len(rows) < 1000) if where not in failed]
     if records or not failed:
@@ -285,8 +286,8 @@ def main(argv: Sequence[str]) -> int:
     if block["exceeded"]:
         print(f"nemo-factuality eval: failed fraction {block['fraction']:.3g} > --max-failed-fraction "
               f"{args.max_failed_fraction:g}; the report is written but this run is not a result", file=sys.stderr)
-        return 1
-    return 0
+        return exit_codes.FAILURE
+    return exit_codes.OK
 
 
 def _failures_markdown(block: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from nemo_factuality import exit_codes
 from nemo_factuality.cli import ArgumentParser, positive_int
 from nemo_factuality.lab.methods import GROUPS, METHODS
 from nemo_factuality.types import FactualityInputError
@@ -96,5 +97,5 @@ def main(argv: Sequence[str]) -> int:
         problems = check_direction(report)
         if problems:
             log.error("lab --quick: %s", "; ".join(problems))
-            return 1
-    return 0
+            return exit_codes.FAILURE
+    return exit_codes.OK

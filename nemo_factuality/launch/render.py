@@ -17,6 +17,7 @@ from pathlib import Path
 import jinja2
 import yaml
 
+from nemo_factuality import exit_codes
 from nemo_factuality.config import REPO_ROOT, conf_dir
 from nemo_factuality.launch.config import ClusterProfile, LaunchConfig, ServerSpec
 from nemo_factuality.launch.wiring import envname, served_name_problems, wire
@@ -351,7 +352,7 @@ def render(stage_name: str, stage: LaunchConfig, cluster: ClusterProfile) -> str
         stage_name=stage_name, stage=asdict(stage), cluster=asdict(cluster), ckpt_dir=ckpt_dir,
         trainer_command=trainer_command, actor_tasks_per_node=tasks_per_node, actor_gpus=actor_gpus,
         groups=groups, steps=steps, critic=critic, pid_index=pid_index, critic_nodes=stage.critic.nodes if critic else 0,
-        has_gpus=bool(cluster.gpus_per_node), trainer_image=TRAINER_IMAGE,
+        has_gpus=bool(cluster.gpus_per_node), trainer_image=TRAINER_IMAGE, exit_codes=exit_codes,
     )
 
 

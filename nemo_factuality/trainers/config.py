@@ -183,7 +183,9 @@ class RolloutConfig:
     # (GPTGenerateTRTLLM), refit after every update and rebuilt after a checkpoint load — only in the NeMo-Aligner
     # container (TensorRT-LLM + a CUDA GPU); elsewhere the stage stops at start-up saying so
     engine: str = "megatron"
-    trtllm_model_type: str = "llama"  # TensorRT-LLM's model family for the engine build (Aligner's trt_llm.model_type)
+    # TensorRT-LLM's model family for the engine build (Aligner's trt_llm.model_type); null = the checkpoint's:
+    # Qwen2 (QKV biases) → qwen, Llama → llama (aligner.trtllm_model_type). A value set here wins.
+    trtllm_model_type: str | None = None
 
 
 @dataclass

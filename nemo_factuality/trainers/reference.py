@@ -3,7 +3,8 @@
 GRPO's and PPO's reference is the initial checkpoint (``model.path`` / ``model.restore_from_path``): a
 checkpoint records its path and a fingerprint (``reference.json``) instead of another copy of the weights —
 at the 32B preset every rank writing its shard made each checkpoint ~128 GB larger — and a resumed run
-rebuilds the reference from that path, refusing in one line when it moved or changed. KTO's reference is
+rebuilds the reference from it: found by fingerprint (the same files mounted at another path are accepted, with
+one log line), refused in one line when they changed or are gone. KTO's reference is
 each iteration's starting policy: the backend stores it once (hf: one file; aligner: a Megatron distributed
 checkpoint, sharded like the policy and restorable on another TP/PP/DP).
 
@@ -19,12 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from nemo_factuality.types import FactualityInputError
 
+log = logging.getLogger(__name__)
 RECORD = "reference.json"
 _HEAD, _SAMPLES, _SAMPLE = 64 * 1024, 16, 4 * 1024
 
@@ -66,18 +69,28 @@ def read_record(checkpoint: Path) -> dict[str, Any] | None:
     return json.loads(f.read_text(encoding="utf-8")) if f.is_file() else None
 
 
-def check_initial(record: Mapping[str, Any], configured: str | Path, checkpoint: Path) -> None:
-    """The initial checkpoint a resumed run rebuilds its reference from is the one the run started from: the same
-    path (the configured ``model.path`` / ``model.restore_from_path``) with the same fingerprint; else one line."""
-    path, key = Path(record["path"]), record["key"]
+def check_initial(record: Mapping[str, Any], configured: str | Path, checkpoint: Path) -> Path:
+    """The initial checkpoint a resumed run rebuilds its reference from is the one the run started from; returns
+    its path now. Matched by fingerprint, not path: a container (or a copy to node-local disk) may mount the same
+    files elsewhere, which is accepted with one log line; another checkpoint there, or a missing one, is one line."""
+    path, key, now = Path(record["path"]), record["key"], Path(configured).resolve()
+    if now != path:
+        if not now.exists():
+            raise FactualityInputError(f"{checkpoint}: this run started from {key}={path} (its reference policy) and "
+                                       f"{key}={configured} now does not exist: resume with {key}={path} or a copy of it")
+        if fingerprint(now) != record["fingerprint"]:
+            raise FactualityInputError(f"{checkpoint}: this run started from {key}={path} (its reference policy) but "
+                                       f"{key}={configured} now holds another checkpoint (fingerprint differs): "
+                                       f"resume with {key}={path} or a copy of it")
+        log.info("%s: the reference policy (%s) moved from %s to %s; same fingerprint, resuming", checkpoint, key,
+                 path, now)
+        return now
     if not path.exists():
         raise FactualityInputError(f"{checkpoint}: the reference policy is the run's initial checkpoint {path} ({key}), "
-                                   f"which is missing: put it back there to resume, or start a new run "
-                                   "(exp_manager.explicit_log_dir)")
-    if Path(configured).resolve() != path:
-        raise FactualityInputError(f"{checkpoint}: this run started from {key}={path} (its reference policy) but "
-                                   f"{key}={configured} now: resume with {key}={path}")
+                                   f"which is missing: put it back there (or a copy anywhere, named by {key}) to "
+                                   "resume, or start a new run (exp_manager.explicit_log_dir)")
     if fingerprint(path) != record["fingerprint"]:
         raise FactualityInputError(f"{checkpoint}: the initial checkpoint {path} ({key}, the reference policy) changed "
                                    "since the run started (fingerprint differs): restore the original files to resume, "
                                    "or start a new run (exp_manager.explicit_log_dir)")
+    return path

@@ -266,7 +266,7 @@ class TrainingStalledError(RuntimeError):
 
     Not a user error and not a crash: the CLI boundary prints it as one line and exits with ``exit_code``."""
 
-    exit_code = exit_codes.STALLED
+    exit_code = exit_codes.TRAINING_STALLED
 
 
 class InvalidSteps:

@@ -34,9 +34,9 @@ aligner_cpu.apply()
 import torch  # noqa: E402
 
 from nemo_factuality.cli import run_command  # noqa: E402
+from nemo_factuality.serving.client import RewardServerUnavailable  # noqa: E402
 from nemo_factuality.testing.training import good_fraction, prompts, read_metrics  # noqa: E402
 from nemo_factuality.trainers.backends.aligner import AlignerActor, build_actor  # noqa: E402
-from nemo_factuality.serving.client import RewardServerUnavailable  # noqa: E402
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
 from nemo_factuality.trainers.grpo import GRPOTrainer  # noqa: E402
 from nemo_factuality.trainers.interfaces import Rollout  # noqa: E402

@@ -11,6 +11,7 @@ import yaml
 from nemo_factuality.trainers.backends.aligner_memory import (
     GIB,
     H100_BUDGET_GIB,
+    ROLLOUT_BUDGET_SHARE,
     Arch,
     Layout,
     budgeted_rollout_batch,
@@ -57,9 +58,12 @@ def test_preset_memory_arithmetic_and_layout(path):
         per_rank = _rollouts_per_step(method, o) // dp
         assert lay.rollout_micro_batch == budgeted_rollout_batch(arch, lay, per_rank), method
         assert o["aligner_runtime"]["rollout_micro_batch_size"] == lay.rollout_micro_batch
+        # real headroom: every rollout peak leaves (1 - ROLLOUT_BUDGET_SHARE) of the budget free, and the batch is the
+        # largest that does
+        assert rollout <= ROLLOUT_BUDGET_SHARE * BUDGET_GIB, (method, rollout)
         assert (lay.rollout_micro_batch == per_rank or
                 rollout_bytes(arch, Layout(**{**lay.__dict__, "rollout_micro_batch": lay.rollout_micro_batch + 1}))[
-                    "total"] / GIB > BUDGET_GIB), method
+                    "total"] / GIB > ROLLOUT_BUDGET_SHARE * BUDGET_GIB), method
     grpo = preset["grpo"]["overrides"]["grpo"]
     rollouts = grpo["num_prompts_per_step"] * grpo["num_rollouts_per_prompt"]
     assert rollouts % preset["grpo"]["overrides"]["model"]["global_batch_size"] == 0
@@ -84,6 +88,31 @@ def test_max_rollout_batch_is_the_last_batch_within_the_budget():
     assert 100 < n < 120
     assert max_rollout_batch(arch, lay, budget_gib=10) == 0  # the resident states alone exceed 10 GiB
     assert budgeted_rollout_batch(arch, lay, 16) == 16
+
+
+HAND = Arch(hidden=1024, layers=4, heads=8, kv_heads=2, ffn=2816, vocab=1000)  # head_dim 128
+
+
+def test_activations_are_split_over_tp_only_with_sequence_parallelism_hand_computed():
+    """s=512, b=2, h=1024 (s·b·h = 1,048,576), TP=4, 4 layers, full recompute. With SP: inputs 2·sbh/4 per layer
+    (2,097,152) + one layer 34·sbh/4 (8,912,896). Without SP the inputs are whole on each TP rank, 2·sbh per layer
+    (8,388,608), and only the attention/MLP tensors split: (10 + 24/4)·sbh = 16,777,216 (not 34/4·sbh)."""
+    base = dict(tp=4, pp=1, dp=1, micro_batch=2, seq_len=512, rollout_micro_batch=1, prompt_len=16)
+    assert training_bytes(HAND, Layout(**base))["activations"] == 2_097_152 + 8_912_896
+    assert training_bytes(HAND, Layout(**base, sequence_parallel=False))["activations"] == 8_388_608 + 16_777_216
+    # no recompute: every layer's working set is kept, 4 × 16·sbh without SP
+    assert training_bytes(HAND, Layout(**base, sequence_parallel=False, recompute="none"))["activations"] == 67_108_864
+
+
+def test_the_rollout_terms_hand_computed():
+    """TP=2, 3 sequences of 64 tokens, prompts of 16: KV cache 2·4 layers·⌈2/2⌉·128·2 B = 2,048 B/token × 192 tokens;
+    the context step's fp32 logits 4·3·16·1000/2; its final hidden state and norm output, bf16, whole on each TP
+    rank: 2·2·3·16·1024. Each term is there, and the total is their sum with the states and the overhead."""
+    lay = Layout(tp=2, pp=1, dp=1, micro_batch=1, seq_len=64, rollout_micro_batch=3, prompt_len=16)
+    got = rollout_bytes(HAND, lay)
+    assert (got["kv_cache"], got["logits"], got["hidden"]) == (393_216, 96_000, 196_608)
+    p = HAND.parameters()
+    assert got["total"] == 2 * p / 2 + 4 * p / 2 + 0 + 393_216 + 96_000 + 196_608 + 4 * GIB
 
 
 def test_32b_does_not_fit_one_node_which_is_why_it_takes_two():

@@ -11,7 +11,6 @@ line naming the setting.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

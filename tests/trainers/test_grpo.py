@@ -194,10 +194,12 @@ def test_kl_estimator_abs_in_the_loss_is_the_logged_estimator(trainer, monkeypat
     assert abs(k3 - expected) > 0.05  # what the loss used to compute instead
 
 
-def test_checkpoints_record_the_initial_reference_instead_of_copying_it(tiny_policy, tmp_path):
+def test_checkpoints_record_the_initial_reference_instead_of_copying_it(tiny_policy, tmp_path, caplog):
     """GRPO's reference is model.path: a checkpoint holds reference.json (path + fingerprint), no weights copy; the
-    resumed run rebuilds it from the path, and refuses in one line when that checkpoint changed or is gone."""
+    resumed run rebuilds it from the path, and refuses in one line when that checkpoint changed or is gone; the same
+    files at another path (a container mounting them elsewhere) are found by fingerprint, with one log line."""
     import json
+    import logging
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -227,11 +229,16 @@ def test_checkpoints_record_the_initial_reference_instead_of_copying_it(tiny_pol
         run(grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
     assert "\n" not in str(err.value) and "model.path" in str(err.value)
     shutil.rmtree(policy)
-    shutil.copytree(tiny_policy, tmp_path / "moved")
-    with pytest.raises(FactualityInputError, match=r"initial checkpoint .*/policy \(model.path\), which is missing"):
-        run(grpo_cfg(tmp_path / "moved", tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
-    shutil.copytree(tiny_policy, policy)  # back in place (a copy: new mtimes, same content and fingerprint) ...
-    with pytest.raises(FactualityInputError, match=r"this run started from model.path=.*resume with model.path="):
-        run(grpo_cfg(tmp_path / "moved", tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)  # ... not here
-    history, _ = run(grpo_cfg(policy, tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
-    assert len(history) == 1
+    shutil.copytree(tiny_policy, tmp_path / "moved")  # the same files at another path (a container's mount)
+    shutil.copytree(tiny_policy, tmp_path / "other")
+    save_file({**weights, key: weights[key] + 1e-3}, str(tmp_path / "other" / "model.safetensors"))
+    with pytest.raises(FactualityInputError, match=r"this run started from model.path=.*/policy .* now holds another "
+                                                   r"checkpoint \(fingerprint differs\): resume with model.path="):
+        run(grpo_cfg(tmp_path / "other", tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
+    caplog.set_level(logging.INFO, logger="nemo_factuality.trainers.reference")
+    history, _ = run(grpo_cfg(tmp_path / "moved", tmp_path / "run", **{"trainer.max_steps": 3}), good_fraction)
+    assert len(history) == 1  # resumed at step 3 from the moved copy, matched by its fingerprint
+    moved = [r.getMessage() for r in caplog.records if "moved from" in r.getMessage()]
+    assert len(moved) == 1 and f"moved from {policy.resolve()} to {(tmp_path / 'moved').resolve()}" in moved[0]
+    record = json.loads((tmp_path / "run" / "checkpoints" / "step_000003" / "reference.json").read_text())
+    assert record["path"] == str((tmp_path / "moved").resolve())  # later checkpoints name where it is now

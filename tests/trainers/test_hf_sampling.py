@@ -113,3 +113,97 @@ def test_a_temperature_other_than_1_is_refused_on_the_aligner_backend():
     with pytest.raises(ConfigError, match="model.sampling_params.temperature=0.7: NeMo-Aligner's log-probs"):
         load_train_config(GRPOConfig, None, [*base, "model.sampling_params.temperature=0.7"])
     load_train_config(GRPOConfig, None, [*base, "model.sampling_params.temperature=1.0"])
+
+
+# ---- top-k / top-p: the log-probs are of the truncated distribution generate samples from ----
+PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])  # softmax of LOGITS at T = 1
+LOGITS = PROBS.log()
+
+
+def _dist(**kw):
+    from nemo_factuality.trainers.backends.hf import SampledDistribution
+
+    return SampledDistribution(**kw)
+
+
+@pytest.mark.parametrize("kw, kept, expected", [
+    # top-k 3 keeps 0.5, 0.2, 0.15 (mass 0.85)
+    ({"top_k": 3}, [0, 1, 2], [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85]),
+    # top-p 0.6: the smallest set with mass >= 0.6 is {0.5, 0.2} (0.7)
+    ({"top_p": 0.6}, [0, 1], [0.5 / 0.7, 0.2 / 0.7]),
+    # top-k 3 then top-p 0.6 of the renormalised three (0.588, 0.235, 0.176): again {0.5, 0.2}
+    ({"top_k": 3, "top_p": 0.6}, [0, 1], [0.5 / 0.7, 0.2 / 0.7]),
+    # T = 2 first (p ∝ sqrt(p)), then top-k 2
+    ({"temperature": 2.0, "top_k": 2}, [0, 1], [0.5 ** 0.5 / (0.5 ** 0.5 + 0.2 ** 0.5), 0.2 ** 0.5 / (0.5 ** 0.5 + 0.2 ** 0.5)]),
+])
+def test_truncated_logprobs_hand_computed(kw, kept, expected):
+    dist = _dist(**kw)
+    logp = dist.log_softmax(LOGITS.unsqueeze(0))[0]
+    torch.testing.assert_close(logp[kept], torch.tensor(expected).log(), atol=1e-6, rtol=1e-6)
+    # a cut token keeps its log-prob under the temperature-scaled distribution: finite, never -inf
+    scaled = torch.log_softmax(LOGITS / kw.get("temperature", 1.0), -1)
+    cut = [i for i in range(5) if i not in kept]
+    torch.testing.assert_close(logp[cut], scaled[cut], atol=1e-6, rtol=1e-6)
+    # the entropy is of the truncated distribution (cut tokens have probability 0)
+    p = torch.tensor(expected)
+    torch.testing.assert_close(dist.entropy(LOGITS.unsqueeze(0))[0], -(p * p.log()).sum(), atol=1e-6, rtol=1e-6)
+
+
+def test_token_logprobs_gather_the_truncated_distribution_at_every_position():
+    from nemo_factuality.trainers.backends.hf import token_logprobs
+
+    logits = LOGITS.repeat(1, 3, 1)  # [1, 3, 5]: the same next-token distribution at each position
+    tokens = torch.tensor([[4, 0, 3]])  # next tokens 0 (kept) and 3 (cut by top-k 3)
+    got = token_logprobs(logits, tokens, _dist(top_k=3))
+    torch.testing.assert_close(got, torch.tensor([[math.log(0.5 / 0.85), math.log(0.1)]]), atol=1e-6, rtol=1e-6)
+    untruncated = token_logprobs(logits, tokens)  # the default: the full distribution, as before
+    torch.testing.assert_close(untruncated, torch.tensor([[math.log(0.5), math.log(0.1)]]), atol=1e-6, rtol=1e-6)
+
+
+def test_generate_and_the_logprobs_use_the_same_processors(hostile_checkpoint, monkeypatch):
+    """generate gets exactly the distribution's warpers (its config sets its own to no-ops, so none is doubled);
+    N samples of the first token fall in the top 3 only, with the truncated frequencies; their log-probs are
+    log(p / mass of the top 3) from a plain forward pass; a generate asking for other truncation is refused."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    probs, prompt = hostile_checkpoint["probs"], hostile_checkpoint["prompt"]
+    actor = _actor(hostile_checkpoint["path"], temperature=T, top_k=3, top_p=0.99)
+    seen = {}
+    generate = actor.model.generate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(actor.model, "generate", spy)
+    torch.manual_seed(2)
+    sampling = SamplingParams(max_new_tokens=1, temperature=T, top_k=3, top_p=0.99)
+    rollout = actor.generate([prompt] * N, sampling)
+    procs = seen["logits_processor"]
+    assert [type(p) for p in procs] == [TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper]
+    assert (procs[0].temperature, procs[1].top_k, procs[2].top_p) == (T, 3, 0.99)
+    config = seen["generation_config"]
+    assert (config.temperature, config.top_k, config.top_p) == (1.0, 0, 1.0)
+    top3 = torch.topk(probs, 3).indices
+    assert probs[top3].sum() < 0.99  # top-p 0.99 cuts nothing more: the top 3 carry less
+    truncated = torch.zeros_like(probs)
+    truncated[top3] = probs[top3] / probs[top3].sum()
+    first = rollout.tokens[:, len(prompt)]
+    assert set(first.tolist()) <= set(top3.tolist())  # nothing outside the top 3 is ever sampled
+    counts = torch.bincount(first, minlength=probs.numel()).double()
+    chi2 = sum(float((counts[i] - N * truncated[i]) ** 2 / (N * truncated[i])) for i in top3)
+    assert chi2 < 18.4, chi2  # df 2: p > 1e-4
+    lp = actor.logprobs(rollout)
+    torch.testing.assert_close(lp[:, len(prompt) - 1], truncated.log()[first], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(lp).all()  # prompt positions (cut tokens) too: no 0 · -inf in a masked sum
+    with pytest.raises(ValueError, match="top_k"):
+        actor.generate([prompt], SamplingParams(max_new_tokens=1, temperature=T, top_k=5, top_p=0.99))
+    # a training step through the truncated log-probs (and entropy) has finite gradients: the cut tokens' -inf
+    # scores never reach a sum or a backward pass
+    batch = {"tokens": rollout.tokens[:4], "response_lengths": rollout.response_lengths[:4]}
+
+    def loss_fn(out, mb):
+        return -(out["logprobs"].sum() + out["entropy"].sum()), {}
+
+    metrics = actor.train_step(batch, loss_fn, micro_batch_size=2, need_entropy=True)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0

@@ -101,7 +101,22 @@ CONVERTED_CHECKPOINT_KEYS = {
 _PRECISION = {"float32": 32, "bfloat16": "bf16-mixed", "float16": "16-mixed"}
 
 
-def trt_llm_section(engine: str, runtime: AlignerRuntime, *, model_type: str = "llama", max_input_len: int = 1024) -> dict:
+# TensorRT-LLM's model_type per HF family (its LLaMA builder has no QKV biases; its Qwen builder does)
+TRTLLM_MODEL_TYPES = {"qwen2": "qwen", "llama": "llama"}
+
+
+def trtllm_model_type(configured: str | None, checkpoint: str | Path) -> str:
+    """``rollout.trtllm_model_type`` when set, else the checkpoint's family (``convert.nemo_format.checkpoint_family``:
+    every preset is Qwen2, whose QKV biases a ``llama`` engine would drop)."""
+    if configured:
+        return configured
+    from nemo_factuality.convert.nemo_format import checkpoint_family
+
+    return TRTLLM_MODEL_TYPES[checkpoint_family(checkpoint)]
+
+
+def trt_llm_section(engine: str, runtime: AlignerRuntime, *, model_type: str | None = None,
+                    max_input_len: int = 1024) -> dict:
     """Aligner's ``reinforce.trt_llm`` section: ``rollout.engine=trtllm`` turns on its ``GPTGenerateTRTLLM`` (engine
     built at the first rollout, refit after every update, rebuilt after a checkpoint load: ``AlignerActor``).
 
@@ -111,6 +126,8 @@ def trt_llm_section(engine: str, runtime: AlignerRuntime, *, model_type: str = "
     false: that reshapes the data-parallel layout, which the stages own)."""
     if engine not in ("megatron", "trtllm"):
         raise ValueError(f"rollout.engine={engine!r}: choose megatron or trtllm")
+    if engine == "trtllm" and not model_type:
+        raise ValueError("rollout.engine=trtllm needs the engine's model_type (trtllm_model_type)")
     return {"enable": engine == "trtllm", "max_input_len": max_input_len, "model_type": model_type,
             "unload_engine_train": False, "reshard": False, "seed": runtime.seed}
 
@@ -778,8 +795,10 @@ def build_actor(cfg: Any, **runtime: Any) -> AlignerActor:
     if engine == "trtllm":
         require_trtllm()
     data = getattr(cfg, "data", None)
-    trt_llm = trt_llm_section(engine, placed, model_type=getattr(rollout, "trtllm_model_type", "llama"),
-                              max_input_len=getattr(data, "max_prompt_tokens", 1024))
+    configured = getattr(rollout, "trtllm_model_type", None)
+    # read from the checkpoint only for an engine that is built (megatron never reads it)
+    model_type = trtllm_model_type(configured, cfg.model.restore_from_path) if engine == "trtllm" else configured
+    trt_llm = trt_llm_section(engine, placed, model_type=model_type, max_input_len=getattr(data, "max_prompt_tokens", 1024))
     return AlignerActor(cfg.model, placed, trt_llm=trt_llm)
 
 

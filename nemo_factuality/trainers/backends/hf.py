@@ -8,8 +8,9 @@ Sampling is exactly the stage's: ``generate`` sees only ``model.sampling_params`
 greedy) and ``max_length``, never the checkpoint's ``generation_config.json`` (Qwen2.5-Instruct ships
 repetition_penalty 1.05, top_k 20, top_p 0.8, temperature 0.7; others add suppressed or bad words), which
 transformers would otherwise merge into every call: the rollouts would not come from π. Log-probs (old,
-reference, training) are of the distribution sampled from, ``softmax(logits / T)`` at the sampling temperature
-(as verl does); greedy rollouts use T = 1.
+reference, training) and the entropy are of the distribution sampled from: the same transformers warpers
+(temperature, top-k, top-p: ``SampledDistribution``) run in ``generate`` and before every ``log_softmax``, so the
+PPO/GRPO ratio is of what was sampled; greedy rollouts use the plain ``softmax(logits)``.
 
 Checkpoints are safetensors (weights) plus ``torch.save`` files of plain tensors/dicts for the optimiser and
 schedule, always read back with ``weights_only=True``: no code runs on load. The reference is not copied while
@@ -23,6 +24,7 @@ import copy
 import logging
 import math
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,26 +60,92 @@ def build_optimizer(params: Sequence[torch.nn.Parameter], cfg: OptimConfig, max_
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``[b, S, V]`` logits, ``[b, S]`` tokens → ``[b, S-1]`` log softmax(logits / T)(tokens[:, t+1]) (float32)."""
-    logp = F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+@dataclass(frozen=True)
+class SampledDistribution:
+    """The distribution rollouts are drawn from: ``softmax`` of the logits after transformers' own warpers, in
+    ``generate``'s order — temperature, then top-k, then top-p (none of them for greedy decoding).
+
+    ``generate`` runs exactly ``processors()`` (passed as its ``logits_processor``, the generation config's own set
+    to no-ops) and every log-prob goes through ``log_softmax`` with the same warpers, so the PPO/GRPO ratio and the
+    KL are of what was sampled (log-probs of the full distribution under top-k/top-p made the ratio wrong)."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @classmethod
+    def of(cls, sampling: Any) -> SampledDistribution:
+        """From ``SamplingParams`` (stage or config: ``use_greedy``, ``temperature``, ``top_k``, ``top_p``)."""
+        if sampling.use_greedy:
+            return cls()
+        return cls(float(sampling.temperature), int(sampling.top_k or 0), float(sampling.top_p))
+
+    def scaling(self) -> list[Any]:
+        from transformers import TemperatureLogitsWarper
+
+        return [TemperatureLogitsWarper(self.temperature)] if self.temperature != 1.0 else []
+
+    def truncation(self) -> list[Any]:
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        return ([TopKLogitsWarper(self.top_k)] if self.top_k > 0 else []) + \
+               ([TopPLogitsWarper(self.top_p)] if self.top_p < 1.0 else [])
+
+    def processors(self) -> Any:
+        from transformers import LogitsProcessorList
+
+        return LogitsProcessorList(self.scaling() + self.truncation())
+
+    def _warped(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scaled, truncated) ``[N, V]`` float32 scores: after the temperature; after top-k/top-p too (-inf = cut)."""
+        scaled = logits.float().reshape(-1, logits.shape[-1])
+        for warper in self.scaling():
+            scaled = warper(None, scaled)  # the warpers read only the scores, never the input ids
+        kept = scaled
+        for warper in self.truncation():
+            kept = warper(None, kept)
+        return scaled, kept
+
+    def log_softmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits → float32 log-probs of the sampled distribution. A token the truncation cuts — a prompt
+        or padding position, or a sampled token a later policy (or the reference) would not keep — gets its log-prob
+        under the scaled distribution instead of -inf: masked positions stay finite (0 · -inf is NaN in every sum)
+        and such a token's ratio stays bounded rather than 0 or infinite."""
+        scaled, kept = self._warped(logits)
+        if kept is scaled:  # no truncation
+            return F.log_softmax(scaled, dim=-1).reshape(logits.shape)
+        out = torch.where(torch.isfinite(kept), F.log_softmax(kept, dim=-1), F.log_softmax(scaled, dim=-1))
+        return out.reshape(logits.shape)
+
+    def entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits → ``[...]`` entropy of the sampled distribution (cut tokens have probability 0)."""
+        _, kept = self._warped(logits)
+        logp = F.log_softmax(kept, dim=-1)
+        # zero the -inf log-probs before the product, not after: d(p·log p)/d(log p) at -inf is 0·-inf = NaN, and
+        # torch.where would carry that NaN into the gradient
+        finite_logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+        return -(logp.exp() * finite_logp).sum(-1).reshape(logits.shape[:-1])
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   distribution: SampledDistribution = SampledDistribution()) -> torch.Tensor:
+    """``[b, S, V]`` logits, ``[b, S]`` tokens → ``[b, S-1]`` log-probs of tokens[:, t+1] under ``distribution``."""
+    logp = distribution.log_softmax(logits[:, :-1])
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def stage_generation_config(sampling: SamplingParams, eos_id: int, pad_id: int) -> Any:
-    """A ``GenerationConfig`` holding only the stage's sampling: every logits processor transformers would add from a
-    checkpoint's ``generation_config.json`` is set to its no-op value, so none is merged in."""
+    """A ``GenerationConfig`` holding only the stage's length and sampling mode: every logits processor transformers
+    would add from it or a checkpoint's ``generation_config.json`` is set to its no-op value, temperature, top-k and
+    top-p included (``SampledDistribution.processors`` applies those, the same objects the log-probs use)."""
     from transformers import GenerationConfig
 
     neutral = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
                "encoder_no_repeat_ngram_size": 0, "length_penalty": 1.0, "min_new_tokens": 0,
                "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "num_beams": 1, "num_beam_groups": 1,
                "diversity_penalty": 0.0, "renormalize_logits": False, "num_return_sequences": 1}
-    cfg = GenerationConfig(max_new_tokens=sampling.max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
-                           do_sample=not sampling.use_greedy, **neutral)
-    if not sampling.use_greedy:
-        cfg.temperature, cfg.top_p, cfg.top_k = sampling.temperature, sampling.top_p, sampling.top_k
-    return cfg
+    return GenerationConfig(max_new_tokens=sampling.max_new_tokens, eos_token_id=eos_id, pad_token_id=pad_id,
+                            do_sample=not sampling.use_greedy, temperature=1.0, top_k=0, top_p=1.0, **neutral)
 
 
 def attention_mask(tokens: torch.Tensor, response_lengths: torch.Tensor) -> torch.Tensor:
@@ -140,8 +208,7 @@ class HFActor:
         if self.eos_id is None:
             raise ValueError(f"the tokenizer at {cfg.path} has no eos_token; set one so responses can end")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
-        sp = cfg.sampling_params
-        self.temperature = 1.0 if sp.use_greedy else float(sp.temperature)  # log-probs of what is sampled
+        self.distribution = SampledDistribution.of(cfg.sampling_params)  # log-probs of what is sampled
         self.optimizer, self.scheduler = build_optimizer(list(self.model.parameters()), cfg.optim, max_steps)
         self._ref_model: Any = None
         self._ref_state: dict[str, torch.Tensor] | None = None
@@ -182,9 +249,10 @@ class HFActor:
         for i, p in enumerate(prompt_ids):
             left[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
             mask[i, width - len(p):] = 1
-        if not sampling.use_greedy and sampling.temperature != self.temperature:
-            raise ValueError(f"generate: sampling at temperature {sampling.temperature} but the log-probs are at "
-                             f"{self.temperature} (model.sampling_params.temperature)")
+        asked = SampledDistribution.of(sampling)
+        if not sampling.use_greedy and asked != self.distribution:
+            raise ValueError(f"generate: sampling from {asked} but the log-probs are of {self.distribution} "
+                             "(model.sampling_params: temperature, top_k, top_p)")
         from transformers import GenerationConfig
 
         # transformers fills what a passed config leaves unset from model.generation_config (the checkpoint's file):
@@ -192,7 +260,8 @@ class HFActor:
         checkpoint_config, self.model.generation_config = self.model.generation_config, GenerationConfig()
         try:
             out = self.model.generate(input_ids=left.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=stage_generation_config(sampling, self.eos_id, self.pad_id)).cpu()
+                                      generation_config=stage_generation_config(sampling, self.eos_id, self.pad_id),
+                                      logits_processor=asked.processors()).cpu()
         finally:
             self.model.generation_config = checkpoint_config
         return self._to_rollout(prompt_ids, out[:, width:])
@@ -226,10 +295,9 @@ class HFActor:
                           need_entropy: bool = False) -> dict[str, torch.Tensor]:
         tokens = tokens.to(self.device)
         logits = model(input_ids=tokens, attention_mask=attention_mask(tokens, lengths)).logits
-        out = {"logprobs": token_logprobs(logits, tokens, self.temperature)}
+        out = {"logprobs": token_logprobs(logits, tokens, self.distribution)}
         if need_entropy:
-            logp = F.log_softmax(logits[:, :-1].float() / self.temperature, dim=-1)
-            out["entropy"] = -(logp.exp() * logp).sum(-1)
+            out["entropy"] = self.distribution.entropy(logits[:, :-1])
         return out
 
     @torch.no_grad()
@@ -297,11 +365,11 @@ class HFActor:
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
         record = ref_record.read_record(path) or ref_record.stored_record("reference.safetensors")  # older checkpoints
         if record["kind"] == "initial":
-            ref_record.check_initial(record, self.cfg.path, path)
+            initial_path = ref_record.check_initial(record, self.cfg.path, path)
             if not self.reference_is_initial:  # only a reset in this process moves it; rebuild it from the path
                 from transformers import AutoModelForCausalLM
 
-                initial = AutoModelForCausalLM.from_pretrained(record["path"], dtype=_DTYPES[self.cfg.dtype])
+                initial = AutoModelForCausalLM.from_pretrained(initial_path, dtype=_DTYPES[self.cfg.dtype])
                 self._set_reference(_cpu_copy(initial))
                 self.reference_is_initial = True
         else:
