@@ -8,7 +8,7 @@ Runs, each from the same initial weights and seed (SGD without momentum: the wei
 * ``undisturbed``: 3 steps;
 * ``outage``: data-parallel replica 1's reward client gives up at step 2 (its server gone past the retry window,
   as ``RewardServerUnavailable`` says it) while replica 0's answers — then ``outage_resumed`` reruns to step 3;
-* ``preempt``: SIGUSR1 reaches the last global rank alone during step 2 (Slurm signals the ranks one by one) —
+* ``preempt``: SIGUSR1 reaches replica 1's source rank alone during step 2 (Slurm signals ranks one by one) —
   then ``preempt_resumed`` reruns to step 3.
 
 Each rank writes ``<out>/rank<r>.json``: per run the exit code the command boundary gives (``cli.run_command``),
@@ -49,10 +49,9 @@ class OneRankFault:
     """``good_fraction``; on the chosen rank, at call ``FAULT_CALL``, the fault instead (on the others, nothing)."""
 
     def __init__(self, fault: str | None, actor: AlignerActor) -> None:
-        world = torch.distributed.get_world_size()
         self.fault, self.calls = fault, 0
-        self.mine = (fault == "outage" and actor.data_parallel_rank == 1) or \
-                    (fault == "preempt" and torch.distributed.get_rank() == world - 1)
+        # the reward is called on each replica's source rank: replica 1's is the one rank the fault reaches
+        self.mine = fault is not None and actor.data_parallel_rank == 1 and actor.is_model_parallel_source
 
     def __call__(self, prompts_, completions, **columns):
         self.calls += 1

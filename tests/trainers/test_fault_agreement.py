@@ -3,7 +3,7 @@
 Each replica used to decide "reward server gone" and "preempted" on its own: replica 1 entered the checkpoint's
 barrier while replica 0 entered the step's all-reduce, and the job hung — no checkpoint, no exit 75, no requeue.
 Here, at TP=2 × DP=2 (4 ranks, gloo), replica 1's reward client gives up at step 2 while replica 0's answers, and
-in another run SIGUSR1 reaches the last rank alone: every rank must write the same checkpoint and stop with the
+in another run SIGUSR1 reaches one rank alone: every rank must write the same checkpoint and stop with the
 same exit code (75 for the server, 0 after the preemption checkpoint) well within the test's bound, and the rerun
 of the same command must end where the undisturbed run ends.
 """
