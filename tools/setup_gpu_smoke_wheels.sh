@@ -15,9 +15,12 @@ if [ ! -f "$wheels/.complete" ]; then
   touch "$wheels/.complete"
 fi
 if [ ! -f "$venv/.complete" ]; then
-  python=$(bash tools/setup_container_python_env.sh --find 3.12 2>/dev/null || true)
-  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.*/bin/python "$(command -v python3.12 || true)"; do
-    [ -n "$candidate" ] && [ -x "$candidate" ] && python=$candidate
+  python=""
+  # pyenv's installs first (its python3.12 shim fails unless that version is selected), then the PATH
+  for candidate in "$(command -v python3.12 || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12.*/bin/python; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] && "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      python=$candidate
+    fi
   done
   [ -n "$python" ] || { echo "no Python 3.12 found (pyenv's versions/3.12.* or python3.12 on PATH)" >&2; exit 3; }
   echo "== building the GPU-machine-shaped Python 3.12 venv in $venv" >&2

@@ -207,8 +207,8 @@ def test_every_exit_code_is_in_the_table():
     from nemo_factuality.types import ServerUnavailableError
 
     assert {TrainingStalledError.exit_code, ServerUnavailableError.exit_code} <= codes
-    # the Slurm template requeues on the same code
-    assert f'"$rc" -eq {exit_codes.TEMPFAIL}' in (ROOT / "slurm" / "het_job.sbatch.j2").read_text()
+    # the Slurm template requeues on the same code: it takes it from the module (launch.render passes it)
+    assert '"$rc" -eq {{ exit_codes.TEMPFAIL }}' in (ROOT / "slurm" / "het_job.sbatch.j2").read_text()
     text = gen.exit_codes_markdown()
     assert all(f"| {c} |" in text for c in codes)
 
