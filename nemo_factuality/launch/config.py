@@ -20,6 +20,8 @@ class ClusterProfile:
     # Empty = bare metal: every step runs in the submitting environment.
     images: dict[str, str] = field(default_factory=dict)
     container_mounts: list[str] = field(default_factory=list)
+    # pyxis --container-workdir of the steps running the `trainer` image (where this package lives in it); a step in
+    # another image (vLLM's `judge`) starts in that image's own directory: pyxis fails a step whose workdir is missing
     container_workdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # NCCL / TE / HF settings exported to every step
     log_root: str = "logs"
