@@ -62,7 +62,7 @@ RUN pip install --no-cache-dir -c /opt/base-constraints.txt \
  && python -c "import nemo, nemo_aligner, megatron.core, pytriton; print('nemo', nemo.__version__)"
 
 # This package and its own light dependencies, again without touching the stack above.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY nemo_factuality ./nemo_factuality
 COPY conf ./conf
 COPY slurm ./slurm

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,18 @@ from nemo_factuality.config import REPO_ROOT
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
 ENV.pop("NEMO_FACTUALITY_DEBUG", None)
-FILES = ["bad.yaml", "empty.jsonl", "existing.txt", "hf_corrupt", "kb.sqlite", "kb.sqlite.bm25", "labelled.jsonl", "unlabelled.jsonl"]
+FILES = ["bad.yaml", "empty.jsonl", "existing.txt", "hf_corrupt", "kb.sqlite", "kb.sqlite.bm25", "labelled.jsonl",
+         "no_documents.db", "not_sqlite.db", "unclosed.jsonl", "unlabelled.jsonl"]
+# a record whose closing brace is missing: Python's parser places the error at the end of the line, not column 1
+UNCLOSED = json.dumps({"id": 1, "prompt": "Tell me about Ada Varga.", "response": "Ada Varga was born in 1917."})[:-1]
+
+
+def _parser_column(text: str) -> int:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as err:
+        return err.colno
+    raise AssertionError("UNCLOSED must not parse")
 
 
 def _cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -41,6 +53,10 @@ def work(tmp_path_factory):
     build_store(data / "demo_passages.jsonl", root / "kb.sqlite", facts_jsonl=data / "demo_facts.jsonl", progress=False)
     (root / "hf_corrupt").mkdir()
     (root / "hf_corrupt" / "config.json").write_text('{"model_type": "qwen2", "hidden_size": ')
+    (root / "unclosed.jsonl").write_text(UNCLOSED + "\n")
+    (root / "not_sqlite.db").write_text("title,text\nAda,born 1917\n")
+    with sqlite3.connect(root / "no_documents.db") as db:  # SQLite, but not FActScore's documents(title, text)
+        db.execute("CREATE TABLE passages (title TEXT, text TEXT)")
     assert sorted(p.name for p in root.iterdir()) == FILES
     return root
 
@@ -66,6 +82,14 @@ CASES = {  # name: (argv, a phrase the one line must contain)
     "launch_required_params": (["launch", "grpo_fspo", "--dry-run"], "grpo_fspo needs params.policy_model, params.train_data"),
     "convert_corrupt_config": (["convert", "hf-to-nemo", "--hf", "hf_corrupt", "--out", "x.nemo"], "config.json:1:"),
     "convert_missing_directory": (["convert", "hf-to-nemo", "--hf", "nope", "--out", "x.nemo"], "--hf nope does not exist"),
+    # before: eight Megatron "Transformer Engine and Apex are not installed" warnings ahead of the error
+    "convert_verify_corrupt_reference": (["convert", "verify", "--hf", "hf_corrupt", "--nemo", "kb.sqlite"], "config.json:1:"),
+    "kb_build_factscore_not_sqlite": (["kb", "build", "--factscore-db", "not_sqlite.db", "--out", "x.sqlite"],
+                                      "not_sqlite.db is not a FActScore database (file is not a database)"),
+    "kb_build_factscore_no_documents": (["kb", "build", "--factscore-db", "no_documents.db", "--out", "x.sqlite"],
+                                        "no_documents.db is not a FActScore database (no such table: documents)"),
+    "eval_unclosed_record": (["eval", "--input", "unclosed.jsonl", "--output", "out"],
+                             f"unclosed.jsonl:1: invalid JSON (Expecting ',' delimiter at column {_parser_column(UNCLOSED)})"),
     "convert_nemo_to_hf_missing": (["convert", "nemo-to-hf", "--nemo", "nope.nemo", "--out", "o"], "--nemo nope.nemo does not exist"),
     "unknown_command": (["evaluate"], "unknown command 'evaluate'"),
     # a value YAML cannot parse: one line naming the override, in every command taking overrides

@@ -8,8 +8,13 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+# pip runs quietly (-q); each long step says what it is doing first, so minutes without output are not a hang
+step() { echo "[setup_env] $*" >&2; }
+step "upgrading pip"
 python -m pip install -q -U pip
+step "installing torch 2.13.0 (the CPU wheel)"
 python -m pip install -q torch==2.13.0           # CPU wheel; must come before anything that depends on torch
+step "installing nemo-factuality with every extra, .[all,dev]: Megatron-Core, PyTriton, transformers, sentence-transformers, FAISS, ... (the longest step)"
 python -m pip install -q -e ".[all,dev]"
 
 # System packages: Slurm (controller + slurmd + client), munge, shellcheck. Skipped if present.
@@ -17,6 +22,7 @@ need=()
 for bin in slurmctld slurmd sbatch shellcheck; do command -v "$bin" >/dev/null 2>&1 || need+=("$bin"); done
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "installing Debian packages for the Slurm and lint tests: slurmctld slurmd slurm-client munge shellcheck"
     apt-get update -qq
     apt-get install -y -qq slurmctld slurmd slurm-client munge shellcheck >/dev/null
   else
@@ -25,4 +31,6 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # The docs site's toolchain (Sphinx + MyST; tests/docs builds the site with warnings as errors).
+step "installing the docs toolchain (Sphinx + MyST)"
 python -m pip install -q -e ".[docs]"
+step "done: activate with . .venv/bin/activate"

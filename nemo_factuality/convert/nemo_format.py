@@ -36,14 +36,14 @@ from tqdm import tqdm
 from nemo_factuality.convert.hf_config import to_installed_layout
 from nemo_factuality.convert.layout import check_parallelism, checkpoint_name, chunks_for, extra_state_objects
 from nemo_factuality.convert.mapping import ModelSpec, hf_to_mcore_groups, mcore_to_hf, spec_from_hf_config
-from nemo_factuality.convert.safetensors_io import DEFAULT_SHARD_BYTES, SafetensorsReader, write_sharded
+from nemo_factuality.convert.safetensors_io import DEFAULT_SHARD_BYTES, write_sharded
 from nemo_factuality.convert.torch_dist import TorchDistReader, TorchDistWriter
+from nemo_factuality.local_models import TOKENIZER_MAIN_FILES, open_safetensors, read_json_object, safetensors_shards
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "generation_config.json")
-TOKENIZER_MAIN_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # one of these makes a usable tokenizer
 ACTIVATIONS_CHECKPOINT_KEYS = ("granularity", "method", "num_layers", "layers_per_pipeline")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 JOB_FILE = "job.json"
@@ -52,19 +52,6 @@ JOB_FILE = "job.json"
 def tensor_sha256(t: torch.Tensor) -> str:
     data = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
     return hashlib.sha256(memoryview(data)).hexdigest()
-
-
-def read_json_object(path: Path) -> dict:
-    """A JSON object from ``path``; invalid UTF-8/JSON or another type raises ``FactualityInputError`` naming it."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise FactualityInputError(f"{path}: invalid UTF-8 at byte {err.start}") from None
-    except json.JSONDecodeError as err:
-        raise FactualityInputError(f"{path}:{err.lineno}:{err.colno}: invalid JSON ({err.msg})") from None
-    if not isinstance(value, dict):
-        raise FactualityInputError(f"{path}: expected a JSON object, got {type(value).__name__}")
-    return value
 
 
 class HFCheckpoint:
@@ -78,21 +65,11 @@ class HFCheckpoint:
         if not cfg.is_file():
             raise FactualityInputError(f"{self.path} has no config.json: pass an HF model directory (save_pretrained output)")
         self.config = read_json_object(cfg)
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = read_json_object(index).get("weight_map") or {}
-            self.files = sorted(set(weight_map.values()))
-        elif (self.path / "model.safetensors").is_file():
-            weight_map, self.files = None, ["model.safetensors"]
-        else:
+        self.files, _ = safetensors_shards(self.path)
+        self.reader = open_safetensors(self.path)  # every shard's header checked: a truncated one is named
+        if self.reader is None:
             raise FactualityInputError(f"{self.path}: no model.safetensors or model.safetensors.index.json "
                                        "(only safetensors is supported; re-save with save_pretrained(safe_serialization=True))")
-        missing = [f for f in self.files if not (self.path / f).is_file()]
-        if missing:
-            raise FactualityInputError(f"{self.path}: shards listed in the index are missing: {missing[:3]}")
-        self.reader = SafetensorsReader(self.path / f for f in self.files)
-        if weight_map is not None and set(weight_map) - set(self.reader.keys()):
-            raise FactualityInputError(f"{self.path}: the index lists tensors no shard holds: {sorted(set(weight_map) - set(self.reader.keys()))[:3]}")
 
     def keys(self) -> list[str]:
         return self.reader.keys()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -132,16 +133,37 @@ def reward_from_hidden(hidden: torch.Tensor, head_weight: torch.Tensor, head_bia
     return reward if head_bias is None else reward + head_bias.float()
 
 
-def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1) -> dict:
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+def check_inputs(hf_dir: str, nemo: str) -> None:
+    """Both inputs readable, without Megatron (whose import warns about Transformer Engine and Apex): the HF
+    reference (config, every safetensors header) and the checkpoint (an extracted one's configs; a file must be a
+    tar). ``convert verify`` runs this once before it starts a process per rank, so an error is one line."""
+    import tarfile
+    from pathlib import Path
 
-    from nemo_factuality.convert import cpu
     from nemo_factuality.convert.mapping import spec_from_hf_config
-    from nemo_factuality.convert.nemo_format import HFCheckpoint, check_manifest, opened_nemo, read_nemo_config
+    from nemo_factuality.convert.nemo_format import HFCheckpoint, read_nemo_config
+    from nemo_factuality.types import FactualityInputError
 
-    spec_from_hf_config(HFCheckpoint(hf_dir).config)  # the reference must be readable before Megatron starts
+    spec_from_hf_config(HFCheckpoint(hf_dir).config)
+    if Path(nemo).is_dir():
+        read_nemo_config(Path(nemo))
+    elif not tarfile.is_tarfile(nemo):
+        raise FactualityInputError(f"--nemo {nemo} is neither a .nemo tar archive nor an extracted checkpoint directory")
+
+
+def _start_megatron(tp: int, pp: int) -> Any:
+    """Megatron's process groups at ``tp`` × ``pp`` (gloo on CPU); returns ``parallel_state``. Its import warnings
+    about Transformer Engine and Apex are expected here (the local layer spec needs neither) and not shown."""
+    import warnings
+
+    import torch.distributed as dist
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        from nemo_factuality.convert import cpu
     cpu.apply()
     if not dist.is_initialized():
         if "RANK" in os.environ:
@@ -154,6 +176,17 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1)
             ensure_process_group()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(1234)
+    return parallel_state
+
+
+def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1) -> dict:
+    import torch.distributed as dist
+
+    from nemo_factuality.convert.mapping import spec_from_hf_config
+    from nemo_factuality.convert.nemo_format import check_manifest, opened_nemo, read_nemo_config
+
+    check_inputs(hf_dir, nemo)  # the reference and the checkpoint must be readable before Megatron starts
+    parallel_state = _start_megatron(tp, pp)
     with opened_nemo(nemo) as root:
         nemo_cfg, hf_config = read_nemo_config(root)
         if dist.get_rank() == 0:

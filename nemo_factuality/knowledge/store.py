@@ -445,16 +445,21 @@ def build_store(passages_jsonl: str | Path, out_path: str | Path, *, facts_jsonl
 
 
 def docdb_to_jsonl(docdb_path: str | Path, out_jsonl: str | Path) -> int:
-    """Convert a FActScore ``documents(title, text)`` DB (passages joined by the separator) to passages JSONL."""
-    src = sqlite3.connect(f"file:{docdb_path}?mode=ro", uri=True)
+    """Convert a FActScore ``documents(title, text)`` DB (passages joined by the separator) to passages JSONL.
+
+    A file that is not SQLite, or a database without that table (or those columns), is a ``FactualityInputError``."""
+    src = sqlite3.connect(f"{Path(docdb_path).resolve().as_uri()}?mode=ro", uri=True)
     n = 0
     try:
         with open(out_jsonl, "w", encoding="utf-8") as fh:
             for title, text in src.execute("SELECT title, text FROM documents"):
-                for passage in text.split(FACTSCORE_SEPARATOR):
+                for passage in (text or "").split(FACTSCORE_SEPARATOR):
                     if passage.strip():
                         fh.write(json.dumps({"title": title, "text": passage.strip(), "source": "factscore_docdb"}) + "\n")
                         n += 1
+    except sqlite3.DatabaseError as err:
+        raise FactualityInputError(f"{docdb_path} is not a FActScore database ({err}): pass the SQLite file with its "
+                                   "documents(title, text) table, e.g. enwiki-20230401.db") from None
     finally:
         src.close()
     return n

@@ -33,6 +33,10 @@ class LaunchConfigError(ValueError):
 _PYTHON_MODULE = re.compile(r"(?:^|[\s;&|(])\S*python[\d.]*\s+(?:-[A-Za-z]+\s+)*-m\s+([A-Za-z_][\w.]*)")
 _PLACEHOLDER = re.compile(r"(?<!\$)\{([a-z][a-z0-9_]*)\}")  # {port}, {policy_model}; never the shell's ${VAR}
 _RUNS_VLLM = re.compile(r"(?:^|[\s;&|(])vllm\s")
+# a value nobody's site has: <account>, CHANGEME, TODO, xxx, ... (as a path component too); an account or
+# partition named my_account / your_partition
+_PLACEHOLDER_PART = re.compile(r"<[^<>]*>|change[_-]?me|todo|fixme|tbd|x{3,}|\.{3}|placeholder", re.IGNORECASE)
+_PLACEHOLDER_NAME = re.compile(r"(?:my|your)[_-]?(?:account|partition|project|qos|group|cluster|site)", re.IGNORECASE)
 PACKAGE = "nemo_factuality"
 
 
@@ -257,6 +261,7 @@ def validate(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int =
     """Every problem of the resolved stage × profile that does not need the rendered steps (GPUs, servers,
     images, modules)."""
     problems = _preset_problems(stage, cluster, tasks_per_node) if stage.preset else _hf_problems(stage, cluster)
+    problems += placeholder_settings(cluster)
     if stage.preset:
         gpus_needed = stage.tensor_parallel * stage.pipeline_parallel
         if not cluster.gpus_per_node and gpus_needed > 1:
@@ -282,6 +287,24 @@ def validate(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int =
     problems += [f"python -m {m}: no such module in this installation of {PACKAGE} (a typo, or a newer version is "
                  "needed)" for m in missing_modules(stage)]
     return problems
+
+
+def placeholder_settings(cluster: ClusterProfile) -> list[str]:
+    """The profile's site settings still holding a placeholder (``account: my_account``): sbatch or pyxis would
+    refuse the job only once it is submitted (or a step starts), so rendering refuses it first."""
+    settings = {"account": cluster.account, "partition": cluster.partition, "log_root": cluster.log_root,
+                "container_workdir": cluster.container_workdir,
+                **{f"images.{k}": v for k, v in cluster.images.items()},
+                **{f"container_mounts[{i}]": v for i, v in enumerate(cluster.container_mounts)}}
+    return [f"cluster.{key}={value} is a placeholder: set your site's value (cluster.{key}=... on the command line, "
+            "or in the profile's YAML" + ("; null for none)" if key in ("account", "partition") else ")")
+            for key, value in settings.items() if isinstance(value, str) and _is_placeholder(key, value)]
+
+
+def _is_placeholder(key: str, value: str) -> bool:
+    if key in ("account", "partition") and _PLACEHOLDER_NAME.fullmatch(value.strip()):
+        return True
+    return any(_PLACEHOLDER_PART.fullmatch(part.strip()) for part in re.split(r"[/:,]", value))
 
 
 def _server_problems(spec: ServerSpec, cluster: ClusterProfile, is_critic: bool) -> list[str]:

@@ -138,12 +138,12 @@ def placer_for(tokenizer: Any, completion: str, columns: Mapping[str, Any], i: i
 
 
 def load_tokenizer(tokenizer: Any) -> Any:
-    """Accept a tokenizer object or a local path."""
+    """Accept a tokenizer object or a local directory (``local_models``: never the Hub)."""
     if tokenizer is None or not isinstance(tokenizer, str):
         return tokenizer
-    from transformers import AutoTokenizer
+    from nemo_factuality.local_models import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(tokenizer)
+    return load_tokenizer(tokenizer, "tokenizer")
 
 
 class RewardParts:

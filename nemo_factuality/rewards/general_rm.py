@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,12 +52,13 @@ class HFRewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        path = Path(model_path)
-        if not (path / "config.json").is_file():
-            raise FactualityInputError(f"general_rm.model_path {path} has no config.json; point it at a local "
-                                       "*ForSequenceClassification reward model directory")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        from nemo_factuality.local_models import check_model_dir, from_pretrained
+
+        key = "general_rm.model_path"  # a local *ForSequenceClassification reward model directory
+        path = check_model_dir(model_path, key, tokenizer=True)
+        self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, path, key, trust_remote_code=trust_remote_code)
+        self.model = from_pretrained(AutoModelForSequenceClassification.from_pretrained, path, key,
+                                     trust_remote_code=trust_remote_code)
         self.model = self.model.to(device).eval()
         if self.model.config.num_labels != 1:
             raise FactualityInputError(f"general_rm {path}: expected a reward model with one output, "

@@ -21,6 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from nemo_factuality.jsonl import iter_jsonl
 from nemo_factuality.knowledge.store import normalize
 from nemo_factuality.types import FactualityInputError, Label
 
@@ -49,17 +50,12 @@ def checklist_for(pipeline: Any, prompt: str, responses: Sequence[str], topic: s
     return items[:max_items] if max_items else items
 
 
-def _read(path: Path) -> Iterable[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise FactualityInputError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
-                if not isinstance(obj.get("prompt"), str):
-                    raise FactualityInputError(f"{path}:{lineno}: field 'prompt' missing or not a string")
-                yield lineno, obj
+def _read(path: Path) -> Iterable[tuple[str, dict]]:
+    """``("file:line", record)`` per prompt (``jsonl.iter_jsonl``: bad JSON names its line and column)."""
+    for where, obj in iter_jsonl(path):
+        if not isinstance(obj.get("prompt"), str):
+            raise FactualityInputError(f"{where}: field 'prompt' missing or not a string")
+        yield where, obj
 
 
 def build_checklists(pipeline: Any, input_jsonl: str | Path, output_jsonl: str | Path, *,
@@ -69,18 +65,18 @@ def build_checklists(pipeline: Any, input_jsonl: str | Path, output_jsonl: str |
     tmp = out.with_name(f".{out.name}.tmp")
     n = 0
     with open(tmp, "w", encoding="utf-8") as fh:
-        for lineno, rec in tqdm(list(_read(Path(input_jsonl))), desc="checklists", unit="prompt"):
+        for where, rec in tqdm(list(_read(Path(input_jsonl))), desc="checklists", unit="prompt"):
             responses = rec.get("responses")
             if responses is None:
                 if generate is None:
-                    raise FactualityInputError(f"{input_jsonl}:{lineno}: no 'responses' and no generate function given")
+                    raise FactualityInputError(f"{where}: no 'responses' and no generate function given")
                 responses = generate([rec["prompt"]])[0]
             failures: list[str] = []
             items = checklist_for(pipeline, rec["prompt"], responses, rec.get("topic"), max_items, failures)
             row = {"prompt": rec["prompt"], "checklist": items, "n_responses": len(responses), "n_failed": len(failures)}
             if failures:
                 row["error"] = failures[0]
-                log.warning("%s:%d: %d of %d responses could not be fact-checked: %s", input_jsonl, lineno, len(failures),
+                log.warning("%s: %d of %d responses could not be fact-checked: %s", where, len(failures),
                             len(responses), failures[0])
                 if len(failures) == len(responses):
                     row["checklist"] = None

@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 
 
 def main(argv: Sequence[str]) -> int:
+    from nemo_factuality.local_models import load_tokenizer
     from nemo_factuality.registry import build_reward
     from nemo_factuality.serving.config import DEFAULT_REWARD, ServeConfig
     from nemo_factuality.serving.server import FactualityRewardServer, check_ports
@@ -26,13 +27,15 @@ def main(argv: Sequence[str]) -> int:
         overrides = [*overrides, "fail_fast=true"]
     cfg = load_config(ServeConfig, args.config_name, overrides, group="serve")
     check_ports(cfg)  # before the reward loads its models and stores
-    log.info("serve config:\n%s", to_yaml(cfg))
+    # a local directory, never a Hub id (local_models: one line, exit 2)
+    tokenizer = load_tokenizer(cfg.policy_tokenizer, "policy_tokenizer") if cfg.policy_tokenizer else None
     # token-level rewards (RLFH, FSPO's signs) place their values with the policy's tokenizer, as in-process
-    reward = build_reward(asdict(cfg)["reward"] or DEFAULT_REWARD, cfg.policy_tokenizer)
+    reward = build_reward(asdict(cfg)["reward"] or DEFAULT_REWARD, tokenizer)
+    log.info("serve config:\n%s", to_yaml(cfg))  # once every input loaded: an error is the only output
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server = FactualityRewardServer(cfg, reward).start()
+    server = FactualityRewardServer(cfg, reward, tokenizer=tokenizer).start()
     try:
         stop.wait()
     finally:

@@ -161,13 +161,18 @@ class RemoteFactualityReward:
 
         return ModelClient(self.url, self.model_name, init_timeout_s=self.init_timeout_s, inference_timeout_s=self.timeout_s)
 
+    @property
+    def health_wait_s(self) -> float:
+        """How long ``health()`` waits to connect, then again for the model to be ready."""
+        return min(self.init_timeout_s, 5.0)
+
     def health(self) -> dict[str, str | None]:
         from pytriton.client import ModelClient
 
         try:
             with quiet_pytriton_timeouts(), ModelClient(self.url, self.model_name,
-                                                        init_timeout_s=min(self.init_timeout_s, 5.0)) as client:
-                client.wait_for_model(timeout_s=min(self.init_timeout_s, 5.0))
+                                                        init_timeout_s=self.health_wait_s) as client:
+                client.wait_for_model(timeout_s=self.health_wait_s)
             return {f"reward_server:{self.model_name}": None}
         except Exception as err:
             return {f"reward_server:{self.model_name}": f"{self.url} model {self.model_name!r} not ready: {err}"}

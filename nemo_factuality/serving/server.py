@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import sysconfig
 import tempfile
@@ -121,11 +122,15 @@ class _RewardStatsCollector:
 class FactualityRewardServer:
     """Owns the Triton server, the health endpoint and the metrics endpoint for one reward."""
 
-    def __init__(self, cfg: ServeConfig, reward: Any) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, cfg: ServeConfig, reward: Any, *, tokenizer: Any = None) -> None:
+        """``tokenizer``: the policy's, already loaded (``serve`` loads it once, for the reward too); else it is
+        loaded from ``cfg.policy_tokenizer`` (a local directory: ``local_models``)."""
         self.cfg, self.reward = cfg, reward
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.policy_tokenizer) if cfg.policy_tokenizer else None
+        if tokenizer is None and cfg.policy_tokenizer:
+            from nemo_factuality.local_models import load_tokenizer
+
+            tokenizer = load_tokenizer(cfg.policy_tokenizer, "policy_tokenizer")
+        self.tokenizer = tokenizer
         self.decoder = PayloadDecoder(self.tokenizer, cfg.response_marker) if self.tokenizer is not None else None
         self.metrics = _Metrics()
         self._triton = None
@@ -271,6 +276,7 @@ class FactualityRewardServer:
                   Tensor(name="tokens", shape=(-1,), dtype=np.int64, optional=True),
                   Tensor(name="sequence_lengths", shape=(-1,), dtype=np.int64, optional=True)]
         self._triton = Triton(config=triton_cfg, workspace=workspace)
+        route_triton_output_to_logging(self._triton)
         self._triton.bind(model_name=cfg.reward_model_name, infer_func=batch(self.infer_reward_model), inputs=common,
                           outputs=[Tensor(name="rewards", shape=(1,), dtype=np.float32)], config=model_cfg)
         rich_inputs = common + [Tensor(name=n, shape=(-1,), dtype=d, optional=True) for n, d in
@@ -286,8 +292,8 @@ class FactualityRewardServer:
             self.stop()
             raise ConfigError(f"health_port={cfg.health_port} / metrics_port={cfg.metrics_port}: cannot listen on "
                               f"{cfg.host}: {err.strerror}; choose other ports") from err
-        log.info("serving %s and %s on %s:%d (health :%d, metrics :%d)", cfg.reward_model_name, cfg.rich_model_name,
-                 cfg.host, cfg.http_port, cfg.health_port, cfg.metrics_port)
+        log.info("serving %s and %s on %s:%d (health :%d, metrics :%d)%s", cfg.reward_model_name, cfg.rich_model_name,
+                 cfg.host, cfg.http_port, cfg.health_port, cfg.metrics_port, _exposure(cfg.host))
         return self
 
     def _start_http(self) -> None:
@@ -317,6 +323,60 @@ class FactualityRewardServer:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def _exposure(host: str) -> str:
+    """What ``host`` exposes, said once at start-up: the default, as NeMo-Aligner's reward server, is every interface."""
+    if host in ("0.0.0.0", "::", ""):
+        return (f"; host={host or '0.0.0.0'} listens on every network interface, so trainers on other nodes reach it "
+                "(NeMo-Aligner's default); set host=127.0.0.1 to serve this machine only")
+    return ""
+
+
+TRITON_LOG = logging.getLogger("nemo_factuality.serving.tritonserver")
+_TRITON_LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "I": logging.DEBUG}
+_TRITON_PREFIX = re.compile(r"^([EWI])\d{4} ")  # glog: E0101 12:00:00.000000 123 file.cc:45] message
+
+
+def route_triton_output_to_logging(triton: Any) -> None:
+    """Send tritonserver's output to ``logging`` (logger ``nemo_factuality.serving.tritonserver``) instead of stdout.
+
+    PyTriton (0.5–0.7) prints every line tritonserver writes to stdout from a background thread (its
+    ``TritonServer(verbose=True)``, which ``Triton`` does not expose), so a server started in-process (the lab, the
+    tests) printed Triton's log between pytest's dots or the lab's progress, e.g. the Python backend's traceback
+    of a failed batch (``proxy/model.py(501): execute``), a character at a time. Here each whole line is logged,
+    errors and warnings as such and the rest at DEBUG; a continuation line (a traceback's) keeps the level of the
+    line it continues. PyTriton still keeps
+    the lines for its own crash report. A PyTriton without these hooks is left as it is."""
+    initialize = getattr(triton, "_initialize_server", None)
+    if initialize is None:
+        return
+    level, pending = [logging.DEBUG], [""]  # PyTriton hands over the output unbuffered: a character at a time
+
+    def log_line(text: str) -> None:
+        *lines, pending[0] = (pending[0] + text).split("\n")
+        for line in lines:
+            match = _TRITON_PREFIX.match(line)
+            if match:
+                level[0] = _TRITON_LEVELS[match.group(1)]
+            if line.strip():
+                TRITON_LOG.log(level[0], "%s", line.rstrip())
+
+    def initialize_quietly() -> None:
+        initialize()
+        server = getattr(triton, "_triton_server", None)
+        record = getattr(server, "_record_logs", None)
+        if server is None or record is None or not hasattr(server, "_verbose"):
+            return
+        server._verbose = False  # no print() to stdout
+
+        def record_and_log(line: bytes | str) -> None:
+            record(line)
+            log_line(line.decode("utf-8", errors="replace") if isinstance(line, bytes) else line)
+
+        server._record_logs = record_and_log
+
+    triton._initialize_server = initialize_quietly
 
 
 def sample_errors(result: RewardBatch) -> dict[int, str]:

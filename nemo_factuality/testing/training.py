@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nemo_factuality.fileio import respect_umask
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.types import RewardBatch
 
@@ -26,6 +27,7 @@ def build_policy(out: Path, *, tie: bool = False) -> Path:
                       intermediate_size=96, vocab_size=len(tok), max_position_embeddings=256, rope_theta=50000.0,
                       tie_word_embeddings=tie, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     Qwen2ForCausalLM(cfg).save_pretrained(str(out))
+    respect_umask(out)  # safetensors writes model.safetensors 0600 (through a temporary file): 0644 under umask 022
     return out
 
 

@@ -89,6 +89,7 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     train = load_prompts(cfg.data.train, cfg.data.format)
     val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
     pairs = load_pairs(cfg.data.general_pairs) if stage == "kto" and cfg.data.general_pairs else []
+    check_model_paths(stage, cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +111,17 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
             if callable(close):
                 close()
     return 0
+
+
+def check_model_paths(stage: str, cfg: Any) -> None:
+    """The hf backend's models are local directories that will load (``local_models``): checked before anything is
+    written. (The aligner backend's ``model.restore_from_path`` is checked where NeMo restores it.)"""
+    from nemo_factuality import local_models
+
+    if cfg.trainer.backend == "hf":
+        local_models.check_model_dir(cfg.model.path, "model.path", tokenizer=True)
+        if stage == "ppo" and cfg.critic.path:
+            local_models.check_model_dir(cfg.critic.path, "critic.path")
 
 
 def _fit(stage: str, cfg: Any, actor: Any, critic: Any, reward: Any, train: list, val: list | None, pairs: list,

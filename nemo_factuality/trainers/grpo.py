@@ -365,18 +365,19 @@ class GRPOTrainer:
             val = self.parallel.reduce_metrics(self.validate(self.step))  # one early-stopping decision on every rank
             metrics.update(val)
             improved, stop = self.early.update(self.step, val)
-            if improved:
-                self.checkpointer.best = self._save().name
+            if improved:  # named before the save, so the checkpoint's own state names it too
+                self.checkpointer.best = f"step_{self.step:06d}"
+                self._save()
         if t.save_interval and self.step % t.save_interval == 0:
-            self._save()
+            self._save()  # not written twice when it is also the best
         return stop
 
     def _state(self) -> dict[str, Any]:
         return {"step": self.step, "sampler": self.sampler.state_dict(), "early_stopping": self.early.state_dict(),
                 "best": self.checkpointer.best}
 
-    def _save(self) -> Path:
-        return self.checkpointer.save(self.step, self.actor, self.critic, self._state())
+    def _save(self, force: bool = False) -> Path:
+        return self.checkpointer.save(self.step, self.actor, self.critic, self._state(), force=force)
 
     def _maybe_resume(self) -> None:
         latest = self.checkpointer.latest() if self.cfg.exp_manager.resume_if_exists else None
@@ -393,11 +394,12 @@ class GRPOTrainer:
     def _finish(self, reason: str) -> None:
         es = self.cfg.trainer.early_stopping
         best = self.checkpointer.best
-        if es.monitor and es.restore_best and best and best != f"step_{self.step:06d}":
+        restored = bool(es.monitor and es.restore_best and best and best != f"step_{self.step:06d}")
+        if restored:
             # the exported policy is the best validated one, whether training stopped early or ran out of steps
             log.info("%s at step %d; restoring the best weights (%s)", reason, self.step, best)
             self.actor.load_weights(self.checkpointer.root / best)
-        self._save()
+        self._save(force=restored)  # a step the save interval just wrote is not written (nor logged) again
         self.actor.export(self.run_dir / "final")
         log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
 

@@ -169,6 +169,7 @@ class Checkpointer:
         self.root, self.keep = run_dir / "checkpoints", max(1, keep)
         self.parallel = parallel or DataParallel(None)
         self.best: str | None = None  # a checkpoint early stopping wants kept
+        self._written: tuple[int, str] | None = None  # (step, trainer state) of the last checkpoint this run wrote
 
     def latest(self) -> Path | None:
         pointer = self.root / "latest"
@@ -181,10 +182,16 @@ class Checkpointer:
         return path
 
     def save(self, step: int, actor: Any, critic: Any, state: Mapping[str, Any],
-             extra: Callable[[Path], None] | None = None) -> Path:
-        """Write ``step_XXXXXX``; ``extra(tmp)`` adds the stage's own files (called on global rank 0 only)."""
+             extra: Callable[[Path], None] | None = None, *, force: bool = False) -> Path:
+        """Write ``step_XXXXXX``; ``extra(tmp)`` adds the stage's own files (called on global rank 0 only).
+
+        A step already saved with the same trainer state (a save-interval step that is also the last, or the best)
+        is not written again unless ``force`` (the weights changed since: the best ones restored)."""
         name, par = f"step_{step:06d}", self.parallel
         final, tmp = self.root / name, self.root / f".{name}.partial"
+        written = (step, json.dumps(state, sort_keys=True, default=str))
+        if written == self._written and not force and final.is_dir():
+            return final
         if par.is_writer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -212,6 +219,7 @@ class Checkpointer:
             self._prune()
             log.info("checkpoint saved: %s", final)
         par.barrier()  # no rank reads (or resumes from) a checkpoint rank 0 is still finalising
+        self._written = written
         return final
 
     def _prune(self) -> None:
@@ -466,6 +474,8 @@ def build_reward(cfg: Any, tokenizer: Any) -> Any:
 
         reward = RemoteFactualityReward(url, model_name=cfg.remote_rm.reward_model.name, timeout_s=cfg.remote_rm.timeout_s,
                                         init_timeout_s=cfg.remote_rm.init_timeout_s, retry=backoff(cfg.remote_rm.retry))
+        log.info("waiting for the reward server at %s (model %r) to be ready (connect, then model ready: up to %g s "
+                 "each)", url, cfg.remote_rm.reward_model.name, reward.health_wait_s)
         down = {k: v for k, v in reward.health().items() if v}
         if down:
             raise FactualityInputError(f"remote_rm: the reward server is not ready: {'; '.join(down.values())} "

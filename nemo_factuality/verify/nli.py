@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 
 from nemo_factuality.interfaces import VerifyItem
 from nemo_factuality.registry import VERIFIERS
@@ -44,16 +43,17 @@ class NLIVerifier:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        path = Path(model_path)
-        if not (path / "config.json").is_file():
-            raise FactualityInputError(f"NLI model path {path} has no config.json; point verifier.model_path at a local "
-                                       "sequence-classification model directory")
+        from nemo_factuality.local_models import check_model_dir, from_pretrained
+
+        key = "verifier.model_path"  # a local sequence-classification (NLI) model directory
+        path = check_model_dir(model_path, key, tokenizer=True)
         if aggregation not in ("max", "mean"):
             raise FactualityInputError(f"NLI aggregation must be 'max' or 'mean', got {aggregation!r}")
         if prompt_template is not None and ("{premise}" not in prompt_template or "{hypothesis}" not in prompt_template):
             raise FactualityInputError("verifier.prompt_template must contain {premise} and {hypothesis}")
-        self.tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        self.model = AutoModelForSequenceClassification.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, path, key, trust_remote_code=trust_remote_code)
+        self.model = from_pretrained(AutoModelForSequenceClassification.from_pretrained, path, key,
+                                     trust_remote_code=trust_remote_code)
         self.model = self.model.to(device).eval()
         self.prompt_template = prompt_template
         self.single_logit = self.model.config.num_labels == 1

@@ -101,6 +101,44 @@ def test_dry_run_writes_only_to_the_current_directory(tmp_path, monkeypatch, cap
     assert Path("/lustre").exists() == lustre_before and not (REPO_ROOT / "logs").exists()
 
 
+@pytest.mark.parametrize("stage_name", ["grpo_klcf", "aligner_ppo_rlfh"])
+def test_only_trainer_image_steps_get_the_container_workdir(stage_name):
+    """pyxis fails a step whose --container-workdir is missing from its image: /workspace/nemo_factuality is in the
+    trainer image only, so the vLLM judges (judge image) must start in their image's own directory."""
+    cluster = load_config(ClusterProfile, "h100_pyxis", group="cluster")
+    text = rendered(stage_name)
+    workdir = f"--container-workdir={shlex.quote(cluster.container_workdir)}"
+    steps = [line for line in text.splitlines() if line.startswith("srun ")]
+    judge, trainer = (f"--container-image={shlex.quote(cluster.images[i])}" for i in ("judge", "trainer"))
+    assert any(judge in line for line in steps) and any(trainer in line for line in steps)  # both stages have vLLM judges
+    for line in steps:
+        assert (judge in line) != (trainer in line), line  # every step runs one of the two images
+        assert (workdir in line) == (trainer in line), line
+
+
+@pytest.mark.parametrize("override, key", [
+    ("cluster.account=my_account", "account"),
+    ("cluster.partition=<partition>", "partition"),
+    ("cluster.images.judge=/lustre/CHANGEME/judge.sqsh", "images.judge"),
+])
+def test_a_placeholder_site_value_is_refused_in_one_line(tmp_path, override, key):
+    """Before: `#SBATCH --account=my_account` rendered without a word (sbatch refuses it only at submit)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    env.pop("NEMO_FACTUALITY_DEBUG", None)
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "launch", "grpo_klcf", "--dry-run",
+                          *site_params("grpo_klcf"), override], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and res.stdout == "", res.stderr
+    assert f"cluster.{key}={override.split('=', 1)[1]} is a placeholder" in lines[0], lines[0]
+    assert list(tmp_path.iterdir()) == []  # no script written
+    # a real value (and none, for the account: sbatch's default) renders
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "launch", "grpo_klcf", "--dry-run",
+                          *site_params("grpo_klcf"), "cluster.account=factuality-lab"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "#SBATCH --account=factuality-lab" in res.stdout, res.stderr
+
+
 def test_stage_naming_a_module_that_does_not_exist_fails_rendering(tmp_path):
     stage = load_config(LaunchConfig, "cpu_standin", ["trainer_command=python -m nemo_factuality.trainers.grpoo --steps 1"],
                         group="launch")

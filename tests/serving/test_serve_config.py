@@ -111,3 +111,62 @@ def test_serve_on_a_taken_port_is_one_line_naming_the_key_and_port(demo_workdir,
     assert lines[0].startswith(f"nemo-factuality serve: error: {key}={ports[key]}: cannot listen on 127.0.0.1:{ports[key]}: "
                                "Address already in use"), lines[0]
     assert time.monotonic() - start < 60  # no Triton was started to find out
+
+
+def _serve(workdir, *overrides: str, timeout: float = 180):
+    import subprocess
+    import sys
+
+    from nemo_factuality.testing.ports import free_ports
+    from nemo_factuality.testing.servers import SERVE_PORT_KEYS
+
+    ports = [f"{k}={v}" for k, v in zip(SERVE_PORT_KEYS, free_ports(len(SERVE_PORT_KEYS)))]
+    env = {k: v for k, v in os.environ.items() if k not in ("NEMO_FACTUALITY_DEBUG", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(PYTHONPATH=str(REPO_ROOT), PYTRITON_HOME=str(workdir / "pytriton_home"))
+    return subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "serve", "--config-name", "demo", "host=127.0.0.1",
+                           *ports, *overrides], cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("overrides, phrase", [
+    # before: 49 s of Hub retries, then a traceback (exit 1), after a 28-line config dump
+    (["policy_tokenizer=outputs/nosuch"], "policy_tokenizer=outputs/nosuch: no such directory"),
+    (["policy_tokenizer=outputs/demo_kb.sqlite"], "policy_tokenizer=outputs/demo_kb.sqlite is a file"),
+    # an input the reward loads: the config dump came first
+    (["reward.pipeline.verifier.store_path=outputs/nosuch.sqlite"], "knowledge store outputs/nosuch.sqlite does not exist"),
+])
+def test_a_serve_error_is_its_only_output(demo_workdir, overrides, phrase):
+    res = _serve(demo_workdir, *overrides)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and res.stdout == "", res.stderr[-3000:]
+    assert lines[0].startswith("nemo-factuality serve: error: ") and phrase in lines[0], lines[0]
+
+
+def test_serve_says_it_listens_on_every_interface(demo_workdir, tiny_tokenizer_dir):
+    """The default host, 0.0.0.0 (NeMo-Aligner's too: trainers on other nodes reach it), is said at start-up."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from nemo_factuality.testing.ports import free_ports
+    from nemo_factuality.testing.servers import SERVE_PORT_KEYS, wait_reward_ready
+
+    ports = dict(zip(SERVE_PORT_KEYS, free_ports(len(SERVE_PORT_KEYS))))
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTRITON_HOME=str(demo_workdir / "pytriton_home"))
+    log = demo_workdir / "serve_default_host.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "nemo_factuality.cli", "serve", "--config-name", "demo",
+                                 f"policy_tokenizer={tiny_tokenizer_dir}", *[f"{k}={v}" for k, v in ports.items()]],
+                                cwd=demo_workdir, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_reward_ready(proc, ports, log)
+        deadline = time.monotonic() + 30
+        while "serving reward_model" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    started = [line for line in log.read_text().splitlines() if "serving reward_model" in line]
+    assert len(started) == 1, log.read_text()[-3000:]
+    assert f"on 0.0.0.0:{ports['http_port']}" in started[0] and "every network interface" in started[0]
+    assert "host=127.0.0.1" in started[0]  # how to keep it on this machine

@@ -168,6 +168,26 @@ def test_malformed_inputs_get_clear_errors_and_server_keeps_serving(stack, tiny_
     assert _infer(stack["url"], "reward_model", tokens=tokens, sequence_lengths=lengths)["rewards"].shape == (1, 1)
 
 
+def test_tritons_output_goes_to_logging_not_the_terminal(stack, capfd, caplog):
+    """PyTriton printed every tritonserver line to stdout from a thread: a failed batch's Python-backend traceback
+    (``…/proxy/model.py(501): execute``) landed among pytest's dots. Now it is logged, at its own level."""
+    import logging
+
+    from pytriton.client.exceptions import PyTritonClientInferenceServerError
+
+    capfd.readouterr()
+    with caplog.at_level(logging.DEBUG, logger="nemo_factuality.serving.tritonserver"):
+        with pytest.raises(PyTritonClientInferenceServerError):
+            _infer(stack["url"], "reward_model", sequence_lengths=np.array([[3]], dtype=np.int64))  # no tokens
+        deadline = time.monotonic() + 15
+        while not any("model.py(" in r.getMessage() for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    traceback_lines = [r for r in caplog.records if "model.py(" in r.getMessage()]
+    assert traceback_lines and all(r.levelno == logging.ERROR for r in traceback_lines), caplog.text[-2000:]
+    printed = capfd.readouterr()
+    assert "model.py(" not in printed.out + printed.err and "Model execute error" not in printed.out + printed.err
+
+
 def test_wrong_dtype_is_refused(stack):
     from pytriton.client.exceptions import PyTritonClientError
 

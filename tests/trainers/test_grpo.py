@@ -101,6 +101,27 @@ def test_resume_gives_the_same_next_steps(tiny_policy, tmp_path):
     assert (split_dir / "final" / "config.json").exists()
 
 
+def test_each_checkpoint_is_written_and_logged_once(tiny_policy, tmp_path, caplog):
+    """A step that is a save-interval step, the best validated one and the last was written (and logged
+    "checkpoint saved") up to three times; once now, its trainer state naming it the best."""
+    import json
+    import logging
+
+    scores = iter([0.1, 0.2])  # validation at steps 2 and 4: each one the best so far
+    cfg = grpo_cfg(tiny_policy, tmp_path / "run", **{"trainer.max_steps": 4, "trainer.save_interval": 2,
+                                                     "trainer.val_check_interval": 2})
+    cfg.trainer.early_stopping.monitor = "val/score"
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(cfg, HFActor(cfg.model, max_steps=100), good_fraction, prompts(8), run_dir=tmp_path / "run",
+                          validate=lambda step: {"val/score": next(scores)})
+    with caplog.at_level(logging.INFO, logger="nemo_factuality.trainers.runtime"):
+        trainer.fit()
+    saved = [r.getMessage().rsplit("/", 1)[-1] for r in caplog.records if r.getMessage().startswith("checkpoint saved")]
+    assert saved == ["step_000002", "step_000004"], saved
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_000004" / "trainer_state.json").read_text())
+    assert state["best"] == "step_000004" and state["step"] == 4
+
+
 def test_early_stopping_restores_the_best_weights(tiny_policy, tmp_path):
     scores = iter([0.5, 0.9, 0.1, 0.2, 0.3, 0.4])
     cfg = grpo_cfg(tiny_policy, tmp_path / "es", **{"trainer.max_steps": 10, "trainer.val_check_interval": 1})

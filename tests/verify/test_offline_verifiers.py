@@ -70,5 +70,5 @@ def test_nli_bad_config(tmp_path, tiny_tokenizer_dir):
     path = _tiny_nli(tmp_path / "nli", tiny_tokenizer_dir, [0.0, 0.0, 0.0])
     with pytest.raises(FactualityInputError, match="not in the model's labels"):
         NLIVerifier(str(path), entail_label="supported")
-    with pytest.raises(FactualityInputError, match="no config.json"):
+    with pytest.raises(FactualityInputError, match="verifier.model_path=.*missing: no such directory"):
         NLIVerifier(str(tmp_path / "missing"))

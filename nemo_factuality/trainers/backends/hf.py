@@ -200,9 +200,12 @@ class HFActor:
                  model: Any = None, tokenizer: Any = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from nemo_factuality.local_models import from_pretrained
+
         self.cfg, self.device, self.gradient_clip_val = cfg, torch.device(device), gradient_clip_val
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(cfg.path)
-        self.model = model or AutoModelForCausalLM.from_pretrained(cfg.path, dtype=_DTYPES[cfg.dtype])
+        self.tokenizer = tokenizer or from_pretrained(AutoTokenizer.from_pretrained, cfg.path, "model.path")
+        self.model = model or from_pretrained(AutoModelForCausalLM.from_pretrained, cfg.path, "model.path",
+                                              dtype=_DTYPES[cfg.dtype])
         self.model.to(self.device)
         self.eos_id = self.tokenizer.eos_token_id
         if self.eos_id is None:
@@ -405,11 +408,14 @@ class HFCritic:
                  device: str = "cpu", dtype: str = "float32") -> None:
         from transformers import AutoConfig, AutoModelForTokenClassification
 
-        path = cfg.path or policy_path
+        from nemo_factuality.local_models import from_pretrained
+
+        path, key = (cfg.path, "critic.path") if cfg.path else (policy_path, "model.path")
         self.cfg, self.device, self.gradient_clip_val = cfg, torch.device(device), gradient_clip_val
-        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config = from_pretrained(AutoConfig.from_pretrained, path, key, num_labels=1)
         config.classifier_dropout = 0.0  # transformers' default 0.1 would make values noisy in train mode
-        self.model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=_DTYPES[dtype])
+        self.model = from_pretrained(AutoModelForTokenClassification.from_pretrained, path, key, config=config,
+                                     dtype=_DTYPES[dtype])
         if cfg.path is None:
             with torch.no_grad():
                 for p in self.model.score.parameters():
