@@ -94,12 +94,34 @@ class CriticMetrics:
             f.write(json.dumps(row) + "\n")
 
 
-def _latest(checkpoints: Path) -> tuple[Path, int] | None:
-    pointer = checkpoints / "latest.json"
+def _committed_step(checkpoints: Path) -> int | None:
+    """The critic step the run's committed checkpoint pairs with: ``<log dir>/checkpoints/latest`` → its
+    ``critic.json``; None when the run has no checkpoint yet. The run's ``latest`` is the one commit point of a PPO
+    checkpoint: the critic's own saves are candidates until the actor's checkpoint naming them is renamed into place."""
+    pointer = checkpoints.parent.parent / "checkpoints" / "latest"
     if not pointer.is_file():
         return None
-    info = json.loads(pointer.read_text(encoding="utf-8"))
-    return checkpoints / info["dir"] / "state", int(info["server_step"])
+    record = checkpoints.parent.parent / "checkpoints" / pointer.read_text(encoding="utf-8").strip() / "critic.json"
+    if not record.is_file():
+        return None
+    step = json.loads(record.read_text(encoding="utf-8"))["server_step"]
+    return None if step is None else int(step)
+
+
+def _latest(checkpoints: Path) -> tuple[Path, int] | None:
+    """Where a (re)started critic server resumes: the server step the run's committed checkpoint names — so a kill
+    between the critic's save and the actor's rename leaves the pair at their previous shared step, never a critic
+    newer than its actor — or, in a run without one, nothing (a fresh critic, as the actor starts fresh)."""
+    step = _committed_step(checkpoints)
+    if step is None:
+        return None
+    state = checkpoints / f"server_step_{step:08d}" / "state"
+    if not state.is_dir():
+        from nemo_factuality.types import FactualityInputError
+
+        raise FactualityInputError(f"the run's latest checkpoint pairs with critic server step {step}, but {state} is "
+                                   "missing: restore that directory, or start the run and its critic afresh")
+    return state, step
 
 
 def build_server(cfg: PPOConfig, *, devices: int, num_nodes: int):
@@ -237,8 +259,9 @@ def _server_class():
             return {"step": np.array([self.step], dtype=np.int64)}
 
         def save(self, extra_candidates=None, is_train_end=False, save_top_only=False):
-            """Every rank writes its shard of ``<checkpoints>/server_step_<n>/state``; rank 0 then points
-            ``latest.json`` at it (atomic rename) and prunes to the newest ``exp_manager.save_top_k``."""
+            """Every rank writes its shard of ``<checkpoints>/server_step_<n>/state``; rank 0 then records it in
+            ``latest.json`` (information only: a restart resumes from the step the run's committed checkpoint
+            names, ``_latest``) and prunes to the newest ``exp_manager.save_top_k`` and the committed one."""
             self.model.prepare_for_training()  # Adam states back where the checkpoint reads them
             name = f"server_step_{self.step:08d}"
             self.trainer.save_checkpoint(str(self.checkpoints / name / "state.ckpt"))
@@ -284,10 +307,14 @@ def _server_class():
 
 
 def _prune(checkpoints: Path, keep: int) -> None:
+    """Keep the newest ``keep`` saves and always the one the run's committed checkpoint names (with keep=1 the
+    newest save is not committed until the actor's rename: pruning its predecessor would leave the run unpaired)."""
     import shutil
 
+    committed = _committed_step(checkpoints)
     for old in sorted(p for p in checkpoints.glob("server_step_*") if p.is_dir())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if committed is None or old.name != f"server_step_{committed:08d}":
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def serve(argv: Sequence[str] | None) -> int:

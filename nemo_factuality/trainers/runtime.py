@@ -176,6 +176,9 @@ class Checkpointer:
         if not pointer.exists():
             return None
         path = self.root / pointer.read_text().strip()
+        aside = self.root / f".{path.name}.replaced"
+        if not path.exists() and (aside / "trainer_state.json").exists():  # killed mid re-save: the old one stands
+            os.replace(aside, path)
         if not (path / "trainer_state.json").exists():
             raise FactualityInputError(f"{pointer} names {path.name}, which is incomplete; delete {pointer} to start over "
                                        "or point exp_manager.explicit_log_dir at a new directory")
@@ -211,8 +214,13 @@ class Checkpointer:
         if par.is_writer:
             (tmp / "trainer_state.json").write_text(json.dumps({**state, "rng": _rng_to_json(rng)}), encoding="utf-8")
             respect_umask(tmp)  # safetensors files come out 0600 otherwise
-            shutil.rmtree(final, ignore_errors=True)
+            # a re-save of the same step: the old one moves aside and is deleted only once the new one is in place
+            aside = self.root / f".{name}.replaced"
+            shutil.rmtree(aside, ignore_errors=True)
+            if final.exists():
+                os.replace(final, aside)
             os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
             pointer_tmp = self.root / ".latest.tmp"
             pointer_tmp.write_text(name)
             os.replace(pointer_tmp, self.root / "latest")

@@ -84,6 +84,7 @@ class RemoteCritic:
         retry = getattr(cfg, "retry", None)
         self.retry = backoff(retry) if retry is not None else Backoff()
         self.expected_step: int | None = None  # the server's optimiser step as this run knows it
+        self.committed_step: int | None = None  # the server step the last checkpoint paired with (None: none yet)
         if check:
             from nemo_factuality.trainers.backends.aligner_reward import check_reward_server
 
@@ -91,13 +92,15 @@ class RemoteCritic:
                                 error=RemoteCriticError, what="critic server")
 
     # ---- requests ------------------------------------------------------------------------------
-    def _send(self, model: str, inputs: Mapping[str, np.ndarray], batched: bool) -> dict[str, np.ndarray]:
+    def _send(self, model: str, inputs: Mapping[str, np.ndarray], batched: bool,
+              timeout_s: float | None = None) -> dict[str, np.ndarray]:
         from pytriton.client import ModelClient
 
         from nemo_factuality.serving.client import quiet_pytriton_timeouts
 
-        with quiet_pytriton_timeouts(), ModelClient(self.url, model, init_timeout_s=self.init_timeout_s,
-                                                    inference_timeout_s=self.timeout_s) as client:
+        init_s, infer_s = (self.init_timeout_s, self.timeout_s) if timeout_s is None else (timeout_s, timeout_s)
+        with quiet_pytriton_timeouts(), ModelClient(self.url, model, init_timeout_s=init_s,
+                                                    inference_timeout_s=infer_s) as client:
             return client.infer_batch(**inputs) if batched else client.infer_sample(**inputs)
 
     def _request(self, model: str, inputs: Mapping[str, np.ndarray], *, batched: bool) -> dict[str, np.ndarray]:
@@ -189,18 +192,40 @@ class RemoteCritic:
             self.server_step()
 
     def save(self, path: Path) -> None:
-        """The server writes its own checkpoint; ``critic.json`` records which server step belongs to this one."""
-        _on_rank0(lambda: self._request(SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False) and None)
-        step = self.server_step()
+        """The server writes its own checkpoint; ``critic.json`` records which server step belongs to this one (the
+        critic server resumes from the step the run's committed checkpoint names: ``critic_server._latest``).
+
+        A server that does not answer a short probe is not asked to save — that would wait a second retry window
+        and end with no checkpoint at all: the checkpoint pairs the actor with the critic's last committed step
+        (``None``: a fresh critic), which the restarted server resumes from."""
+        probe_s = min(self.init_timeout_s, 10.0)
+
+        def save_if_answering() -> int | None:
+            try:
+                self._send(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, False, timeout_s=probe_s)
+            except Exception as err:  # gone: keep the committed pairing
+                log.warning("critic server %s did not answer within %.0f s (%s): this checkpoint pairs the actor with "
+                            "the critic's last committed step %s, which the restarted server resumes from", self.url,
+                            probe_s, _last_error_line(err), self.committed_step)
+                return None
+            self._request(SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)
+            return int(self._request(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)["step"].reshape(-1)[0])
+
+        saved = _on_rank0(save_if_answering)
+        if saved is not None:
+            self.expected_step = self.committed_step = saved
         if _rank() == 0:
             Path(path).mkdir(parents=True, exist_ok=True)
-            (Path(path) / "critic.json").write_text(json.dumps({"url": self.url, "server_step": step}), encoding="utf-8")
+            (Path(path) / "critic.json").write_text(json.dumps({"url": self.url, "server_step": self.committed_step}),
+                                                    encoding="utf-8")
 
     def load(self, path: Path) -> None:
         """The server resumed from its own latest checkpoint at start-up: check it is this checkpoint's step."""
         info = json.loads((Path(path) / "critic.json").read_text(encoding="utf-8"))
         now = self.server_step()
-        if now != int(info["server_step"]):
+        committed = info["server_step"]  # None: saved while the critic had no checkpoint (it starts fresh, at 0)
+        self.committed_step = committed
+        if now != (0 if committed is None else int(committed)):
             raise RemoteCriticError(
                 f"the critic server at {self.url} is at optimiser step {now} but the checkpoint {path} was saved with "
                 f"it at step {info['server_step']}: restart the critic server so it resumes from its latest checkpoint "
