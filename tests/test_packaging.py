@@ -49,7 +49,8 @@ def test_setup_env_says_what_each_long_step_does_before_it(tmp_path):
     assert res.returncode == 0, res.stderr
     lines = res.stderr.splitlines()
     installs = [i for i, line in enumerate(lines) if line.startswith("PIP ") and " install " in f" {line} "]
-    assert len(installs) == 3, lines  # pip itself, torch, the project
+    assert len(installs) == 4, lines  # pip itself, torch, the project, the docs toolchain
     for i in installs:
         assert i > 0 and lines[i - 1].startswith("[setup_env] "), lines[max(i - 1, 0): i + 1]
     assert "torch" in lines[installs[1] - 1] and ".[all,dev]" in lines[installs[2] - 1]
+    assert "docs" in lines[installs[3] - 1] and ".[docs]" in lines[installs[3]]

@@ -174,6 +174,11 @@ def restore(cfg):
     trainer = resolve_and_create_trainer(cfg, "reinforce")
     exp_manager(trainer, cfg.exp_manager)
     logger = _recording_logger_class()(trainer.loggers)
+    from nemo_factuality.trainers.backends.aligner_spec import use_checkpoint_layer_specs
+
+    # NeMo 2.2's get_specs cannot build a spec without TE (it builds every spec eagerly): the layer spec this
+    # toolkit installs on every path it builds a model (nemo_trainer), here for Aligner's own script
+    use_checkpoint_layer_specs(bool(cfg.model.get("transformer_engine", False)))
     model = load_from_nemo(MegatronGPTReinforceActorModel, cfg.model, trainer, strict=True,
                            restore_path=cfg.pretrained_checkpoint.restore_from_path)
     init_peft(model, cfg.model)

@@ -129,9 +129,10 @@ def _layout(preset: dict) -> dict[str, int]:
     return {"tp": tp, "pp": pp, "dp": preset["nodes"] * preset["gpus_per_node"] // (tp * pp)}
 
 
-def test_the_readme_checkpoint_bytes_per_32b_preset_are_the_arithmetic():
-    """The README's table: each row's GB recomputed from the preset (arch, layout) by ``checkpoint_bytes``."""
-    readme = (PRESETS[0].parents[3] / "README.md").read_text()
+def test_the_docs_checkpoint_bytes_per_32b_preset_are_the_arithmetic():
+    """The cluster guide's table (docs/cluster/aligner.md): each row's GB recomputed from the preset (arch, layout)
+    by ``checkpoint_bytes``."""
+    readme = (PRESETS[0].parents[3] / "docs" / "cluster" / "aligner.md").read_text()
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in readme.splitlines()
             if line.startswith("| `qwen2.5-32b`, `deepseek-r1-distill-qwen-32b` |")]
     assert [r[1] for r in rows] == ["grpo", "ppo", "kto"]

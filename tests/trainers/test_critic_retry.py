@@ -177,4 +177,5 @@ def test_a_slow_update_resent_after_a_timeout_is_applied_once(critic_server, ids
         assert applied == ["4"], applied  # one update, though the client sent it more than once
         assert critic.expected_step == 5 == critic.server_step() == int(critic_server.state.read_text())
     else:  # what the ids prevent: the resend applied as a second step, and the run would not know
-        assert len(applied) == 2 and int(critic_server.state.read_text()) == 6
+        # (each resend after a timeout is another update: two or more, as the load decides the timing)
+        assert len(applied) >= 2 and int(critic_server.state.read_text()) == 4 + len(applied)
