@@ -98,10 +98,11 @@ def _committed_step(checkpoints: Path) -> int | None:
     """The critic step the run's committed checkpoint pairs with: ``<log dir>/checkpoints/latest`` → its
     ``critic.json``; None when the run has no checkpoint yet. The run's ``latest`` is the one commit point of a PPO
     checkpoint: the critic's own saves are candidates until the actor's checkpoint naming them is renamed into place."""
-    pointer = checkpoints.parent.parent / "checkpoints" / "latest"
+    run_checkpoints = checkpoints.parent.parent / "checkpoints"  # <log dir>/critic/checkpoints → <log dir>/checkpoints
+    pointer = run_checkpoints / "latest"
     if not pointer.is_file():
         return None
-    record = checkpoints.parent.parent / "checkpoints" / pointer.read_text(encoding="utf-8").strip() / "critic.json"
+    record = run_checkpoints / pointer.read_text(encoding="utf-8").strip() / "critic.json"
     if not record.is_file():
         return None
     step = json.loads(record.read_text(encoding="utf-8"))["server_step"]
@@ -207,7 +208,6 @@ def _server_class():
     from nemo_aligner.algorithms.critic_server_trainer import CriticServerTrainer
     from nemo_aligner.utils.server_utils import lock_method
     from pytriton.decorators import sample
-
     from pytriton.model_config import Tensor
 
     parent_train = CriticServerTrainer.__dict__["server_train"].__wrapped__  # under @sample: locked, takes arrays

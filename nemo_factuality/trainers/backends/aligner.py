@@ -909,14 +909,12 @@ def agree_on_failure(error: Exception | None) -> None:
 
     Every rank calls it at the same point, so the job's next collective is the same on every rank: all go on, all
     checkpoint and exit 75, or all stop. One int64 all-reduce when nothing failed; a gather of the reports else."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+    if not _distributed_world():
         if error is not None:
             raise error
         return
     kind = "ok" if error is None else _relay_kind(error)
-    flag = torch.tensor([_SEVERITY[kind]], dtype=torch.int64, device=collective_device())
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    worst = int(flag.item())
+    worst = _max_over_ranks(_SEVERITY[kind])
     if worst == 0:
         return
     reports: list[Any] = [None] * torch.distributed.get_world_size()
@@ -931,11 +929,18 @@ def agree_on_failure(error: Exception | None) -> None:
 
 def any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank of the job (a preemption signal reaches the ranks at different moments)."""
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
-        return bool(flag)
-    value = torch.tensor([int(bool(flag))], dtype=torch.int64, device=collective_device())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
+    return bool(_max_over_ranks(int(bool(flag)))) if _distributed_world() else bool(flag)
+
+
+def _distributed_world() -> bool:
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _max_over_ranks(value: int) -> int:
+    """The largest ``value`` any rank of the job passed (one int64 all-reduce over the default group)."""
+    out = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
+    return int(out.item())
 
 
 def restore_training_state(trainer: Any, scheduler: Any, state_dir: Path) -> None:

@@ -47,6 +47,12 @@ from nemo_factuality.types import ServerUnavailableError
 log = logging.getLogger(__name__)
 
 INFER, TRAIN, SAVE, STATE = "critic_infer", "critic_train", "critic_save", "critic_state"
+_NO_INPUT = {"dummy_var": np.zeros(1, dtype=np.int64)}  # critic_save / critic_state take a placeholder input
+
+
+def _step_of(state: Mapping[str, np.ndarray]) -> int:
+    """The optimiser step in a ``critic_state`` answer."""
+    return int(np.asarray(state["step"]).reshape(-1)[0])
 
 
 class RemoteCriticError(RuntimeError):
@@ -136,8 +142,7 @@ class RemoteCritic:
         ``critic_train`` finds its update already applied (send nothing); None to send the request."""
         if self.expected_step is None:
             return None
-        out = self._send(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, False)
-        now = int(out["step"].reshape(-1)[0])
+        now = _step_of(self._send(STATE, _NO_INPUT, False))
         if now == self.expected_step:
             return None
         if model == TRAIN and now == self.expected_step + 1:
@@ -183,8 +188,7 @@ class RemoteCritic:
 
     def server_step(self) -> int:
         """The server's optimiser step (asked on rank 0, the same on every rank); this run expects it from now on."""
-        self.expected_step = int(_on_rank0(lambda: int(
-            self._request(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)["step"].reshape(-1)[0])))
+        self.expected_step = int(_on_rank0(lambda: _step_of(self._request(STATE, _NO_INPUT, batched=False))))
         return self.expected_step
 
     def _know_step(self) -> None:
@@ -202,14 +206,14 @@ class RemoteCritic:
 
         def save_if_answering() -> int | None:
             try:
-                self._send(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, False, timeout_s=probe_s)
+                self._send(STATE, _NO_INPUT, False, timeout_s=probe_s)
             except Exception as err:  # gone: keep the committed pairing
                 log.warning("critic server %s did not answer within %.0f s (%s): this checkpoint pairs the actor with "
                             "the critic's last committed step %s, which the restarted server resumes from", self.url,
                             probe_s, _last_error_line(err), self.committed_step)
                 return None
-            self._request(SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)
-            return int(self._request(STATE, {"dummy_var": np.zeros(1, dtype=np.int64)}, batched=False)["step"].reshape(-1)[0])
+            self._request(SAVE, _NO_INPUT, batched=False)
+            return _step_of(self._request(STATE, _NO_INPUT, batched=False))
 
         saved = _on_rank0(save_if_answering)
         if saved is not None:
