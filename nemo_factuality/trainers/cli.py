@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,7 +96,9 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     from nemo_factuality.config import to_yaml
 
-    (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+    writer = int(os.environ.get("RANK", "0")) == 0  # under torchrun/srun only the job's rank 0 writes the run's files
+    if writer:
+        (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     seed_everything(cfg.trainer.seed)
     actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo", **runtime)
     reward = build_reward(cfg, actor.tokenizer)
@@ -103,7 +106,8 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
         _fit(stage, cfg, actor, critic, reward, train, val, pairs, run_dir)
     except ServerUnavailableError as err:
         # the Slurm launcher requeues on this file as well as on exit 75 (srun may report a killed rank's code)
-        (run_dir / "REQUEUE").write_text(f"{' '.join(str(err).split())}\n", encoding="utf-8")
+        if writer:
+            (run_dir / "REQUEUE").write_text(f"{' '.join(str(err).split())}\n", encoding="utf-8")
         raise
     finally:
         for client in (reward, critic):  # served rewards / the critic server: no client thread outlives the run

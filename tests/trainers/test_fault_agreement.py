@@ -2,7 +2,8 @@
 
 Each replica used to decide "reward server gone" and "preempted" on its own: replica 1 entered the checkpoint's
 barrier while replica 0 entered the step's all-reduce, and the job hung — no checkpoint, no exit 75, no requeue.
-Here, at TP=2 × DP=2 (4 ranks, gloo), replica 1's reward client gives up at step 2 while replica 0's answers, and
+Here, at TP=2 × DP=2 on the aligner backend (4 ranks, gloo) and at DP=2 on the hf backend (2 ranks, a full
+replica each), replica 1's reward client gives up at step 2 while replica 0's answers, and
 in another run SIGUSR1 reaches one rank alone: every rank must write the same checkpoint and stop with the
 same exit code (75 for the server, 0 after the preemption checkpoint) well within the test's bound, and the rerun
 of the same command must end where the undisturbed run ends.
@@ -11,6 +12,8 @@ of the same command must end where the undisturbed run ends.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,22 +25,28 @@ pytestmark = pytest.mark.slow
 DRIVER = "tests/trainers/fault_agreement_driver.py"
 
 
-@pytest.fixture(scope="module")
-def ranks(venv, tmp_path_factory):
-    root = tmp_path_factory.mktemp("fault_agreement")
+@pytest.fixture(scope="module", params=["aligner-tp2-dp2", "hf-dp2"])
+def ranks(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"fault_agreement_{request.param}")
     build_tiny_causal_lm("qwen2", vocab_size=400, out_dir=root / "hf")
     build_tiny_tokenizer(root / "hf")
-    convert_checkpoint("hf-to-nemo", "--hf", str(root / "hf"), "--out", str(root / "policy"), "--extracted")
     out = root / "out"
     out.mkdir()
+    if request.param.startswith("aligner"):
+        venv = request.getfixturevalue("venv")
+        convert_checkpoint("hf-to-nemo", "--hf", str(root / "hf"), "--out", str(root / "policy"), "--extracted")
+        args, nproc = [f"--nemo={root / 'policy'}", "--tp=2"], 4
+    else:  # the project's own venv: a full replica per rank
+        venv, args, nproc = Path(sys.executable).parents[1], [f"--hf={root / 'hf'}"], 2
     # bounded: before the fix this run hung in mismatched collectives until killed here
-    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={root / 'policy'}", f"--out={out}", "--tp=2"], nproc=4, timeout=540)
+    res = run_in_aligner_venv(venv, [DRIVER, f"--out={out}", *args], nproc=nproc, timeout=540)
     assert res.returncode == 0, res.stdout[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-def test_layout_is_two_replicas_of_two_ranks(ranks):
-    assert sorted(r["dp_rank"] for r in ranks) == [0, 0, 1, 1]
+def test_layout_is_two_replicas(ranks):
+    per_replica = len(ranks) // 2  # TP=2 on the aligner backend, one rank per replica on hf
+    assert sorted(r["dp_rank"] for r in ranks) == [0] * per_replica + [1] * per_replica
 
 
 def test_one_replicas_server_gone_stops_every_rank_with_a_checkpoint_and_exit_75(ranks):

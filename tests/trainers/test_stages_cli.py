@@ -406,3 +406,37 @@ def test_served_fspo_and_knowrl_rewards_vary_within_a_group_and_fspo_flips(tiny_
             result = trainer.update(exp)
             assert result["optimizer_steps"] == 1 and result["grad_norm"] > 0, method
             assert any(not torch.equal(a, b) for a, b in zip(before, actor.model.parameters(), strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["ppo", "kto"])
+def test_the_real_command_at_data_parallel_2_on_the_hf_backend(stage, tiny_policy, judge, kb, tmp_path):
+    """``torchrun --no-python --nproc_per_node 2 nemo-factuality train …``: two full replicas (gloo), the critic's and
+    KTO's gathers included; one run directory written by rank 0 alone."""
+    from nemo_factuality.testing.aligner_env import run_bounded
+    from nemo_factuality.testing.ports import free_ports
+
+    run_dir = tmp_path / "run"
+    if stage == "ppo":
+        data = write_jsonl(tmp_path / "hotpot.jsonl", [
+            {"question": f"When was Ada Varga born ({i})?", "titles": ["Ada Varga"], "materials": [FACTS[0][3]],
+             "extra_materials": []} for i in range(8)])
+        args = ["--config-name", "tiny_cpu_rlfh", f"reward.judge.base_url={judge.url}"]
+    else:
+        data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Write a bio of Ada Varga ({i}).", "topic": "Ada Varga"}
+                                                        for i in range(4)])
+        args = ["--config-name", "tiny_cpu_factalign", f"reward.judge.base_url={judge.url}",
+                f"reward.pipeline.evidence.store_path={kb}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc_per_node=2",
+           f"--master_port={free_ports(1)[0]}", "--master_addr=127.0.0.1",
+           str(Path(sys.executable).parent / "nemo-factuality"), "train", stage, *args,
+           *_common(tiny_policy, run_dir), f"data.train={data}", "trainer.max_steps=2", "model.micro_batch_size=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "HF_HUB_OFFLINE": "1"}
+    res = run_bounded(cmd, timeout=400, env=env)
+    assert res.returncode == 0, res.stdout[-5000:]
+    metrics = read_metrics(run_dir)
+    steps = [m["step"] for m in metrics]
+    assert steps and steps == sorted(set(steps)), steps  # each step logged once, by rank 0
+    assert all(math.isfinite(v) for m in metrics for k, v in m.items() if k.startswith("loss/"))
+    assert (run_dir / "final" / "config.json").exists()
+    assert "rank 1 of 2" in res.stdout

@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from nemo_factuality.trainers import reference as ref_record
+from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device, on_group_source
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
-from nemo_factuality.types import FactualityInputError, ServerUnavailableError
+from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 
@@ -310,15 +311,6 @@ def onload_optimizer_states(offloaded: OffloadedTensors) -> None:
         state[key] = host.to(device, copy=True)
 
 
-def collective_device() -> torch.device:
-    """Where a tensor must live for the default process group's collectives: NCCL takes CUDA tensors only (a CPU
-    tensor raises "No backend type associated with device type cpu", first seen on the GPU smoke run), gloo
-    takes CPU ones."""
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, float]]:
     """Loss functions' metrics averaged over micro batches; ``loss`` summed over micro batches and DP ranks
     (the step's global loss, since each share is normalised by the global count). They exist on the last
@@ -363,7 +355,7 @@ def _largest_divisor_at_most(n: int, cap: int) -> int:
     return next(d for d in range(min(n, max(cap, 1)), 0, -1) if n % d == 0)
 
 
-class AlignerActor:
+class AlignerActor(ProcessGroupDataParallel):
     """``PolicyActor`` on NeMo-Aligner's Megatron REINFORCE actor; one instance per rank (torchrun/srun)."""
 
     def __init__(self, model_cfg: Any, runtime: AlignerRuntime | None = None, *, trt_llm: Mapping[str, Any] | None = None) -> None:
@@ -387,43 +379,11 @@ class AlignerActor:
         self.initial_reference = ref_record.initial_record(path, "model.restore_from_path")
         self.reference_is_initial = True
 
-    # ---- parallel layout -------------------------------------------------------------------------
-    @property
-    def data_parallel_rank(self) -> int:
+    # ---- parallel layout (the data-parallel hooks: ``collectives.ProcessGroupDataParallel``) ---------------------
+    def _data_parallel_group(self) -> Any:
         from megatron.core import parallel_state as mpu
 
-        return mpu.get_data_parallel_rank()
-
-    @property
-    def data_parallel_size(self) -> int:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_data_parallel_world_size()
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the whole job (the stages write their run files on rank 0 only)."""
-        return torch.distributed.get_rank()
-
-    def barrier(self) -> None:
-        """Wait for every rank of the job (the stages' checkpoint finalisation)."""
-        torch.distributed.barrier()
-
-    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over data-parallel ranks (the stage's global token/sequence counts); returns a new CPU tensor."""
-        from megatron.core import parallel_state as mpu
-
-        out = value.detach().clone().to(collective_device())
-        torch.distributed.all_reduce(out, group=mpu.get_data_parallel_group())
-        return out.cpu()
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        """Every data-parallel rank's ``obj`` in rank order (KTO gathers its ranks' labelled examples)."""
-        from megatron.core import parallel_state as mpu
-
-        out: list[Any] = [None] * self.data_parallel_size
-        torch.distributed.all_gather_object(out, obj, group=mpu.get_data_parallel_group())
-        return out
+        return mpu.get_data_parallel_group()
 
     @property
     def is_model_parallel_source(self) -> bool:
@@ -436,18 +396,6 @@ class AlignerActor:
         """``fn()`` once per model replica (its model-parallel source rank), the result broadcast to the replica's
         other ranks: the stages score a rollout, which every rank of a replica holds, through this."""
         return on_model_parallel_source(fn)
-
-    def agree_on_failure(self, error: Exception | None) -> None:
-        """The stages' one decision after a call that can fail on some ranks only (``agree_on_failure``)."""
-        agree_on_failure(error)
-
-    def any_rank(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any rank of the job (``any_rank``)."""
-        return any_rank(flag)
-
-    def global_sum(self, value: float) -> float:
-        """The stages' hook for global token/sequence counts (sum over data-parallel ranks)."""
-        return float(self.all_reduce_sum(torch.tensor([float(value)], dtype=torch.float64))[0])
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -858,89 +806,7 @@ def on_model_parallel_source(fn: Any) -> Any:
         return fn()
     from megatron.core import parallel_state as mpu
 
-    group = mpu.get_model_parallel_group()
-    ranks = torch.distributed.get_process_group_ranks(group)
-    if len(ranks) == 1:
-        return fn()
-    is_source = torch.distributed.get_rank() == ranks[0]
-    box: list[Any] = [None]
-    error: Exception | None = None
-    if is_source:
-        try:
-            box = [("ok", fn())]
-        except Exception as err:  # re-raised below, on every rank of the group
-            error = err
-            box = [(_relay_kind(err), f"{type(err).__name__}: {err}")]
-    torch.distributed.broadcast_object_list(box, src=ranks[0], group=group)
-    status, value = box[0]
-    if error is not None:
-        raise error
-    return relayed_result(status, value, ranks[0])
-
-
-def _relay_kind(err: Exception) -> str:
-    """How another rank re-raises a source rank's error: a server gone past its retry window stays one (the stage
-    checkpoints on every rank alike), with its ``checkpoint_safe``; anything else is a failure of that rank."""
-    if isinstance(err, ServerUnavailableError):
-        return "unavailable" if getattr(err, "checkpoint_safe", True) else "unavailable-no-checkpoint"
-    return "error"
-
-
-def relayed_result(status: str, value: Any, source: int) -> Any:
-    """The value another rank broadcast (``status`` "ok"), or its error raised here (see ``_relay_kind``)."""
-    if status == "ok":
-        return value
-    if status.startswith("unavailable"):
-        relayed = ServerUnavailableError(f"{value} (on rank {source})")
-        relayed.checkpoint_safe = status == "unavailable"
-        raise relayed
-    raise RuntimeError(f"rank {source} failed: {value}")
-
-
-# how bad a rank's outcome is; the job acts on the worst (a crash anywhere beats a checkpoint, and a checkpoint
-# that would be inconsistent anywhere is written nowhere)
-_SEVERITY = {"ok": 0, "unavailable": 1, "unavailable-no-checkpoint": 2, "error": 3}
-
-
-def agree_on_failure(error: Exception | None) -> None:
-    """One decision for the whole job after a call that can fail on some ranks only (a replica's reward or critic
-    server gone, its validation scoring): returns when no rank failed; otherwise raises on every rank the worst
-    failure — its own error where this rank had that one, else the failing rank's, relayed (``relayed_result``).
-
-    Every rank calls it at the same point, so the job's next collective is the same on every rank: all go on, all
-    checkpoint and exit 75, or all stop. One int64 all-reduce when nothing failed; a gather of the reports else."""
-    if not _distributed_world():
-        if error is not None:
-            raise error
-        return
-    kind = "ok" if error is None else _relay_kind(error)
-    worst = _max_over_ranks(_SEVERITY[kind])
-    if worst == 0:
-        return
-    reports: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(reports, (kind, "" if error is None else f"{type(error).__name__}: {error}"))
-    if error is not None and _SEVERITY[kind] == worst:
-        raise error
-    source = next(r for r, (k, _) in enumerate(reports) if _SEVERITY[k] == worst)
-    if error is None:
-        log.warning("rank %d: %s; stopping with it", source, reports[source][1])
-    relayed_result(*reports[source], source)
-
-
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank of the job (a preemption signal reaches the ranks at different moments)."""
-    return bool(_max_over_ranks(int(bool(flag)))) if _distributed_world() else bool(flag)
-
-
-def _distributed_world() -> bool:
-    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-
-
-def _max_over_ranks(value: int) -> int:
-    """The largest ``value`` any rank of the job passed (one int64 all-reduce over the default group)."""
-    out = torch.tensor([value], dtype=torch.int64, device=collective_device())
-    torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX)
-    return int(out.item())
+    return on_group_source(fn, mpu.get_model_parallel_group())
 
 
 def restore_training_state(trainer: Any, scheduler: Any, state_dir: Path) -> None:

@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_factuality.trainers.backends.aligner import _relay_kind, on_model_parallel_source, relayed_result
+from nemo_factuality.trainers.backends.aligner import on_model_parallel_source
+from nemo_factuality.trainers.backends.collectives import relay_kind, relayed_result
 from nemo_factuality.trainers.interfaces import LossFn, Rollout
 from nemo_factuality.types import ServerUnavailableError
 
@@ -271,7 +272,7 @@ def _on_rank0(fn: Callable[[], Any]) -> Any:
         try:
             box = [("ok", fn())]
         except Exception as err:
-            error, box = err, [(_relay_kind(err), f"{type(err).__name__}: {err}")]
+            error, box = err, [(relay_kind(err), f"{type(err).__name__}: {err}")]
     torch.distributed.broadcast_object_list(box, src=0)
     if error is not None:
         raise error

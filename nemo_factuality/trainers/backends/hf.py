@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nemo_factuality.trainers import reference as ref_record
+from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, sum_gradients
 from nemo_factuality.trainers.config import CriticModelConfig, OptimConfig, PolicyModelConfig
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams
 
@@ -193,8 +194,14 @@ def _backward_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device
     return {k: v / max(n_micro, 1) for k, v in sums.items()}
 
 
-class HFActor:
-    """``PolicyActor`` over ``AutoModelForCausalLM`` (see ``trainers/interfaces.py`` for the contract)."""
+class HFActor(ProcessGroupDataParallel):
+    """``PolicyActor`` over ``AutoModelForCausalLM`` (see ``trainers/interfaces.py`` for the contract).
+
+    Data parallelism: under torchrun with several processes (``collectives.init_from_environment``) each rank holds
+    a full replica; gradients are summed over the ranks before clipping (the stages' losses are normalised by the
+    global counts), so every replica takes the same step. Each rank samples from its own random stream (the seed
+    offset by its rank), and only global rank 0 writes checkpoint and export files.
+    """
 
     def __init__(self, cfg: PolicyModelConfig, *, max_steps: int, gradient_clip_val: float = 1.0, device: str = "cpu",
                  model: Any = None, tokenizer: Any = None) -> None:
@@ -207,6 +214,8 @@ class HFActor:
         self.model = model or from_pretrained(AutoModelForCausalLM.from_pretrained, cfg.path, "model.path",
                                               dtype=_DTYPES[cfg.dtype])
         self.model.to(self.device)
+        if self.data_parallel_size > 1:
+            torch.manual_seed(torch.initial_seed() + self.data_parallel_rank)  # replicas sample different rollouts
         self.eos_id = self.tokenizer.eos_token_id
         if self.eos_id is None:
             raise ValueError(f"the tokenizer at {cfg.path} has no eos_token; set one so responses can end")
@@ -337,6 +346,9 @@ class HFActor:
             batch, micro_batch_size, self.device, loss_fn,
             lambda mb: self._forward_logprobs(self.model, mb["tokens"], mb["response_lengths"], need_entropy))
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.data_parallel_size > 1:
+            sum_gradients(params)
+            metrics = self.mean_over_ranks(metrics)
         clip = self.gradient_clip_val if self.gradient_clip_val > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         if not torch.isfinite(grad_norm):
@@ -350,8 +362,11 @@ class HFActor:
 
     # ------------------------------------------------------------------ state
     def save(self, path: Path) -> None:
+        """Global rank 0 writes (every replica holds the same weights and optimiser state)."""
         from safetensors.torch import save_file
 
+        if self.global_rank != 0:
+            return
         path.mkdir(parents=True, exist_ok=True)
         save_file(_cpu_copy(self.model), path / "policy.safetensors")
         if self.reference_is_initial:
@@ -389,15 +404,18 @@ class HFActor:
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
 
     def export(self, path: Path) -> None:
+        """An HF folder (global rank 0 writes it; every rank returns once it is complete)."""
         from nemo_factuality.fileio import respect_umask
 
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(str(path))
-        self.tokenizer.save_pretrained(str(path))
-        respect_umask(path)  # safetensors writes 0600 through a temporary file: the policy is an ordinary output
+        if self.global_rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(str(path))
+            self.tokenizer.save_pretrained(str(path))
+            respect_umask(path)  # safetensors writes 0600 through a temporary file: the policy is an ordinary output
+        self.barrier()
 
 
-class HFCritic:
+class HFCritic(ProcessGroupDataParallel):
     """``Critic``: the policy's backbone with a one-output token head (``AutoModelForTokenClassification``).
 
     Initialised from ``critic.path`` or, by default, from the policy checkpoint with a zero value head
@@ -443,6 +461,9 @@ class HFCritic:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = _backward_micro_batches(batch, micro_batch_size, self.device, loss_fn,
                                           lambda mb: {"values": self._values(mb["tokens"], mb["response_lengths"])})
+        if self.data_parallel_size > 1:  # as the actor's: the stage's value loss is normalised by the global counts
+            sum_gradients(list(self.model.parameters()))
+            metrics = self.mean_over_ranks(metrics)
         clip = self.gradient_clip_val if self.gradient_clip_val > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
@@ -453,6 +474,8 @@ class HFCritic:
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
 
+        if self.global_rank != 0:  # every replica holds the same critic
+            return
         path.mkdir(parents=True, exist_ok=True)
         save_file(_cpu_copy(self.model), path / "critic.safetensors")
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},

@@ -11,14 +11,16 @@ from nemo_factuality.trainers.backends import BACKENDS
 def build_hf(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Any, Any]:
     """(actor, critic or None) for a stage config with ``trainer.backend=hf`` (``runtime`` is the aligner
     presets'; the CLI refuses a preset on this backend, so it is always empty here)."""
+    from nemo_factuality.trainers.backends.collectives import init_from_environment
     from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
 
     t = cfg.trainer
-    actor = HFActor(cfg.model, max_steps=_optimizer_steps(cfg), gradient_clip_val=t.gradient_clip_val, device=t.device)
+    device = init_from_environment(t.device)  # data parallelism under torchrun: one full replica per rank
+    actor = HFActor(cfg.model, max_steps=_optimizer_steps(cfg), gradient_clip_val=t.gradient_clip_val, device=device)
     value_model = None
     if critic:
         value_model = HFCritic(cfg.critic, cfg.model.path, max_steps=_optimizer_steps(cfg),
-                               gradient_clip_val=t.gradient_clip_val, device=t.device, dtype=cfg.model.dtype)
+                               gradient_clip_val=t.gradient_clip_val, device=device, dtype=cfg.model.dtype)
     return actor, value_model
 
 
