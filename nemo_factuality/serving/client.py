@@ -19,6 +19,7 @@ import json
 import logging
 import random
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -184,10 +185,13 @@ class RemoteFactualityReward:
         if n == 0:
             return RewardBatch(np.zeros(0))
         rows = [{k: v[i] for k, v in columns.items() if v is not None} for i in range(n)]
+        call = uuid.uuid4().hex  # never the global random streams: a retried step must equal an undisturbed one
         payload = {
             "prompts": np.array([[p.encode("utf-8")] for p in prompts], dtype=object),
             "completions": np.array([[c.encode("utf-8")] for c in completions], dtype=object),
             "columns": np.array([[json.dumps(r, default=_jsonable).encode("utf-8")] for r in rows], dtype=object),
+            # the same ids on every resend of this call: a server still scoring the first answers the rest from it
+            "request_ids": np.array([[f"{call}:{i}".encode()] for i in range(n)], dtype=object),
         }
         def request() -> dict[str, np.ndarray]:
             with quiet_pytriton_timeouts(), self._client() as client:

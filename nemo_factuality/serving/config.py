@@ -37,5 +37,7 @@ class ServeConfig:
     # A sample whose judge/fact-check failed is NaN (+ details.error) by default; fail_fast fails the whole
     # batch instead, so the caller (trainer) stops rather than trains around the failures.
     fail_fast: bool = False
+    # Rows a resent request may be answered from (by the client's request ids) instead of judged again; 0 = off.
+    answered_rows_kept: int = 65536
     health_check_interval_s: float = 5.0  # how often readiness re-checks the judges and the store
     workspace: str | None = None  # PyTriton workspace (default: a temporary directory)

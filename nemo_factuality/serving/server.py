@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from nemo_factuality.config import ConfigError
+from nemo_factuality.serving.answered import AnsweredRows
 from nemo_factuality.serving.config import ServeConfig
 from nemo_factuality.serving.decode import PayloadDecoder, decode_text, pad_rows
 from nemo_factuality.types import FactualityInputError, RewardBatch
@@ -102,6 +103,8 @@ class _Metrics:
                                    ["model", "reason"], registry=self.registry)
         self.sample_errors = Counter("factuality_sample_errors", "samples whose fact-check or judge failed",
                                      ["model"], registry=self.registry)
+        self.repeated_samples = Counter("factuality_repeated_samples", "samples of a resent request answered from the "
+                                        "first one's result (request ids), not judged again", ["model"], registry=self.registry)
 
 
 class _RewardStatsCollector:
@@ -137,6 +140,7 @@ class FactualityRewardServer:
         self._http: list[ThreadingHTTPServer] = []
         self._workspace: tempfile.TemporaryDirectory | None = None
         self._lock = threading.Lock()  # the reward's judges keep their own concurrency; batches run one at a time
+        self.answered = AnsweredRows(cfg.answered_rows_kept)  # a resent request is answered, not judged again
 
     # ------------------------------------------------------------------ text extraction
     def _texts(self, inputs: dict[str, np.ndarray]) -> tuple[list[str], list[str], list[tuple[int, ...]] | None, list[int]]:
@@ -182,8 +186,16 @@ class FactualityRewardServer:
         try:
             prompts, completions, ids, offsets = self._texts(inputs)
             columns = self._columns(inputs, len(completions), ids)
+            request_ids = decode_text(inputs["request_ids"], "request_ids") if "request_ids" in inputs else None
+
+            def score_rows(rows: list[int] | None) -> RewardBatch:
+                if rows is None:
+                    return self.reward(prompts, completions, **columns)
+                return self.reward([prompts[i] for i in rows], [completions[i] for i in rows],
+                                   **{k: [v[i] for i in rows] for k, v in columns.items()})
+
             with self._lock:
-                result = self.reward(prompts, completions, **columns)
+                result, repeated = self.answered.score(request_ids, score_rows)
         except Exception:
             self.metrics.errors.labels(model).inc()
             log.exception("batch %d (%s) failed", batch_id, model)
@@ -198,8 +210,12 @@ class FactualityRewardServer:
                 self.metrics.errors.labels(model).inc()
                 raise RuntimeError(f"batch {batch_id}: fail_fast is set and {len(errors)} of {len(result)} samples failed: "
                                    + "; ".join(f"sample {i}: {e}" for i, e in list(errors.items())[:5]))
+        if repeated:
+            self.metrics.repeated_samples.labels(model).inc(repeated)
+            log.warning("batch %d (%s): %d of %d samples were answered before (a resent request): not judged again",
+                        batch_id, model, repeated, len(completions))
         self.metrics.requests.labels(model).inc()
-        self.metrics.samples.labels(model).inc(len(completions))
+        self.metrics.samples.labels(model).inc(len(completions) - repeated)
         self.metrics.latency.labels(model).observe(elapsed)
         log.info("batch %d (%s): %d samples in %.3f s", batch_id, model, len(completions), elapsed)
         token_level = result.token_rewards if result.token_rewards is not None else result.token_signs
@@ -273,6 +289,7 @@ class FactualityRewardServer:
                                 batcher=DynamicBatcher(max_queue_delay_microseconds=cfg.max_queue_delay_us,
                                                        preferred_batch_size=list(cfg.preferred_batch_sizes)))
         common = [Tensor(name="sentences", shape=(-1,), dtype=bytes, optional=True),
+                  Tensor(name="request_ids", shape=(-1,), dtype=bytes, optional=True),
                   Tensor(name="tokens", shape=(-1,), dtype=np.int64, optional=True),
                   Tensor(name="sequence_lengths", shape=(-1,), dtype=np.int64, optional=True)]
         self._triton = Triton(config=triton_cfg, workspace=workspace)

@@ -332,3 +332,38 @@ def test_remote_general_rm_reads_a_reward_model_endpoint(stack, tiny_tokenizer):
     assert rm.health() == {f"general_rm:{stack['url']}/reward_model": None}
     with pytest.raises(GeneralRMError, match="general_rm.url"):
         build_general_rm({"kind": "remote", "url": "http://127.0.0.1:9", "timeout_s": 1})(["q"], ["a"])
+
+
+def _judged(stack, client, prompts, responses):
+    before = len(stack["judge"].requests)
+    result = client(prompts, responses)
+    return result, len(stack["judge"].requests) - before
+
+
+def test_a_request_resent_after_a_client_timeout_is_answered_not_judged_again(stack):
+    """The judges are slow, not gone: the client times out after 1 s and resends while the server still scores the
+    first request. The resend carries the same request ids, so the server answers it from the first one's result:
+    the judge sees one request's worth of calls (before the ids: two or more)."""
+    from nemo_factuality.serving.client import Backoff, RewardServerUnavailable
+
+    patient = RemoteFactualityReward(stack["url"], timeout_s=60)
+    hasty = RemoteFactualityReward(stack["url"], timeout_s=1.0, retry=Backoff(max_wait_s=60, initial_s=0.2, max_s=0.5))
+    MODE["verify"] = "slow"  # 1.5 s per verification: the first request outlives the 1 s timeout
+    try:
+        once, single = _judged(stack, patient, PROMPTS[:1], RESPONSES[:1])
+        resent, judged = _judged(stack, hasty, PROMPTS[:1], RESPONSES[:1])
+        assert judged == single > 0, (judged, single)
+        np.testing.assert_array_equal(resent.scores, once.scores)
+        assert stack["server"].metrics.repeated_samples.labels(stack["cfg"].rich_model_name)._value.get() >= 1
+        # without the ids' memory every resend is judged again, and each outlives the timeout as the first did: the
+        # judge load grows with every resend until the retry window closes
+        stack["server"].answered.capacity = 0
+        brief = RemoteFactualityReward(stack["url"], timeout_s=1.0, retry=Backoff(max_wait_s=3, initial_s=0.2, max_s=0.5))
+        before = len(stack["judge"].requests)
+        with pytest.raises(RewardServerUnavailable):
+            brief(PROMPTS[:1], RESPONSES[:1])
+        time.sleep(2)  # the resends still queued on the server finish
+        assert len(stack["judge"].requests) - before >= 2 * single
+    finally:
+        MODE["verify"] = "Correct"
+        stack["server"].answered.capacity = stack["cfg"].answered_rows_kept
