@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -145,23 +146,53 @@ def _params(actor: AlignerActor) -> dict[str, torch.Tensor]:
             for chunk in actor.model.get_model_module_list() for k, v in chunk.named_parameters()}
 
 
-def _master(actor: AlignerActor) -> dict[str, tuple[int, torch.Tensor]]:
-    """The weights the optimiser updates, by parameter name: ``(start, values)`` with ``values`` the flattened
-    slice ``[start, start + n)`` of that parameter this rank owns. Megatron's distributed optimizer keeps fp32
-    main shards (of bf16 parameters under ``megatron_amp_O2``); a plain optimiser updates the parameters."""
+def _owned_ranges(actor: AlignerActor) -> dict[str, tuple[torch.nn.Parameter, int, int, Any]]:
+    """name → (model parameter, start, length, its fp32 main shard or None): the flattened slice of each parameter
+    this rank's optimiser steps (Megatron's distributed optimizer: its own shard of every buffer; else all of it)."""
     names = {p: k.replace("module.", "") for chunk in actor.model.get_model_module_list() for k, p in chunk.named_parameters()}
     mcore = getattr(actor.optimizer, "mcore_optimizer", None)
     if mcore is None:
-        return {names[p]: (0, p.detach().float().flatten().clone()) for p in names}
+        return {name: (p, 0, p.numel(), None) for p, name in names.items()}
     out = {}
     for optimizer in getattr(mcore, "chained_optimizers", [mcore]):  # one per parameter-group kind
         pairs = [*zip(optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups, strict=True),
                  *zip(optimizer.model_fp32_groups, optimizer.shard_fp32_groups, strict=True)]
         for model_group, shard_group in pairs:
             for model_param, shard in zip(model_group, shard_group, strict=True):
-                out[names[model_param]] = (optimizer._get_model_param_range_map(model_param)["param"].start,
-                                           shard.detach().float().flatten().clone())
+                start = optimizer._get_model_param_range_map(model_param)["param"].start
+                out[names[model_param]] = (model_param, start, shard.numel(), shard)
     return out
+
+
+# The first optimiser step's gradient (fp32, before clipping), recorded when the actor asks Aligner to clip.
+FIRST_GRADIENT: dict[str, list] = {}
+
+
+def _record_first_gradient(actor: AlignerActor) -> None:
+    """Wrap Aligner's ``clip_gradients`` (called between the gradient reduction and the optimiser step) to keep the
+    first step's reduced gradient on this rank's owned slices: ``main_grad`` (Megatron's fp32 grad buffer) where
+    the model has one, else ``grad``."""
+    import nemo_aligner.utils.train_utils as train_utils
+
+    clip = train_utils.clip_gradients
+
+    def recording(model, clip_val):
+        if not FIRST_GRADIENT:
+            for name, (param, start, n, _) in _owned_ranges(actor).items():
+                grad = getattr(param, "main_grad", None)
+                grad = param.grad if grad is None else grad
+                FIRST_GRADIENT[name] = [start, grad.detach().float().flatten()[start:start + n].tolist()]
+        return clip(model, clip_val)
+
+    train_utils.clip_gradients = recording
+
+
+def _master(actor: AlignerActor) -> dict[str, tuple[int, torch.Tensor]]:
+    """The weights the optimiser updates, by parameter name: ``(start, values)`` with ``values`` the flattened
+    slice ``[start, start + n)`` of that parameter this rank owns. Megatron's distributed optimizer keeps fp32
+    main shards (of bf16 parameters under ``megatron_amp_O2``); a plain optimiser updates the parameters."""
+    return {name: (start, (param if shard is None else shard).detach().float().flatten().clone())
+            for name, (param, start, _, shard) in _owned_ranges(actor).items()}
 
 
 def run(actor: AlignerActor, args) -> dict:
@@ -189,7 +220,7 @@ def run(actor: AlignerActor, args) -> dict:
             "update": {k: (after[k] - before[k]).flatten().tolist() for k in sorted(before)},
             "master_update": {k: [start, (master_after[k][1] - values).tolist()] for k, (start, values) in master_before.items()},
             "param_dtypes": sorted({str(p.dtype) for p in actor.model.parameters()}),
-            "optimizer": type(actor.optimizer).__name__, "probes": probes, "metrics_a": m_a, "metrics_b": m_b,
+            "optimizer": type(actor.optimizer).__name__, "probes": probes, "first_gradient": FIRST_GRADIENT, "metrics_a": m_a, "metrics_b": m_b,
             "lp_a": lp_a.tolist(), "lp_b": lp_b.tolist()}
 
 
@@ -217,6 +248,7 @@ def main() -> int:
     t0 = time.monotonic()
     _install_probes()
     actor = _actor(args)
+    _record_first_gradient(actor)
     result = resume(actor, args) if args.resume_from else run(actor, args)
     result.update(total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank, dp_size=actor.data_parallel_size,
                   rank=torch.distributed.get_rank())
