@@ -29,9 +29,10 @@
 #                        packages come from the base and are frozen below, so nothing re-installs torch. CI runs
 #                        torch 2.13 CPU (no CPU build of the NGC torch exists), and checks on Python 3.12 that the
 #                        package compiles and its modules import (tests/test_container_stack.py).
-#   judge image          vLLM needs a newer torch than this base: judges run in their own image (--target judge).
+#   judge image          vLLM needs a newer torch than this base: judges run in their own image (--target judge),
+#                        vllm/vllm-openai at the version of requirements/vllm.txt (the rollout engine's too).
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.6.3
+ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 # ---------------------------------------------------------------------------------------- judges (vLLM)
 FROM ${VLLM_IMAGE} AS judge

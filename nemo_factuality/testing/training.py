@@ -14,8 +14,10 @@ from nemo_factuality.types import RewardBatch
 GOOD = frozenset(range(100, 150))  # token ids a toy reward pays for (~12% of the tiny vocabulary)
 
 
-def build_policy(out: Path, *, tie: bool = False) -> Path:
-    """A 2-layer Qwen2 with non-default rope_theta, head_dim and GQA, plus the local BPE tokenizer."""
+def build_policy(out: Path, *, tie: bool = False, head_dim: int = 12) -> Path:
+    """A 2-layer Qwen2 with non-default rope_theta, head_dim and GQA, plus the local BPE tokenizer. Four heads of
+    ``head_dim`` (hidden size 4 × head_dim): vLLM needs 32 (its CPU attention refuses smaller heads, and its Qwen2
+    takes head_dim = hidden / heads)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -23,8 +25,8 @@ def build_policy(out: Path, *, tie: bool = False) -> Path:
 
     tok = build_tiny_tokenizer(out)
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
-                      intermediate_size=96, vocab_size=len(tok), max_position_embeddings=256, rope_theta=50000.0,
+    cfg = Qwen2Config(hidden_size=4 * head_dim, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=head_dim, intermediate_size=8 * head_dim, vocab_size=len(tok), max_position_embeddings=256, rope_theta=50000.0,
                       tie_word_embeddings=tie, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     Qwen2ForCausalLM(cfg).save_pretrained(str(out))
     respect_umask(out)  # safetensors writes model.safetensors 0600 (through a temporary file): 0644 under umask 022

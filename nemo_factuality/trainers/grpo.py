@@ -46,6 +46,7 @@ from nemo_factuality.algorithms import (
     ppo_policy_loss,
     response_mask,
 )
+from nemo_factuality.algorithms.off_policy import logprob_gap, truncated_importance_weights
 from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.data import PromptRecord, PromptSampler
@@ -190,6 +191,8 @@ class GRPOTrainer:
         metrics.update(response_stats(rollout))
         metrics.update(timer.times)
         metrics.update({"time/reward": scorer.reward_s, "time/reward_exposed": scorer.exposed_s})
+        if self.engine_sampled():
+            metrics.update(self.actor.engine_metrics())  # the refit before this step's generation
         return self.parallel.reduce_metrics(metrics)
 
     # The stage's hooks (PPO overrides them): batch shape, log-probs, reward → advantage, and the update.
@@ -220,7 +223,27 @@ class GRPOTrainer:
         g, m = self.cfg.grpo, self.cfg.model
         rows = self._prompts_per_step() * self._samples_per_prompt()
         kl_in_reward = g.initial_policy_kl_penalty > 0 and g.kl_in == "reward"
-        return g.num_epochs == 1 and rows == m.global_batch_size and not kl_in_reward
+        return g.num_epochs == 1 and rows == m.global_batch_size and not kl_in_reward and not self.engine_sampled()
+
+    def engine_sampled(self) -> bool:
+        """Whether another engine samples the rollouts (``rollout.engine=vllm``): the trainer then recomputes the old
+        log-probs, so the PPO ratio starts from its own and the gap to the engine's is measured."""
+        return self.cfg.rollout.engine == "vllm"
+
+    def correct_for_engine(self, rollout: Rollout, old_logprobs: torch.Tensor | None, mask: torch.Tensor,
+                           advantages: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """``advantages`` and the engine-gap metrics for a rollout another engine sampled (unchanged otherwise):
+        ``rollout/logprob_diff`` (mean |log π_trainer − log π_engine| over the response tokens) and, with
+        ``rollout.vllm.tis_cap``, the advantages × the truncated importance weights."""
+        if rollout.logprobs is None or old_logprobs is None:
+            return advantages, {}
+        metrics = {"rollout/logprob_diff": logprob_gap(old_logprobs, rollout.logprobs, mask)}
+        cap = self.cfg.rollout.vllm.tis_cap
+        if cap is not None:
+            weights = truncated_importance_weights(old_logprobs, rollout.logprobs, mask, cap)
+            metrics["rollout/tis_weight_mean"] = masked_mean(weights, mask).item() if mask.any() else 1.0
+            advantages = advantages * weights
+        return advantages, metrics
 
     def _experience(self, rollout: Rollout, rewards: Any,
                     logprobs: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -266,6 +289,8 @@ class GRPOTrainer:
         if signs is not None and g.fspo_flip:
             advantages = fspo_flip(advantages, signs)
         exp["mask"] = mask * valid.unsqueeze(1).to(mask.dtype)
+        advantages, engine_metrics = self.correct_for_engine(rollout, old_logprobs, exp["mask"], advantages)
+        metrics.update(engine_metrics)
         exp["advantages"] = advantages * exp["mask"]
         metrics.update({"valid_frac": valid.float().mean().item(),
                         "advantage/abs_mean": masked_mean(advantages.abs(), exp["mask"]).item() if exp["mask"].any() else 0.0})

@@ -55,9 +55,14 @@ class Rollout:
     prompt_lengths: torch.Tensor  # [B] int64
     response_lengths: torch.Tensor  # [B] int64, prompt + response (incl. EOS when it ended)
     is_end: torch.Tensor  # [B] bool
+    # [B, S-1] float32: the sampling engine's log-prob of tokens[:, t+1] (0 outside the response), when the rollout
+    # comes from an engine other than the trainer (rollout.engine=vllm); None for the actor's own generate
+    logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b = self.tokens.shape[0]
+        if self.logprobs is not None and tuple(self.logprobs.shape) != (b, self.tokens.shape[1] - 1):
+            raise ValueError(f"Rollout.logprobs has shape {list(self.logprobs.shape)}, expected [{b}, {self.tokens.shape[1] - 1}]")
         for name in ("prompt_lengths", "response_lengths", "is_end"):
             t = getattr(self, name)
             if tuple(t.shape) != (b,):
@@ -101,9 +106,13 @@ def assemble_rollout(chunks: Sequence[RolloutChunk], pad_id: int) -> Rollout:
     tokens = torch.cat([torch.nn.functional.pad(c.rollout.tokens, (0, width - c.rollout.tokens.shape[1]), value=pad_id)
                         for c in chunks])
     order = torch.argsort(torch.tensor(rows))  # position of prompt row i among the concatenated chunks
+    logprobs = None
+    if all(c.rollout.logprobs is not None for c in chunks):
+        logprobs = torch.cat([torch.nn.functional.pad(c.rollout.logprobs, (0, width - c.rollout.tokens.shape[1]))
+                              for c in chunks])[order]
     return Rollout(tokens=tokens[order], prompt_lengths=torch.cat([c.rollout.prompt_lengths for c in chunks])[order],
                    response_lengths=torch.cat([c.rollout.response_lengths for c in chunks])[order],
-                   is_end=torch.cat([c.rollout.is_end for c in chunks])[order])
+                   is_end=torch.cat([c.rollout.is_end for c in chunks])[order], logprobs=logprobs)
 
 
 @runtime_checkable

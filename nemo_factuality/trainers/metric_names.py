@@ -89,6 +89,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("time/advantages", (GRPO, PPO), "seconds from rewards to advantages"),
     Metric("time/train", ALL, "seconds in optimiser steps"),
     Metric("time/step", (GRPO, PPO), "the whole step, wall seconds"),
+    Metric("time/refit", (GRPO, PPO), "seconds pushing the trainer's weights into the rollout engine before this "
+           "step's generation (export + reload; 0 when none was due)", condition="rollout.engine=vllm"),
+    Metric("rollout/logprob_diff", (GRPO, PPO), "mean |log π_trainer − log π_engine| of the sampled response tokens: "
+           "how far the engine that sampled is from the trainer", condition="rollout.engine=vllm"),
+    Metric("rollout/tis_weight_mean", (GRPO, PPO), "mean truncated importance weight min(π_trainer / π_engine, "
+           "rollout.vllm.tis_cap) the advantages were multiplied by", condition="rollout.engine=vllm, rollout.vllm.tis_cap set"),
     Metric("time/collect", (KTO,), "seconds sampling and labelling an iteration's examples"),
     Metric("time/reference_points", (KTO,), "seconds computing the iteration's reference log-probs once"),
     # validation

