@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nemo_factuality.evaluation.report import EvalRecord, precision_points
 
@@ -69,8 +69,8 @@ def group_label(name: str, members: Sequence[EvalRecord]) -> str:
 
 
 @dataclass
-class _Count:
-    """A count to write on (or beside) its marker once the layout is final."""
+class _Marker:
+    """One drawn marker; its count (when > 1) is written on it, or beside it, once the layout is final."""
 
     ax: Any
     x: float
@@ -81,55 +81,105 @@ class _Count:
 
 
 def _bubbles(ax, points: list[tuple[float, float]], x_of, color, label: str, area: Callable[[int], float],
-             counts_out: list[_Count]) -> None:
-    """One marker per distinct (x, y) with ``area(count)``; counts > 1 are queued in ``counts_out`` to be written."""
+             markers_out: list[_Marker]) -> None:
+    """One marker per distinct (x, y) with ``area(count)``, each recorded in ``markers_out``."""
     counts = point_counts(points)
     xs = [x_of(x) for x, _ in counts]
     ax.scatter(xs, [y for _, y in counts], s=[area(n) for n in counts.values()], color=color, alpha=0.55,
                edgecolors="black", linewidths=0.5, label=label)
-    counts_out += [_Count(ax, x_of(x), y, n, math.sqrt(area(n)) / 2, color) for (x, y), n in counts.items() if n > 1]
+    markers_out += [_Marker(ax, x_of(x), y, n, math.sqrt(area(n)) / 2, color) for (x, y), n in counts.items()]
 
 
-# Where a count goes when its marker's centre would overprint another count: above, below, right, left,
-# then the corners, each just outside the marker (offsets in units of its radius + a gap).
-_LABEL_SPOTS = ((0, 0), (0, 1), (0, -1), (1, 0), (-1, 0), (1, 1), (-1, 1), (1, -1), (-1, -1))
+# Where a count goes when its marker's centre is taken (by another count, or by a neighbouring marker that
+# overlaps this one): above, below, right, left, the corners, each just outside the marker (offsets in units
+# of its radius + a gap), then the same eight spots twice as far out.
+_RING = ((0, 1), (0, -1), (1, 0), (-1, 0), (1, 1), (-1, 1), (1, -1), (-1, -1))
+_LABEL_SPOTS = ((0, 0), *_RING, *((2 * dx, 2 * dy) for dx, dy in _RING))
+
+
+@dataclass(frozen=True)
+class _Disc:
+    """A marker's circle in pixels: a count may sit on its own marker and on no other."""
+
+    x: float
+    y: float
+    r: float
+
+    def hits(self, box) -> bool:
+        nearest_x, nearest_y = min(max(self.x, box.x0), box.x1), min(max(self.y, box.y0), box.y1)
+        return (nearest_x - self.x) ** 2 + (nearest_y - self.y) ** 2 < self.r**2
+
+    @property
+    def extents(self) -> tuple[float, float, float, float]:
+        return self.x - self.r, self.y - self.r, self.x + self.r, self.y + self.r
 
 
 class _BoxGrid:
-    """Pixel boxes of the counts written so far, bucketed in a grid: an overlap test looks at a few cells,
-    so placing N counts costs O(N), not O(N²)."""
+    """What a count must not overprint (the counts written so far, every marker, the mean bars), bucketed in a
+    pixel grid: an overlap test looks at a few cells, so placing N counts costs O(N), not O(N²)."""
 
     def __init__(self, cell: float = 32.0) -> None:
         self.cell, self.cells = cell, {}
 
-    def _keys(self, box) -> list[tuple[int, int]]:
-        c = self.cell
-        return [(i, j) for i in range(int(box.x0 // c), int(box.x1 // c) + 1) for j in range(int(box.y0 // c), int(box.y1 // c) + 1)]
+    def _keys(self, extents) -> list[tuple[int, int]]:
+        c, (x0, y0, x1, y1) = self.cell, extents
+        return [(i, j) for i in range(int(x0 // c), int(x1 // c) + 1) for j in range(int(y0 // c), int(y1 // c) + 1)]
 
-    def overlaps(self, box) -> bool:
-        return any(box.overlaps(other) for key in self._keys(box) for other in self.cells.get(key, ()))
+    def overlaps(self, box, own: _Disc | None = None) -> bool:
+        """Does ``box`` touch anything but ``own`` (the count's own marker)?"""
+        return any(other is not own and (other.hits(box) if isinstance(other, _Disc) else box.overlaps(other))
+                   for key in self._keys(box.extents) for other in self.cells.get(key, ()))
 
-    def add(self, box) -> None:
-        for key in self._keys(box):
-            self.cells.setdefault(key, []).append(box)
+    def add(self, item) -> None:
+        for key in self._keys(item.extents):
+            self.cells.setdefault(key, []).append(item)
 
 
-def _write_counts(fig, counts: list[_Count]) -> tuple[list[tuple[str, tuple[float, float, float, float]]], int]:
-    """Write each count on its marker, or just outside it where the centre would overprint a count already
-    written (largest counts first); a count with no free spot inside its axes is left out. Returns the
-    written ``(text, pixel box)`` pairs and how many were left out."""
+def _disc(fig, m: _Marker) -> _Disc:
+    x, y = m.ax.transData.transform((m.x, m.y))
+    return _Disc(float(x), float(y), m.radius_pt * fig.dpi / 72)
+
+
+def _bar_box(ax, x0: float, x1: float, y: float) -> Any:
+    from matplotlib.transforms import Bbox
+
+    return Bbox(ax.transData.transform([(x0, y), (x1, y)])).padded(1)  # the bar is 2 pt thick
+
+
+class WrittenCount(NamedTuple):
+    text: str
+    box: tuple[float, float, float, float]  # pixels (x0, y0, x1, y1)
+    marker: int  # the index of its marker in ``PlotLayout.markers``
+
+
+class PlotLayout(NamedTuple):
+    """Where ``render_plot`` put things, in pixels (origin bottom left)."""
+
+    counts: list[WrittenCount]
+    markers: list[tuple[float, float, float]]  # each marker's circle (x, y, radius)
+    bars: list[tuple[float, float, float, float]]  # each mean bar's box
+
+
+def _write_counts(fig, markers: list[_Marker], discs: list[_Disc], bars: list[Any]) -> tuple[list[WrittenCount], int]:
+    """Write each count > 1 on its marker, or just outside it where that would overprint another count, another
+    marker or a mean bar (largest counts first); a count with no free spot inside its axes is left out. ``discs``:
+    each marker's circle, ``bars``: each mean bar's pixel box. Returns the written counts and how many were left
+    out."""
     renderer = fig.canvas.get_renderer()
     grid, written, left_out = _BoxGrid(), [], 0
-    for c in sorted(counts, key=lambda c: -c.n):
-        inside = c.ax.get_window_extent(renderer)
+    for obstacle in (*discs, *bars):
+        grid.add(obstacle)
+    for index in sorted((i for i, m in enumerate(markers) if m.n > 1), key=lambda i: -markers[i].n):
+        m, own = markers[index], discs[index]
+        inside = m.ax.get_window_extent(renderer)
         for dx, dy in _LABEL_SPOTS:
-            gap = c.radius_pt + 5
-            text = c.ax.annotate(str(c.n), (c.x, c.y), xytext=(dx * gap, dy * gap), textcoords="offset points",
-                                 ha="center", va="center", fontsize=7, color="black" if (dx, dy) == (0, 0) else c.color)
+            gap = m.radius_pt + 5
+            text = m.ax.annotate(str(m.n), (m.x, m.y), xytext=(dx * gap, dy * gap), textcoords="offset points",
+                                 ha="center", va="center", fontsize=7, color="black" if (dx, dy) == (0, 0) else m.color)
             box = text.get_window_extent(renderer).padded(2)  # >= 4 px between two counts
-            if not grid.overlaps(box) and inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1):
+            if not grid.overlaps(box, own) and inside.contains(box.x0, box.y0) and inside.contains(box.x1, box.y1):
                 grid.add(box)
-                written.append((str(c.n), tuple(box.extents)))
+                written.append(WrittenCount(str(m.n), tuple(box.extents), index))
                 break
             text.remove()
         else:
@@ -163,14 +213,14 @@ def plotted_groups(records: Sequence[EvalRecord]) -> list[tuple[str, list[EvalRe
     return series
 
 
-def render_plot(records: Sequence[EvalRecord], path: Path) -> list[tuple[str, tuple[float, float, float, float]]]:
+def render_plot(records: Sequence[EvalRecord], path: Path) -> PlotLayout:
     """Two panels (PNG): SAFE precision per group (distribution + mean) and precision vs. claims per response.
 
     Identical points are drawn once, sized by and labelled with their count; the legend gives each group's
     size and how many responses abstained or had no supported/not-supported claim (not plotted: no precision).
-    Counts never overprint each other (one that would is written beside its marker); returns each written
-    count with its pixel box ``(x0, y0, x1, y1)``. Cost is linear in the number of records whatever the
-    groups: at most ``MAX_PLOTTED_GROUPS`` + 1 series (the rest drawn together, in grey), names of at most
+    Counts never overprint each other, another marker or a mean bar (one that would is written beside its
+    marker); returns where the counts, markers and bars went (``PlotLayout``). Cost is linear in the number of
+    records whatever the groups: at most ``MAX_PLOTTED_GROUPS`` + 1 series (the rest drawn together, in grey), names of at most
     ``MAX_LEGEND_CHARS`` characters.
     """
     import matplotlib
@@ -190,19 +240,21 @@ def render_plot(records: Sequence[EvalRecord], path: Path) -> list[tuple[str, tu
     def area(n: int) -> float:
         return 40 + 25 * n * scale
 
-    counts: list[_Count] = []
+    markers: list[_Marker] = []
+    bars: list[tuple[float, float, float]] = []  # the distribution panel's mean bars: (x0, x1, y)
     # claim counts are integers: groups sit side by side within ±0.3 of theirs
     spacing = min(0.25, 0.6 / (len(series) - 1)) if len(series) > 1 else 0.0
     for k, (name, members) in enumerate(series):
         pts = precision_points(members)
         label = group_label(name, members)
         color = "grey" if k == MAX_PLOTTED_GROUPS else colors[k % len(colors)]
-        _bubbles(dist, [(k, y) for _, y in pts], lambda x: x, color, label, area, counts)
+        _bubbles(dist, [(k, y) for _, y in pts], lambda x: x, color, label, area, markers)
         if pts:
             mean = sum(y for _, y in pts) / len(pts)
             dist.hlines(mean, k - 0.3, k + 0.3, color=color, linewidth=2)
+            bars.append((k - 0.3, k + 0.3, mean))
         shift = (k - (len(series) - 1) / 2) * spacing
-        _bubbles(scatter, pts, lambda x, s=shift: x + s, color, label, area, counts)
+        _bubbles(scatter, pts, lambda x, s=shift: x + s, color, label, area, markers)
     dist.set_xticks(range(len(series)), [name for name, _ in series], rotation=20)
     dist.set_xlim(-0.6, len(series) - 0.4)
     claim_counts = sorted({len(r.claims) for r in records if r.claims})
@@ -221,10 +273,12 @@ def render_plot(records: Sequence[EvalRecord], path: Path) -> list[tuple[str, tu
     fig.legend(handles=handles, loc="lower center", ncol=min(3, max(1, len(handles))), fontsize=8, frameon=False)
     note = fig.text(0.5, 0.955, "marker area and number = responses at that point", ha="center", fontsize=8, color="dimgray")
     fig.tight_layout(rect=(0, 0.1, 1, 0.95))
-    written, left_out = _write_counts(fig, counts)  # after the layout: positions are final
+    # after the layout: positions are final
+    discs, bar_boxes = [_disc(fig, m) for m in markers], [_bar_box(dist, *b) for b in bars]
+    written, left_out = _write_counts(fig, markers, discs, bar_boxes)
     if left_out:
         note.set_text(f"{note.get_text()} ({left_out} crowded counts not written: see report.json)")
     with open(path, "wb") as fh:  # explicit handle: the temp name has no .png suffix
         fig.savefig(fh, format="png")
     plt.close(fig)
-    return written
+    return PlotLayout(written, [(d.x, d.y, d.r) for d in discs], [tuple(b.extents) for b in bar_boxes])

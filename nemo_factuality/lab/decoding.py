@@ -2,8 +2,11 @@
 
 * ``tune_references``: the base policy's temperature and decode-time threshold, each picked on the
   *validation* entities by SAFE F1@6 (precision and recall of the six slots: neither saying nothing nor
-  guessing everything wins, where FActScore alone would pick the coldest T and the highest τ). Held-out
-  entities are then scored once at the picked values.
+  guessing everything wins, where FActScore alone would pick the coldest T and the highest τ). The threshold
+  is picked twice, on T=1 samples and on greedy responses: it applies at either decoding, and a trained
+  policy that abstains more is compared with the base thresholded at its own decoding. Held-out entities are
+  then scored once at the picked values; each reference's validation scores are kept, for the report to pick
+  the best reference on validation too.
 * ``effective_temperature``: the final norm's gains multiply every logit, so RL on them can act as an inverse
   temperature. On the trained policy's own responses, the trained logits are regressed on the base logits
   (each position centred over the vocabulary, the abstention token left out, since its row is trained
@@ -29,7 +32,8 @@ TUNE_METRIC = "safe_f1@6"
 
 def tune_references(model: Any, tokenizer: Any, names: Sequence[str], tiers: dict[str, str], kb: Path, *, n: int,
                     temperatures: Sequence[float], thresholds: Sequence[float], seed: int) -> dict[str, Any]:
-    """Pick the base's temperature and threshold on validation ``names``; returns the picks and both sweeps."""
+    """Pick the base's temperature and its thresholds (at T=1 and at greedy) on validation ``names``; returns
+    the picks, the sweeps and ``validation``: each reference's scores at its pick (keys as the report's)."""
     prompts = [prompt_for(x) for x in names]
     t_sweep: dict[str, dict[str, float]] = {}
     for t in sorted({*temperatures, 1.0}):
@@ -37,11 +41,23 @@ def tune_references(model: Any, tokenizer: Any, names: Sequence[str], tiers: dic
         t_sweep[f"{t:g}"] = _headline(score_rows(rows_from(samples, names, tiers, n=n), kb))
         if t == 1.0:
             at_one = samples
+    greedy = sample(model, tokenizer, prompts, n=1, greedy=True, seed=seed)
     tau_sweep = {f"{tau:g}": _headline(score_rows(rows_from(at_one, names, tiers, n=n, tau=tau), kb)) for tau in thresholds}
+    greedy_tau_sweep = {f"{tau:g}": _headline(score_rows(rows_from(greedy, names, tiers, n=1, tau=tau), kb))
+                        for tau in thresholds}
     best_t = max(t_sweep, key=lambda k: (t_sweep[k][TUNE_METRIC], -abs(float(k) - 1.0)))
-    best_tau = max(tau_sweep, key=lambda k: (tau_sweep[k][TUNE_METRIC], -float(k)))
+    best_tau, best_greedy_tau = _pick_threshold(tau_sweep), _pick_threshold(greedy_tau_sweep)
+    validation = {"t1": t_sweep["1"], "greedy": _headline(score_rows(rows_from(greedy, names, tiers, n=1), kb)),
+                  "tuned_temperature": t_sweep[best_t], "tuned_threshold": tau_sweep[best_tau],
+                  "greedy_threshold": greedy_tau_sweep[best_greedy_tau]}
     return {"metric": TUNE_METRIC, "temperature": float(best_t), "threshold": float(best_tau),
-            "temperature_sweep": t_sweep, "threshold_sweep": tau_sweep}
+            "greedy_threshold": float(best_greedy_tau), "temperature_sweep": t_sweep, "threshold_sweep": tau_sweep,
+            "greedy_threshold_sweep": greedy_tau_sweep, "validation": validation}
+
+
+def _pick_threshold(sweep: dict[str, dict[str, float]]) -> str:
+    """The best τ by the tuning metric; on a tie the lowest, which turns the fewest answers into abstentions."""
+    return max(sweep, key=lambda k: (sweep[k][TUNE_METRIC], -float(k)))
 
 
 def _headline(block: dict[str, Any]) -> dict[str, float]:

@@ -209,6 +209,7 @@ def prepare_seed(cfg: LabConfig, seed: int, out: Path) -> dict[str, Any]:
         blocks["heldout"]["greedy"] = heldout("base_greedy", greedy=True)
         blocks["heldout"]["tuned_temperature"] = heldout("base_tuned_temperature", temperature=tuning["temperature"])
         blocks["heldout"]["tuned_threshold"] = heldout("base_tuned_threshold", tau=tuning["threshold"])
+        blocks["heldout"]["greedy_threshold"] = heldout("base_greedy_threshold", greedy=True, tau=tuning["greedy_threshold"])
         rows = responses_for(model, tok, rl_names, tiers, n=cfg.eval_samples, seed=eval_seed)
         blocks["rl_prompts"]["t1"] = run_eval(rows, kb, out / "eval" / "rl_prompts_base")
         blocks["validation"] = validation_blocks(model, tok, splits.val, tiers, kb, cfg, seed)

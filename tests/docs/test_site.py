@@ -62,3 +62,22 @@ def test_the_readme_is_the_front_page():
         if target.startswith("docs/reference/") and Path(target).name in GENERATED:
             continue
         assert (ROOT / target).is_file(), target
+
+
+def test_lab_and_suite_times_are_measured_figures_in_one_place():
+    """How long the lab and the test suite take is stated once, in the Timings table, each as a measured figure
+    with its date; the README and the lab page link there instead of restating figures that go stale."""
+    import re
+
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    timings = benchmarks.split("## Timings", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in timings.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    for command in ("`nemo-factuality lab --out outputs/lab`", "`bash tools/run_tests.sh`"):
+        row = next(r for r in rows if command in r)
+        assert re.search(r"\d min", row) and re.search(r"\b20\d\d-\d\d-\d\d\b", row), row
+        assert "about" not in row, row  # a measurement, not an estimate
+    pages = [ROOT / "README.md", *(p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)]
+    for page in pages:
+        text = page.read_text(encoding="utf-8").replace(timings, "")
+        assert not re.search(r"\d min (wall|CPU)|\d min of CPU", text), page  # a run's time outside the table
+    assert "(docs/benchmarks.md#timings)" in (ROOT / "README.md").read_text(encoding="utf-8")

@@ -166,11 +166,44 @@ def test_plot_counts_never_overprint(tmp_path):
                              (9, "rare", [S] * 3 + [NS]), (3, "popular", [S] * 12), (2, "rare", [S] * 2 + [NS] * 2),
                              (7, "popular", [S] * 5), (5, "rare", [S] * 5)):
         records += [EvalRecord(str(len(records) + i), "p", "r", tuple(("c", lab) for lab in labels), group) for i in range(n)]
-    written = render_plot(records, tmp_path / "p.png")
+    written = render_plot(records, tmp_path / "p.png").counts
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
     # per panel: the distribution (27, 12, 35, 9, 2) and the scatter (17, 30, 12, 9, 2, 7, 5, 3)
-    assert sorted(int(t) for t, _ in written) == sorted([27, 12, 35, 9, 2, 17, 30, 12, 9, 2, 7, 5, 3])
-    boxes = [box for _, box in written]
+    assert sorted(int(c.text) for c in written) == sorted([27, 12, 35, 9, 2, 17, 30, 12, 9, 2, 7, 5, 3])
+    boxes = [c.box for c in written]
     for i, (ax0, ay0, ax1, ay1) in enumerate(boxes):
         for bx0, by0, bx1, by1 in boxes[i + 1:]:
             assert ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0, (boxes[i], (bx0, by0, bx1, by1))
+
+
+def _hits(circle: tuple[float, float, float], box: tuple[float, float, float, float]) -> bool:
+    (x, y, r), (x0, y0, x1, y1) = circle, box
+    return (min(max(x, x0), x1) - x) ** 2 + (min(max(y, y0), y1) - y) ** 2 < r**2
+
+
+def _boxes_meet(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return not (a[2] <= b[0] or b[2] <= a[0] or a[3] <= b[1] or b[3] <= a[1])
+
+
+def test_plot_counts_overprint_no_other_marker_and_no_mean_bar(tmp_path):
+    """A lab evaluation's precisions bunch up (4/5, 5/6, 3/4 of six slots): their markers overlap, and a count
+    written on its own marker overprinted the next one, or the group's mean bar. Each count now sits on its own
+    marker or beside it, clear of every other marker and bar."""
+    from nemo_factuality.evaluation.render import render_plot
+    from nemo_factuality.evaluation.report import EvalRecord
+
+    records: list[EvalRecord] = []
+    for n, group, labels in ((24, "rare", [S] * 6), (7, "rare", [S] * 4 + [NS]), (3, "rare", [S] * 5 + [NS]),
+                             (3, "rare", [S] * 3 + [NS]), (2, "rare", [S] * 2 + [NS] * 2), (4, "rare", [S] + [NS] * 3),
+                             (16, "medium", [S] * 6), (7, "medium", [S] * 4 + [NS]), (3, "medium", [S] * 5 + [NS]),
+                             (3, "medium", [S] * 3 + [NS]), (2, "medium", [S] * 2 + [NS]), (23, "popular", [S] * 6)):
+        records += [EvalRecord(str(len(records) + i), "p", "r", tuple(("c", lab) for lab in labels), group) for i in range(n)]
+    layout = render_plot(records, tmp_path / "p.png")
+    markers = layout.markers
+    assert any(math.dist(a[:2], b[:2]) < a[2] + b[2] for i, a in enumerate(markers) for b in markers[i + 1:])  # they do overlap
+    assert len(layout.counts) == 2 * 12  # every count > 1, in both panels, was written
+    for count in layout.counts:
+        others = [m for k, m in enumerate(markers) if k != count.marker]
+        assert not any(_hits(m, count.box) for m in others), count
+        assert not any(_boxes_meet(bar, count.box) for bar in layout.bars), count
+

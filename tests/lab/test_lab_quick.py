@@ -49,10 +49,26 @@ def test_quick_lab_trains_every_method_in_the_right_direction(quick_run):
         samples = {t["policy_samples_budget"] for t in m["training"]}
         assert samples == {1920}, (name, samples)  # the same number of policy samples for every method
         assert m["effective_temperature"] > 0
-    for key in ("t1", "greedy", "tuned_temperature", "tuned_threshold"):
+    for key in ("t1", "greedy", "tuned_temperature", "tuned_threshold", "greedy_threshold"):
         assert 0.0 <= report["references"][key]["factscore"] <= 1.0
-    assert set(report["summary"]) >= {"t1", "greedy", "aim_met"}
+        assert 0.0 <= report["references"]["validation"][key]["factscore"] <= 1.0  # what the best reference is picked on
+    assert set(report["summary"]) >= {"t1", "greedy", "aim_met", "against_base", "headline"}
     assert code == 0  # --quick's own direction check agrees
+
+
+@pytest.mark.slow
+def test_quick_lab_report_opens_with_the_answers_and_the_seed(quick_run):
+    """What the command prints (its report.md) opens with: did training reduce hallucination against the base at
+    the same decoding, did it beat the no-training references, and that seed 0 is the development seed. One
+    seed has no spread, so no margin is called a win."""
+    _, out = quick_run
+    lines = [line for line in (out / "report.md").read_text().splitlines() if line.strip()]
+    assert lines[1].startswith("**Did training reduce hallucination (raise held-out FActScore) against the base at the "
+                               "same decoding?** (one seed: no spread over seeds, so every margin is within noise)")
+    assert lines[2].startswith("**Did it beat the no-training references?**")
+    assert lines[3].startswith("**Seed 0 is the development seed**")
+    assert "yes for" not in lines[1] and "beats" not in lines[2]
+    assert "| *base, greedy + tuned threshold* |" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow
@@ -63,6 +79,7 @@ def test_quick_lab_run_folder_holds_every_artefact(quick_run):
                 "checkpoints/base/config.json", "checkpoints/base/tokenizer.json", "report.json",
                 "metrics/pretrain.jsonl", "eval/heldout_base/report.json", "eval/heldout_base_greedy/report.json",
                 "eval/heldout_base_tuned_threshold/report.json", "eval/heldout_base_tuned_temperature/report.json",
+                "eval/heldout_base_greedy_threshold/report.json",
                 "eval/rl_prompts_base/responses.jsonl"):
         assert (seed / rel).exists(), rel
     for name in GROUPS["all"]:
