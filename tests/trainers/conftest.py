@@ -52,3 +52,15 @@ def venv() -> Path:
     if found is None:
         pytest.skip(skip_reason())
     return found
+
+
+@pytest.fixture(scope="session")
+def megatron_venv() -> Path:
+    """The Megatron-Core/Bridge venv the megatron backend's tests run programs in; skips with the reason when not built."""
+    from nemo_factuality.testing.megatron_env import megatron_venv as find_megatron_venv
+    from nemo_factuality.testing.megatron_env import skip_reason
+
+    found = find_megatron_venv()
+    if found is None:
+        pytest.skip(skip_reason())
+    return found
