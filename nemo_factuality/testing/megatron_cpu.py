@@ -15,7 +15,8 @@ Never imported by production code. Called first thing in a test program that run
   ``core/tensor_parallel/random.py``, ``device="cuda"`` literals (``transformer/utils.py`` causal mask,
   ``optimizer/optimizer.py``, ``clip_grads.py``, the inference controller), ``Tensor.cuda()``, the
   ``t.type() == "torch.cuda.FloatTensor"`` checks of the distributed optimizer and ``clip_grads``, and
-  ``torch.cuda.Event`` / streams / nvtx ranges. The converter's stand-ins (``convert.cpu``, the same Megatron-Core) and
+  ``torch.cuda.Event`` / streams / nvtx ranges, the ``is_cuda`` assertion before PP>1 generation's broadcasts. The
+  converter's stand-ins (``convert.cpu``, the same Megatron-Core) and
   the aligner tests' device mapping (``aligner_cpu``) cover most of them; this adds events, nvtx and memory stats.
 
 What is NOT here, because it is wrong on any device and the backend fixes it itself
@@ -51,6 +52,7 @@ def apply() -> None:
         cpu.apply()  # current_device, synchronize, CUDA RNG, Tensor.cuda, device literals in schedules/utils
         _patch_torch_devices()  # tensor factories, Tensor.to, t.type() names, Module.cuda, streams
         _patch_events_and_ranges()
+        _accept_host_tensors_in_pipeline_broadcasts()
     _import_bridge_without_missing_packages()
     _APPLIED = True
 
@@ -143,6 +145,17 @@ class _HostEvent:
 
     def elapsed_time(self, later: _HostEvent) -> float:
         return 1000.0 * ((later.at or 0.0) - (self.at or 0.0))
+
+
+def _accept_host_tensors_in_pipeline_broadcasts() -> None:
+    """``inference/communication_utils.py`` asserts ``tensor.is_cuda`` before it broadcasts logits between pipeline
+    stages (PP > 1 generation); gloo broadcasts host tensors."""
+    from megatron.core.inference import communication_utils
+
+    def present(tensor: torch.Tensor) -> None:
+        assert tensor is not None
+
+    communication_utils._is_cuda = present
 
 
 def _patch_events_and_ranges() -> None:
