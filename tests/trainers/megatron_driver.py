@@ -12,6 +12,8 @@ against transformers on the same tiny HF checkpoint. Each command writes ``<out>
   against transformers' (clipping off, SGD at lr 0: the step changes nothing); greedy rollouts against the hf backend's
   ``generate`` (transformers' ``generate``); 400 sampled first tokens against the probabilities the actor's log-probs
   give them (temperature 0.7, top-k 8, top-p 0.9).
+* ``parity --unfixed scatter|tp-attributes``: the same with one of the backend's fixes undone (``megatron_build``), to
+  show the checks above catch what it fixes.
 * ``train``: a fixed batch of 8 sequences, each rank its contiguous 8/DP rows, the loss normalised by the global token
   count: step 1 (AdamW), logits; export → transformers reloads it → its logits; save; step 2 → log-probs; load → step 2
   again → log-probs (exactly equal); with ``--resume`` a checkpoint another layout saved is loaded first.
@@ -116,9 +118,22 @@ def hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager").eval()
 
 
+def undo_fix(name: str) -> None:
+    """Build without one of ``megatron_build``'s fixes (the checks must then fail)."""
+    from nemo_factuality.trainers.backends import megatron_build
+
+    if name == "scatter":
+        megatron_build.contiguous_tensor_parallel_scatter = lambda: None
+    elif name == "tp-attributes":
+        megatron_build.set_tensor_parallel_attributes = lambda chunks: chunks
+        megatron_build.tensor_parallel_weights_unmarked = lambda chunks: []
+
+
 def parity(args) -> dict:
     from nemo_factuality.trainers.backends.hf import token_logprobs
 
+    if args.unfixed:
+        undo_fix(args.unfixed)
     actor = build_actor(args, "model.optim.name=sgd", "model.optim.lr=0.0", "trainer.gradient_clip_val=0",
                         "model.sampling_params.temperature=0.7", "model.sampling_params.top_k=8",
                         "model.sampling_params.top_p=0.9")
@@ -164,9 +179,10 @@ def generations(args, actor) -> dict:
 
 
 def train(args) -> dict:
-    actor = build_actor(args, "model.optim.name=adamw", "model.optim.lr=0.01", "trainer.gradient_clip_val=1.0")
+    actor = build_actor(args, "model.optim.name=adamw", "model.optim.lr=0.01", "trainer.gradient_clip_val=1.0",
+                        f"model.megatron.use_distributed_optimizer={args.distributed_optimizer}")
     out = Path(args.out)
-    result: dict = {"dp": actor.data_parallel_size}
+    result: dict = {"dp": actor.data_parallel_size, "initial_logprobs": actor.logprobs(as_rollout(fixed_batch())).tolist()}
     if args.resume:
         actor.load(Path(args.resume))
         result["resumed_logprobs"] = actor.logprobs(as_rollout(fixed_batch())).tolist()
@@ -205,6 +221,8 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--resume", help="train: load this checkpoint (saved at another layout) first")
+    ap.add_argument("--distributed-optimizer", action="store_true", help="train: Megatron's distributed optimizer")
+    ap.add_argument("--unfixed", choices=["scatter", "tp-attributes"], help="parity: without this fix of the backend")
     args = ap.parse_args()
     if args.command == "make-model":
         make_model(Path(args.out))

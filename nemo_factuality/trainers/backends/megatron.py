@@ -16,7 +16,8 @@
 * Reference policy: a copy of this rank's shard of the initial weights (``model.reference``: ``copy`` keeps it on the
   model's device, ``cpu_weight_swap`` in host memory), swapped into the policy for the reference log-probs.
 * Checkpoints: a Megatron distributed checkpoint of weights and optimiser (``megatron/``: every tensor once, whatever
-  the layout; it loads at another TP/PP/DP) plus the LR schedule. The reference is not written while it is the initial
+  the layout; it loads at another TP/PP/DP; ``megatron_build.load_optimizer_state`` works around Megatron's distributed
+  optimizer failing to load torch AdamW's step) plus the LR schedule. The reference is not written while it is the initial
   HF checkpoint (``reference.json`` records ``model.path`` and its fingerprint, as the hf backend does); after
   ``reset_reference`` (KTO) it is a distributed checkpoint of its own (``reference/``).
 * ``export``: an HF folder ``transformers`` loads (Bridge's ``save_hf_pretrained``: the gathered weights, the source
@@ -326,7 +327,8 @@ class MegatronActor(ProcessGroupDataParallel):
             dist_checkpointing.save(self._reference_shards(self._reference)[0], str(path / "reference"))
             record = ref_record.stored_record("reference")
         if self.global_rank == 0:
-            (path / _SCHEDULE_FILE).write_text(json.dumps(self.schedule.state_dict()), encoding="utf-8")
+            state = {**self.schedule.state_dict(), "use_distributed_optimizer": self.cfg.megatron.use_distributed_optimizer}
+            (path / _SCHEDULE_FILE).write_text(json.dumps(state), encoding="utf-8")
             ref_record.write_record(path, record)
         self.barrier()
 
@@ -360,8 +362,13 @@ class MegatronActor(ProcessGroupDataParallel):
     def load(self, path: Path) -> None:
         """What ``save`` wrote, at this run's layout (any TP/PP/DP)."""
         path = Path(path)
+        state = json.loads((path / _SCHEDULE_FILE).read_text(encoding="utf-8"))
+        written = state.pop("use_distributed_optimizer")
+        if written != self.cfg.megatron.use_distributed_optimizer:  # the two optimizers' states are stored differently
+            raise FactualityInputError(f"{path} was written with model.megatron.use_distributed_optimizer={written}; "
+                                       "resume with the same setting (the TP/PP/DP layout may change)")
         self.load_weights(path, with_optimizer=True)
-        self.schedule.load_state_dict(json.loads((path / _SCHEDULE_FILE).read_text(encoding="utf-8")))
+        self.schedule.load_state_dict(state)
         record = ref_record.read_record(path)
         if record is None:
             raise FileNotFoundError(f"{path} has no {ref_record.RECORD}: not written by MegatronActor.save")
@@ -386,13 +393,15 @@ class MegatronActor(ProcessGroupDataParallel):
         where = Path(path) / "megatron"
         if not (where / "metadata.json").is_file():
             raise FileNotFoundError(f"{where} holds no distributed checkpoint: not written by MegatronActor.save")
+        if with_optimizer and self.cfg.megatron.use_distributed_optimizer:
+            build.initialize_adam_state(self.optimizer)  # a fresh process: the template needs Adam's state
         state = self._sharded_state(loading=True)
         if not with_optimizer:
             state.pop("optimizer")
         loaded = dist_checkpointing.load(state, str(where))
         self.model.load_state_dict(loaded["model"], strict=False)
         if with_optimizer:
-            self.optimizer.load_state_dict(loaded["optimizer"])
+            build.load_optimizer_state(self.optimizer, loaded["optimizer"])
         self.barrier()
 
     def export(self, path: Path) -> None:

@@ -13,6 +13,12 @@ Fixes for what Megatron-Bridge 0.3.1 gets silently wrong, on any device (each ha
   only inside their initialisation branch; ``get_model`` then defaults them to "replicated". The gradient norm (and so
   clipping) counts a TP-sharded weight once instead of summing its shards: 1.88 instead of 2.59 at TP=2 on the tiny
   test model. ``set_tensor_parallel_attributes`` sets them on every TP-sharded weight before the model is wrapped.
+* **Adam's step after a resume** (Megatron-Core 0.16.1's distributed optimizer with torch's AdamW, i.e. without TE or
+  Apex): its ``load_state_dict`` puts one and the same step tensor on every parameter, which torch's foreach AdamW
+  then increments once per parameter (step 2 becomes step 1 + #parameters: the bias correction, and so every update
+  after the resume, silently wrong; here the update after a save/load moved weights by 3.5e-3 more than without the
+  save/load), and it cannot load its own checkpoint's parameter state without ``step`` (KeyError):
+  ``load_optimizer_state``.
 * **The fused cross-entropy** rounds the logits' gradient to bf16 (~0.1% gradient error): off
   (``cross_entropy_loss_fusion``); this backend computes its log-probs itself anyway.
 
@@ -213,6 +219,51 @@ def build_optimizer(chunks: list[Any], optim: Any, *, clip_grad: float, use_dist
     else:
         raise ConfigError(f"model.optim.name={optim.name!r}: trainer.backend=megatron supports adamw | sgd")
     return get_megatron_optimizer(config, chunks)
+
+
+def _torch_adams(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers of ``optimizer`` that wrap torch's Adam/AdamW (what Megatron builds without TE or Apex)."""
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(getattr(o, "optimizer", None), torch.optim.Adam | torch.optim.AdamW)]
+
+
+def initialize_adam_state(optimizer: Any) -> None:
+    """Give a distributed optimizer's torch Adam the state it has after a step (zero moments, step 0, a tensor per
+    parameter) when it has none: Megatron-Core 0.16.1's ``DistributedOptimizer.state_dict`` asserts that every parameter
+    has a step, so a fresh process could not even build the template its checkpoint loads into."""
+    for megatron_optimizer in _torch_adams(optimizer):
+        adam = megatron_optimizer.optimizer
+        for group in adam.param_groups:
+            for p in group["params"]:
+                if not adam.state[p]:
+                    adam.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
+                                         exp_avg_sq=torch.zeros_like(p.data))
+
+
+def load_optimizer_state(optimizer: Any, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, working around Megatron-Core 0.16.1's distributed optimizer with torch's
+    AdamW (what it builds without TE or Apex, whose FusedAdam keeps Adam's step in the parameter group): its
+    ``load_state_dict`` first puts the checkpoint's step on every parameter's state, then copies every key of that
+    state from the checkpoint's parameter state — which holds only ``param``, ``exp_avg``, ``exp_avg_sq`` — and fails
+    on ``step`` (KeyError). Here the parameter state is loaded with the step set aside, then the step is put back —
+    one tensor per parameter (module docstring)."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if "param_state" not in state or not _torch_adams(optimizer):
+        optimizer.load_state_dict(state)
+        return
+    if len(chained) != 1 or state.get("param_state_sharding_type") != "fully_reshardable":
+        raise RuntimeError("expected one distributed optimizer with a fully_reshardable checkpoint, got "
+                           f"{len(chained)} optimizers and {state.get('param_state_sharding_type')!r}")
+    distributed, param_state = chained[0], state.pop("param_state")
+    state.pop("param_state_sharding_type")
+    distributed.load_state_dict(state)  # parameter groups, and Adam's step on every parameter's state
+    steps = {id(p): s.pop("step") for p, s in distributed.optimizer.state.items() if "step" in s}
+    distributed.load_parameter_state_from_fully_reshardable(param_state)
+    for p, s in distributed.optimizer.state.items():
+        if id(p) in steps:
+            # a tensor of its own: Megatron hands every parameter the same one, which torch's foreach AdamW then
+            # advances once per parameter — every later bias correction silently wrong
+            s["step"] = steps[id(p)].clone()
 
 
 class LearningRateSchedule:
