@@ -218,7 +218,13 @@ def build_optimizer(chunks: list[Any], optim: Any, *, clip_grad: float, use_dist
         config = OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, **common)  # Megatron's default momentum is 0.9
     else:
         raise ConfigError(f"model.optim.name={optim.name!r}: trainer.backend=megatron supports adamw | sgd")
-    return get_megatron_optimizer(config, chunks)
+    optimizer = get_megatron_optimizer(config, chunks)
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # Megatron-Core 0.16.1 leaves SGD's state initialiser None, then calls it to build a checkpoint's loading
+        # template (TypeError on every resume); SGD without momentum has no state to initialise
+        if getattr(megatron_optimizer, "init_state_fn", False) is None:
+            megatron_optimizer.init_state_fn = lambda opt, config=None: None
+    return optimizer
 
 
 def _torch_adams(optimizer: Any) -> list[Any]:
