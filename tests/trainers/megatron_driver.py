@@ -16,7 +16,8 @@ against transformers on the same tiny HF checkpoint. Each command writes ``<out>
   show the checks above catch what it fixes.
 * ``train``: a fixed batch of 8 sequences, each rank its contiguous 8/DP rows, the loss normalised by the global token
   count: step 1 (AdamW), logits; export → transformers reloads it → its logits; save; step 2 → log-probs; load → step 2
-  again → log-probs (exactly equal); with ``--resume`` a checkpoint another layout saved is loaded first.
+  again → log-probs (exactly equal); the reference reset to the current policy and saved with it; with ``--resume`` a
+  checkpoint another layout saved is loaded first, with ``--reference-from`` one holding a reset reference last.
 """
 
 from __future__ import annotations
@@ -209,6 +210,13 @@ def train(args) -> dict:
     result["metrics2_after_load"] = step()
     result["logprobs2_after_load"] = actor.logprobs(as_rollout(batch)).tolist()
     result["reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
+    # KTO's reference: the current policy, then stored in the checkpoint (a distributed checkpoint of its own)
+    actor.reset_reference()
+    result["reset_reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
+    actor.save(out / f"{args.tag}_refckpt")
+    if args.reference_from:
+        actor.load(Path(args.reference_from))
+        result["loaded_reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
     return result
 
 
@@ -222,6 +230,7 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--resume", help="train: load this checkpoint (saved at another layout) first")
     ap.add_argument("--distributed-optimizer", action="store_true", help="train: Megatron's distributed optimizer")
+    ap.add_argument("--reference-from", help="train: at the end, load this checkpoint (a reset reference, another layout)")
     ap.add_argument("--unfixed", choices=["scatter", "tp-attributes"], help="parity: without this fix of the backend")
     args = ap.parse_args()
     if args.command == "make-model":

@@ -107,9 +107,10 @@ TRAIN_RUNS = {
     "dp1": (1, []),
     "dp2": (2, []),
     "tp2": (2, ["--tp=2"]),
-    "pp2_from_tp2": (2, ["--pp=2", "--resume={root}/tp2_ckpt"]),
+    "pp2_from_tp2": (2, ["--pp=2", "--resume={root}/tp2_ckpt", "--reference-from={root}/tp2_refckpt"]),
     "dp2_distopt": (2, ["--distributed-optimizer"]),
-    "tp2_distopt_from_dp2": (2, ["--tp=2", "--distributed-optimizer", "--resume={root}/dp2_distopt_ckpt"]),
+    "tp2_distopt_from_dp2": (2, ["--tp=2", "--distributed-optimizer", "--resume={root}/dp2_distopt_ckpt",
+                                 "--reference-from={root}/dp2_distopt_refckpt"]),
 }
 
 
@@ -165,3 +166,12 @@ def test_the_reference_stays_the_initial_policy(trained, tag):
     initial = trained["dp1"]["initial_logprobs"]
     assert _max_diff(run["reference_logprobs"], initial) <= LOGIT_TOLERANCE
     assert _max_diff(run["logprobs2"], initial) > 0.5
+
+
+@pytest.mark.parametrize("tag, source", [("pp2_from_tp2", "tp2"), ("tp2_distopt_from_dp2", "dp2_distopt")])
+def test_a_reset_reference_is_stored_and_loads_at_another_layout(trained, tag, source):
+    """KTO's reference (the policy at the iteration's start) is a distributed checkpoint of its own in the policy's
+    checkpoint: read at another layout, it gives the log-probs it gave where it was written."""
+    saved = trained[source]
+    assert _max_diff(saved["reset_reference_logprobs"], saved["initial_logprobs"]) > 0.5  # not the initial policy
+    assert _max_diff(trained[tag]["loaded_reference_logprobs"], saved["reset_reference_logprobs"]) <= LOGIT_TOLERANCE
