@@ -54,7 +54,7 @@ LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp=2"]), "pp2": (2, ["--pp=2"])}
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def parity(request, megatron_venv, root) -> list[dict]:
     nproc, args = LAYOUTS[request.param]
-    return _run(megatron_venv, root, "parity", request.param, nproc, *args)
+    return _run(megatron_venv, root, "parity", f"parity_{request.param}", nproc, *args)  # train runs reuse the names
 
 
 def test_logits_and_logprobs_equal_transformers_after_loading(parity):
@@ -94,7 +94,7 @@ def test_sampled_tokens_follow_the_probabilities_of_the_logprobs(parity):
 def test_without_the_backends_fixes_these_checks_fail(fix, megatron_venv, root):
     """Megatron-Bridge 0.3.1 still has both traps: undoing a fix at TP=2 gives logits or a gradient norm the checks
     above reject (if this starts passing, Bridge fixed the trap and the fix can go)."""
-    rank0 = _run(megatron_venv, root, "parity", f"tp2_without_{fix}", 2, "--tp=2", f"--unfixed={fix}")[0]
+    rank0 = _run(megatron_venv, root, "parity", f"parity_tp2_without_{fix}", 2, "--tp=2", f"--unfixed={fix}")[0]
     if fix == "scatter":
         assert rank0["logits_max_diff"] > 0.1
     else:
