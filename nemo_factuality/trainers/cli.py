@@ -122,11 +122,11 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
 
 
 def check_model_paths(stage: str, cfg: Any) -> None:
-    """The hf backend's models are local directories that will load (``local_models``): checked before anything is
+    """The hf and megatron backends' models are local directories that will load (``local_models``): checked before anything is
     written. (The aligner backend's ``model.restore_from_path`` is checked where NeMo restores it.)"""
     from nemo_factuality import local_models
 
-    if cfg.trainer.backend == "hf":
+    if cfg.trainer.backend in ("hf", "megatron"):
         local_models.check_model_dir(cfg.model.path, "model.path", tokenizer=True)
         if stage == "ppo" and cfg.critic.path:
             local_models.check_model_dir(cfg.critic.path, "critic.path")

@@ -55,19 +55,28 @@ class LengthParams:
 
 
 @dataclass
+class MegatronModelConfig:
+    """``model.megatron.*``: settings only the megatron backend (Megatron-Core + Megatron-Bridge) has."""
+
+    # Megatron's distributed optimizer: Adam states and fp32 main weights sharded over the data-parallel ranks
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
 class PolicyModelConfig:
     """``model.*``: the policy and how it is optimised."""
 
-    path: str | None = None  # HF directory (hf backend)
+    path: str | None = None  # HF directory (hf and megatron backends)
     restore_from_path: str | None = None  # .nemo checkpoint (aligner backend)
-    tensor_model_parallel_size: int = 1  # TP (aligner backend)
-    pipeline_model_parallel_size: int = 1  # PP (aligner backend)
+    tensor_model_parallel_size: int = 1  # TP (aligner and megatron backends)
+    pipeline_model_parallel_size: int = 1  # PP (aligner and megatron backends)
     dtype: str = "float32"  # float32 | bfloat16 | float16
     micro_batch_size: int = 4  # sequences per forward/backward
     global_batch_size: int = 32  # sequences per optimiser step
     forward_micro_batch_size: int = 8  # sequences per no-grad forward (log-probs, values)
-    # hf backend: prompt rows per generate call; each chunk goes to the reward as soon as it is generated
-    # (the aligner backend's is ``aligner_runtime.rollout_micro_batch_size``, from its preset's KV budget)
+    # hf and megatron backends: prompt rows per generate call (megatron: one static batch of its inference engine); each
+    # chunk goes to the reward as soon as it is generated (the aligner backend's is
+    # ``aligner_runtime.rollout_micro_batch_size``, from its preset's KV budget)
     rollout_micro_batch_size: int = 64
     # "copy": a frozen copy of the initial weights; "cpu_weight_swap": keep them on CPU and swap them in
     # for reference log-probs (NeMo-Aligner's approach; halves accelerator memory).
@@ -80,6 +89,7 @@ class PolicyModelConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     length_params: LengthParams = field(default_factory=LengthParams)
+    megatron: MegatronModelConfig = field(default_factory=MegatronModelConfig)  # trainer.backend=megatron only
 
 
 @dataclass
@@ -146,13 +156,13 @@ class KTOAlgoConfig:
 
 @dataclass
 class TrainerConfig:
-    backend: str = "hf"  # hf | aligner
+    backend: str = "hf"  # hf | aligner | megatron (Megatron-Core + Megatron-Bridge, HF checkpoint in and out)
     max_steps: int = 100  # optimiser-visible steps (rollout steps for GRPO/PPO, iterations × batches for KTO)
     val_check_interval: int = 0  # validate every N steps (0 = never)
     save_interval: int = 50  # checkpoint every N steps (0 = only at the end / on SIGUSR1)
     gradient_clip_val: float = 1.0  # clip the gradient norm to this (0 = off)
     seed: int = 1234  # seeds python, numpy and torch (and the prompt sampler)
-    device: str = "cpu"  # hf backend: cpu | cuda
+    device: str = "cpu"  # hf and megatron backends: cpu | cuda
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     progress_bar: bool = True  # a progress bar per phase on rank 0
     # GRPO/PPO: stop (exit 3, after writing a checkpoint) once this many consecutive rollout steps had no valid
@@ -318,7 +328,7 @@ class KTOConfig:
 
 
 _CHOICES = {
-    "trainer.backend": ("hf", "aligner"),
+    "trainer.backend": ("hf", "aligner", "megatron"),
     "model.reference": ("copy", "cpu_weight_swap"),
     "model.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -410,11 +420,14 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         problems.append(f"model.sampling_params.temperature={sp.temperature}: NeMo-Aligner's log-probs are at "
                         "temperature 1, so the PPO ratio and KL would be against another distribution than the one "
                         "sampled; use 1.0 on trainer.backend=aligner (the hf backend divides its logits by T)")
-    if cfg.trainer.backend == "hf" and not m.path:
-        problems.append("model.path must point at a Hugging Face model directory (trainer.backend=hf)")
-    if cfg.rollout.engine == "vllm" and cfg.trainer.backend == "aligner":
-        problems.append("rollout.engine=vllm needs trainer.backend=hf (NeMo-Aligner's actor generates with NeMo's "
-                        "engine or TensorRT-LLM: rollout.engine=megatron or trtllm)")
+    if cfg.trainer.backend in ("hf", "megatron") and not m.path:
+        problems.append(f"model.path must point at a Hugging Face model directory (trainer.backend={cfg.trainer.backend})")
+    if cfg.trainer.backend == "megatron":
+        problems += _megatron_problems(cfg)
+    if cfg.rollout.engine == "vllm" and cfg.trainer.backend != "hf":
+        problems.append(f"rollout.engine=vllm needs trainer.backend=hf for now (trainer.backend={cfg.trainer.backend}: "
+                        "NeMo-Aligner's actor generates with NeMo's engine or TensorRT-LLM, rollout.engine=megatron or "
+                        "trtllm; the megatron backend's refit is not wired yet)")
     tis = cfg.rollout.vllm.tis_cap
     if tis is not None and not tis >= 1.0:
         problems.append(f"rollout.vllm.tis_cap={tis}: the truncation of π_trainer / π_engine must be >= 1 (or null: off)")
@@ -424,6 +437,17 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
     if problems:
         raise ConfigError("invalid training config: " + "; ".join(problems))
+
+
+def _megatron_problems(cfg: Any) -> list[str]:
+    """What the megatron backend cannot do yet (each a setting to change, never a silent fallback)."""
+    problems = []
+    if cfg.model.dtype != "float32":
+        problems.append(f"model.dtype={cfg.model.dtype}: trainer.backend=megatron trains in float32 only so far "
+                        "(bf16 mixed precision is not checked yet); use model.dtype=float32")
+    if isinstance(cfg, PPOConfig):
+        problems.append("trainer.backend=megatron has no critic yet (PPO / RLFH): use trainer.backend=hf or aligner")
+    return problems
 
 
 def _rollout_size(cfg: Any) -> int | None:

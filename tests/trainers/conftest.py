@@ -69,3 +69,15 @@ def vllm_python() -> str:
 def engine_policy(tmp_path_factory) -> Path:
     """The tiny policy with 32-wide heads, which vLLM's CPU attention takes."""
     return build_policy(tmp_path_factory.mktemp("engine_policy"), head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def megatron_venv() -> Path:
+    """The Megatron-Core/Bridge venv the megatron backend's tests run programs in; skips with the reason when not built."""
+    from nemo_factuality.testing.megatron_env import megatron_venv as find_megatron_venv
+    from nemo_factuality.testing.megatron_env import skip_reason
+
+    found = find_megatron_venv()
+    if found is None:
+        pytest.skip(skip_reason())
+    return found

@@ -1,4 +1,5 @@
-"""Actor/critic backends by name: ``hf`` (transformers, CPU or one GPU) and ``aligner`` (NeMo-Aligner Megatron actors).
+"""Actor/critic backends by name: ``hf`` (transformers, CPU or one GPU), ``aligner`` (NeMo-Aligner Megatron actors) and
+``megatron`` (Megatron-Core + Megatron-Bridge, HF checkpoint in and out).
 
 Backends are imported lazily so ``import nemo_factuality.trainers`` never loads NeMo or Megatron.
 """

@@ -48,17 +48,19 @@ def build_optimizer(params: Sequence[torch.nn.Parameter], cfg: OptimConfig, max_
         opt = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     else:
         opt = torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, max_steps, step))
+
+
+def lr_factor(cfg: OptimConfig, max_steps: int, step: int) -> float:
+    """The learning rate of optimiser step ``step`` (0-based) as a fraction of ``cfg.lr``: linear warm-up over
+    ``sched.warmup_steps``, then constant or cosine to ``sched.min_lr`` at ``max_steps`` (every backend's schedule)."""
     warmup, floor = cfg.sched.warmup_steps, cfg.sched.min_lr / cfg.lr if cfg.lr else 0.0
-
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if cfg.sched.name == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if cfg.sched.name == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,12 @@ class SampledDistribution:
             return F.log_softmax(scaled, dim=-1).reshape(logits.shape)
         out = torch.where(torch.isfinite(kept), F.log_softmax(kept, dim=-1), F.log_softmax(scaled, dim=-1))
         return out.reshape(logits.shape)
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[N, V]`` next-token logits → ``[N]`` tokens drawn from this distribution (torch's default generator), as
+        ``generate`` draws them; a backend with its own decoding loop samples through this."""
+        _, kept = self._warped(logits)
+        return torch.multinomial(F.softmax(kept, dim=-1), num_samples=1).view(-1)
 
     def entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., V]`` logits → ``[...]`` entropy of the sampled distribution (cut tokens have probability 0)."""

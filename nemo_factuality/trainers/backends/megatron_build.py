@@ -1,0 +1,299 @@
+"""Building the megatron backend's policy: Megatron-Core's process groups, a ``GPTModel`` from an HF folder through
+Megatron-Bridge's ``AutoBridge`` at any TP/PP, Megatron's DDP and optimizer, and the LR schedule.
+
+Fixes for what Megatron-Bridge 0.3.1 gets silently wrong, on any device (each has a test that would catch it):
+
+* **Row-parallel weights scattered from views** (``param_mapping.py`` ``scatter_to_tp_ranks``): the TP shards of a
+  row-parallel weight are ``torch.chunk(dim=1)`` views, and ``dist.scatter`` sends a tensor's storage, not the view.
+  On GPU the ``.to("cuda")`` copy hides it; where the weights already sit on the model's device (CPU, or an HF state
+  loaded to the GPU) every rank but the first gets the wrong columns — logits off by ~3.7 at TP=2, no error.
+  ``contiguous_tensor_parallel_scatter`` makes each shard contiguous before the scatter.
+* **Tensor-parallel attributes never set**: Bridge builds with ``perform_initialization=False`` (it loads the HF
+  weights afterwards), and Megatron-Core's linear and embedding layers set ``tensor_model_parallel`` on their weights
+  only inside their initialisation branch; ``get_model`` then defaults them to "replicated". The gradient norm (and so
+  clipping) counts a TP-sharded weight once instead of summing its shards: 1.88 instead of 2.59 at TP=2 on the tiny
+  test model. ``set_tensor_parallel_attributes`` sets them on every TP-sharded weight before the model is wrapped.
+* **Adam's step after a resume** (Megatron-Core 0.16.1's distributed optimizer with torch's AdamW, i.e. without TE or
+  Apex): its ``load_state_dict`` puts one and the same step tensor on every parameter, which torch's foreach AdamW
+  then increments once per parameter (step 2 becomes step 1 + #parameters: the bias correction, and so every update
+  after the resume, silently wrong; here the update after a save/load moved weights by 3.5e-3 more than without the
+  save/load), and it cannot load its own checkpoint's parameter state without ``step`` (KeyError):
+  ``load_optimizer_state``.
+* **The fused cross-entropy** rounds the logits' gradient to bf16 (~0.1% gradient error): off
+  (``cross_entropy_loss_fusion``); this backend computes its log-probs itself anyway.
+
+Importing this module imports nothing from Megatron; the functions import it when called.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_factuality.config import ConfigError
+from nemo_factuality.trainers.backends.hf import lr_factor
+
+log = logging.getLogger(__name__)
+
+_BRIDGE_HINT = ("megatron-bridge 0.3.1 imports transformer_engine.pytorch unconditionally (megatron/bridge/peft/"
+                "lora_layers.py): install Transformer Engine (the NGC PyTorch container has it), or, in tests, call "
+                "nemo_factuality.testing.megatron_cpu.apply() first")
+
+
+def import_auto_bridge() -> Any:
+    """``megatron.bridge.AutoBridge``, or one line saying what is missing."""
+    try:
+        from megatron.bridge import AutoBridge
+    except ImportError as err:
+        if "transformer_engine" in str(err):
+            raise ImportError(f"{_BRIDGE_HINT} ({err})") from err
+        raise ImportError(f"trainer.backend=megatron needs megatron-core 0.16 and megatron-bridge 0.3 "
+                          f"(requirements/megatron.txt): {err}") from err
+    return AutoBridge
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job's parallel layout: tensor × pipeline model parallelism, the rest data parallelism."""
+
+    tensor: int
+    pipeline: int
+    data: int
+
+
+def init_process_groups(tensor: int, pipeline: int, device: str, seed: int) -> Layout:
+    """torch.distributed (gloo on CPU, NCCL on GPU; one process: a single-rank group) and Megatron-Core's groups;
+    Megatron's model-parallel RNG seeded. A second actor in the same process must ask for the same layout."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not torch.distributed.is_initialized():
+        from nemo_factuality.trainers.backends.collectives import init_from_environment
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            init_from_environment(device)
+        else:  # Megatron-Core needs process groups even alone
+            torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                                 store=torch.distributed.HashStore(), rank=0, world_size=1)
+    world = torch.distributed.get_world_size()
+    if world % (tensor * pipeline):
+        raise ConfigError(f"{world} processes do not split into model replicas of model.tensor_model_parallel_size="
+                          f"{tensor} × model.pipeline_model_parallel_size={pipeline}")
+    if parallel_state.model_parallel_is_initialized():
+        held = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size())
+        if held != (tensor, pipeline):
+            raise ConfigError(f"this process already holds Megatron groups at TP×PP={held[0]}×{held[1]}; "
+                              f"model.tensor_model_parallel_size / pipeline_model_parallel_size ask for {tensor}×{pipeline}")
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline)
+        model_parallel_cuda_manual_seed(seed)
+    return Layout(tensor, pipeline, parallel_state.get_data_parallel_world_size())
+
+
+def contiguous_tensor_parallel_scatter() -> None:
+    """Make Bridge scatter contiguous TP shards (see the module docstring). Idempotent."""
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+
+    scatter = MegatronParamMapping.scatter_to_tp_ranks
+    if getattr(scatter, "scatters_contiguous_shards", False):
+        return
+
+    def scatter_contiguous(self, splits, output_shape, dtype, device, src_rank=0):
+        splits = [s.contiguous() for s in splits] if splits else splits
+        return scatter(self, splits, output_shape, dtype, device, src_rank)
+
+    scatter_contiguous.scatters_contiguous_shards = True
+    MegatronParamMapping.scatter_to_tp_ranks = scatter_contiguous
+
+
+def set_tensor_parallel_attributes(model_chunks: list[Any]) -> list[Any]:
+    """Mark the weights of Megatron-Core's column-/row-parallel linears and vocab-parallel embeddings as TP-sharded
+    (along the output / input / vocab dimension) where Bridge's build left them unset; a Bridge pre-wrap hook."""
+    from megatron.core import tensor_parallel
+
+    sharded_along = {tensor_parallel.ColumnParallelLinear: 0, tensor_parallel.RowParallelLinear: 1,
+                     tensor_parallel.VocabParallelEmbedding: 0}
+    marked = 0
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            dim = next((d for cls, d in sharded_along.items() if isinstance(module, cls)), None)
+            weight = getattr(module, "weight", None)
+            if dim is None or not isinstance(weight, torch.nn.Parameter) or getattr(weight, "tensor_model_parallel", False):
+                continue
+            # the attributes may exist already with the "replicated" defaults: set them, not only when missing
+            weight.tensor_model_parallel, weight.partition_dim, weight.partition_stride = True, dim, 1
+            marked += 1
+    log.debug("set tensor-parallel attributes on %d weights", marked)
+    return model_chunks
+
+
+def tensor_parallel_weights_unmarked(model_chunks: list[Any]) -> list[str]:
+    """Weights of TP-sharded layers that are not marked TP-sharded (the gradient norm would count them once)."""
+    from megatron.core import tensor_parallel
+
+    layers = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear,
+              tensor_parallel.VocabParallelEmbedding)
+    return [name for chunk in model_chunks for name, module in chunk.named_modules()
+            if isinstance(module, layers) and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+            and not getattr(module.weight, "tensor_model_parallel", False)]
+
+
+def transformer_engine_available() -> bool:
+    from megatron.core.extensions import transformer_engine
+
+    return bool(getattr(transformer_engine, "HAVE_TE", False))
+
+
+def configure_provider(provider: Any, layout: Layout, *, on_gpu: bool) -> Any:
+    """Bridge's ``GPTModelProvider`` at ``layout``, fp32, with this backend's loss accounting; Megatron-Core's local
+    layer spec (and fusions off) without Transformer Engine."""
+    provider.tensor_model_parallel_size = layout.tensor
+    provider.pipeline_model_parallel_size = layout.pipeline
+    provider.sequence_parallel = False
+    provider.params_dtype, provider.autocast_dtype = torch.float32, torch.float32
+    provider.bf16 = provider.fp16 = False
+    # the stage's losses are normalised by the global counts: the schedule must neither divide a micro batch's loss by
+    # the number of micro batches nor DDP average over data-parallel ranks (both skip that with this flag, and this
+    # backend never hands the schedule a token count to divide by)
+    provider.calculate_per_token_loss = True
+    provider.cross_entropy_loss_fusion = False  # rounds the logits' gradient to bf16; unused by the log-probs anyway
+    if not (on_gpu and transformer_engine_available()):
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+        from megatron.core.transformer.enums import AttnBackend
+
+        provider.transformer_layer_spec = local_layer_spec
+        provider.attention_backend = AttnBackend.local
+        # each needs Apex/TE or CUDA kernels (or torch.compile's C++ toolchain on CPU)
+        for fusion in ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
+                       "bias_dropout_fusion", "apply_rope_fusion", "persist_layer_norm"):
+            setattr(provider, fusion, False)
+    provider.finalize()
+    if provider.vocab_size % layout.tensor:
+        raise ConfigError(f"the checkpoint's vocabulary ({provider.vocab_size}) does not split over "
+                          f"model.tensor_model_parallel_size={layout.tensor}")
+    return provider
+
+
+def build_policy(path: str, layout: Layout, *, on_gpu: bool, use_distributed_optimizer: bool) -> tuple[Any, list[Any]]:
+    """(the ``AutoBridge`` of ``path``, this rank's model chunks wrapped in Megatron-Core's DDP) with the HF weights."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    bridge = import_auto_bridge().from_hf_pretrained(path, torch_dtype=torch.float32)
+    contiguous_tensor_parallel_scatter()
+    provider = bridge.to_megatron_provider(load_weights=True)
+    provider.register_pre_wrap_hook(set_tensor_parallel_attributes, prepend=True)
+    configure_provider(provider, layout, on_gpu=on_gpu)
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                        use_distributed_optimizer=use_distributed_optimizer)
+    chunks = provider.provide_distributed_model(
+        ddp_config=ddp, wrap_with_ddp=True, data_parallel_random_init=False, use_cpu_initialization=not on_gpu,
+        mixed_precision_wrapper=None, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    config = chunks[0].config
+    # this backend reduces the gradients itself (finalize_model_grads without a token count): nothing in the schedule
+    config.finalize_model_grads_func = config.grad_scale_func = None
+    config.no_sync_func = config.grad_sync_func = config.param_sync_func = None
+    unmarked = tensor_parallel_weights_unmarked(chunks)
+    if unmarked:
+        raise RuntimeError(f"TP-sharded weights not marked tensor-parallel after the build: {unmarked[:4]}")
+    return bridge, chunks
+
+
+def build_optimizer(chunks: list[Any], optim: Any, *, clip_grad: float, use_distributed_optimizer: bool) -> Any:
+    """Megatron's optimizer for ``model.optim`` (adamw → Megatron's Adam with decoupled weight decay; sgd without
+    momentum, as the hf backend's). Megatron leaves biases and norms out of weight decay."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    common = dict(lr=optim.lr, min_lr=optim.sched.min_lr, weight_decay=optim.weight_decay, bf16=False, fp16=False,
+                  params_dtype=torch.float32, use_distributed_optimizer=use_distributed_optimizer,
+                  clip_grad=clip_grad if clip_grad > 0 else 0.0)
+    if optim.name == "adamw":
+        config = OptimizerConfig(optimizer="adam", adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],
+                                 adam_eps=optim.eps, decoupled_weight_decay=True, **common)
+    elif optim.name == "sgd":
+        config = OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, **common)  # Megatron's default momentum is 0.9
+    else:
+        raise ConfigError(f"model.optim.name={optim.name!r}: trainer.backend=megatron supports adamw | sgd")
+    optimizer = get_megatron_optimizer(config, chunks)
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        # Megatron-Core 0.16.1 leaves SGD's state initialiser None, then calls it to build a checkpoint's loading
+        # template (TypeError on every resume); SGD without momentum has no state to initialise
+        if getattr(megatron_optimizer, "init_state_fn", False) is None:
+            megatron_optimizer.init_state_fn = lambda opt, config=None: None
+    return optimizer
+
+
+def _torch_adams(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers of ``optimizer`` that wrap torch's Adam/AdamW (what Megatron builds without TE or Apex)."""
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(getattr(o, "optimizer", None), torch.optim.Adam | torch.optim.AdamW)]
+
+
+def initialize_adam_state(optimizer: Any) -> None:
+    """Give a distributed optimizer's torch Adam the state it has after a step (zero moments, step 0, a tensor per
+    parameter) when it has none: Megatron-Core 0.16.1's ``DistributedOptimizer.state_dict`` asserts that every parameter
+    has a step, so a fresh process could not even build the template its checkpoint loads into."""
+    for megatron_optimizer in _torch_adams(optimizer):
+        adam = megatron_optimizer.optimizer
+        for group in adam.param_groups:
+            for p in group["params"]:
+                if not adam.state[p]:
+                    adam.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
+                                         exp_avg_sq=torch.zeros_like(p.data))
+
+
+def load_optimizer_state(optimizer: Any, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, working around Megatron-Core 0.16.1's distributed optimizer with torch's
+    AdamW (what it builds without TE or Apex, whose FusedAdam keeps Adam's step in the parameter group): its
+    ``load_state_dict`` first puts the checkpoint's step on every parameter's state, then copies every key of that
+    state from the checkpoint's parameter state — which holds only ``param``, ``exp_avg``, ``exp_avg_sq`` — and fails
+    on ``step`` (KeyError). Here the parameter state is loaded with the step set aside, then the step is put back —
+    one tensor per parameter (module docstring)."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    if "param_state" not in state or not _torch_adams(optimizer):
+        optimizer.load_state_dict(state)
+        return
+    if len(chained) != 1 or state.get("param_state_sharding_type") != "fully_reshardable":
+        raise RuntimeError("expected one distributed optimizer with a fully_reshardable checkpoint, got "
+                           f"{len(chained)} optimizers and {state.get('param_state_sharding_type')!r}")
+    distributed, param_state = chained[0], state.pop("param_state")
+    state.pop("param_state_sharding_type")
+    distributed.load_state_dict(state)  # parameter groups, and Adam's step on every parameter's state
+    steps = {id(p): s.pop("step") for p, s in distributed.optimizer.state.items() if "step" in s}
+    distributed.load_parameter_state_from_fully_reshardable(param_state)
+    for p, s in distributed.optimizer.state.items():
+        if id(p) in steps:
+            # a tensor of its own: Megatron hands every parameter the same one, which torch's foreach AdamW then
+            # advances once per parameter — every later bias correction silently wrong
+            s["step"] = steps[id(p)].clone()
+
+
+class LearningRateSchedule:
+    """Every backend's schedule (``hf.lr_factor``: warm-up, then constant or cosine) set on Megatron's optimizer's
+    parameter groups before each step; its state is the number of steps taken."""
+
+    def __init__(self, optimizer: Any, optim: Any, max_steps: int) -> None:
+        self.optimizer, self.optim, self.max_steps, self.steps = optimizer, optim, max_steps, 0
+        self._apply()
+
+    def current_lr(self) -> float:
+        return self.optim.lr * lr_factor(self.optim, self.max_steps, self.steps)
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.current_lr()
+
+    def step(self) -> None:
+        self.steps += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.steps = int(state["steps"])
+        self._apply()

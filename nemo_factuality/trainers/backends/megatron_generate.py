@@ -1,0 +1,111 @@
+"""Rollouts on the megatron backend: Megatron-Core's static inference engine (KV cache, one static batch per rollout
+micro batch) over the policy's own weights, sampling from exactly the distribution the actor's log-probs are of.
+
+* Sampling: Megatron's controller applies temperature, then top-k *or* top-p with its own top-p rule, from its own
+  generator seeded once for every rank. ``StageSamplingController`` replaces that one step with the stage's
+  ``SampledDistribution`` (transformers' warpers: temperature, top-k, top-p, as the hf backend and every log-prob
+  here use), drawn from torch's default generator (seeded per data-parallel replica; the stages checkpoint it), and
+  every rank of a model replica takes its model-parallel source rank's tokens, so the replica never diverges.
+* The engine's ``generate`` reseeds torch's global generator (``torch.random.manual_seed(1234)``) on every call,
+  which would make every rollout step draw the same samples: requests go through its scheduler and ``run_engine``
+  instead, which do not.
+* Layout: prompts right-padded with EOS (Megatron's static batch continues each prompt in place); the generated tokens
+  exclude the EOS, so a response that ended is the tokens plus EOS (``is_end``), as the hf backend returns it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nemo_factuality.trainers.backends.hf import SampledDistribution
+from nemo_factuality.trainers.interfaces import Rollout, SamplingParams
+
+
+class _TokenizerAdapter:
+    """The HF tokenizer as Megatron's inference controller calls it (ids in, text out; EOS is ``eod``)."""
+
+    def __init__(self, tokenizer: Any, eos_id: int) -> None:
+        self.tokenizer, self.eod, self.bos = tokenizer, eos_id, None
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def offsets(self, ids: list[int], text: str) -> list[int]:
+        return [0] * len(ids)
+
+
+@functools.lru_cache(maxsize=1)
+def _controller_class() -> type:
+    from megatron.core import parallel_state
+    from megatron.core.inference.text_generation_controllers.text_generation_controller import (
+        TextGenerationController,
+    )
+
+    class StageSamplingController(TextGenerationController):
+        """Megatron's static-batch controller, sampling with the stage's distribution (module docstring)."""
+
+        distribution: SampledDistribution = SampledDistribution()
+        greedy: bool = False
+
+        def sample_from_logits(self, last_token_logits: torch.Tensor, sampling_params: Any = None,
+                               vocab_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+            logits = last_token_logits.float()  # [b, V]: the wrapper gathered the vocabulary over TP
+            tokens = logits.argmax(dim=-1) if self.greedy else self.distribution.sample(logits)
+            group = parallel_state.get_model_parallel_group()
+            if torch.distributed.get_world_size(group) > 1:  # one replica, one set of tokens
+                torch.distributed.broadcast(tokens, src=torch.distributed.get_process_group_ranks(group)[0], group=group)
+            return tokens
+
+    return StageSamplingController
+
+
+def generate_static_batch(model: Any, tokenizer: Any, eos_id: int, pad_id: int, prompt_ids: Sequence[Sequence[int]],
+                          sampling: SamplingParams, distribution: SampledDistribution) -> Rollout:
+    """One static batch of ``prompt_ids`` through Megatron-Core's ``StaticInferenceEngine`` on ``model`` (the bare
+    ``GPTModel`` of this rank's pipeline stage) → a ``Rollout`` in the stages' layout, right-padded with ``pad_id``."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.engines import StaticInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+    from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
+
+    if not prompt_ids or min(len(p) for p in prompt_ids) < 1:
+        raise ValueError("generate: every prompt needs at least one token")
+    config = model.config
+    longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
+    wrapper_config = InferenceWrapperConfig(
+        hidden_size=config.hidden_size, params_dtype=config.params_dtype, inference_batch_times_seqlen_threshold=-1,
+        padded_vocab_size=model.vocab_size, inference_max_requests=len(prompt_ids), inference_max_seq_length=longest)
+    wrapper = GPTInferenceWrapper(model, wrapper_config, StaticInferenceContext.from_config(wrapper_config))
+    controller = _controller_class()(inference_wrapped_model=wrapper, tokenizer=_TokenizerAdapter(tokenizer, eos_id))
+    controller.distribution, controller.greedy = distribution, sampling.use_greedy
+    engine = StaticInferenceEngine(controller, max_batch_size=len(prompt_ids), legacy=True)
+    asked = MegatronSampling(num_tokens_to_generate=sampling.max_new_tokens, termination_id=eos_id)
+    ids = [engine.scheduler.add_request(prompt="", prompt_tokens=list(map(int, p)), sampling_params=asked)
+           for p in prompt_ids]
+    engine.run_engine()
+    done = [engine.scheduler.completed_request_pool[i] for i in ids]
+    return _rollout(prompt_ids, [list(map(int, r.generated_tokens.tolist())) for r in done], sampling.max_new_tokens,
+                    eos_id, pad_id)
+
+
+def _rollout(prompt_ids: Sequence[Sequence[int]], generated: list[list[int]], max_new_tokens: int, eos_id: int,
+             pad_id: int) -> Rollout:
+    """Megatron's generations (EOS excluded, fewer than ``max_new_tokens`` tokens when EOS ended them) as a Rollout."""
+    rows, ends = [], []
+    for prompt, tokens in zip(prompt_ids, generated, strict=True):
+        ended = len(tokens) < max_new_tokens
+        rows.append(list(prompt) + tokens + ([eos_id] if ended else []))
+        ends.append(ended)
+    out = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return Rollout(out, torch.tensor([len(p) for p in prompt_ids]), torch.tensor([len(r) for r in rows]),
+                   torch.tensor(ends, dtype=torch.bool))

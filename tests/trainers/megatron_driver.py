@@ -1,0 +1,246 @@
+"""Runs in the megatron venv (``tools/setup_megatron_env.sh``), under torchrun on gloo: the megatron backend's actor
+against transformers on the same tiny HF checkpoint. Each command writes ``<out>/<tag>.rank<r>.json``.
+
+    python tests/trainers/megatron_driver.py make-model --out DIR
+    torchrun --nproc_per_node 2 tests/trainers/megatron_driver.py parity --hf DIR --out DIR --tag tp2 --tp 2
+    torchrun --nproc_per_node 2 tests/trainers/megatron_driver.py train --hf DIR --out DIR --tag dp2
+
+* ``make-model``: a 2-layer Qwen2 (hidden 64, head_dim 32 ≠ hidden/heads, GQA, rope_theta 123456, QKV biases; every
+  bias and norm weight random, so a mis-mapped one shows) and the tiny BPE tokenizer, written by this venv's
+  transformers 4.x (the layout Bridge reads).
+* ``parity``: logits and log-probs against transformers after loading; the gradient norm of one step of a fixed loss
+  against transformers' (clipping off, SGD at lr 0: the step changes nothing); greedy rollouts against the hf backend's
+  ``generate`` (transformers' ``generate``); 400 sampled first tokens against the probabilities the actor's log-probs
+  give them (temperature 0.7, top-k 8, top-p 0.9).
+* ``parity --unfixed scatter|tp-attributes``: the same with one of the backend's fixes undone (``megatron_build``), to
+  show the checks above catch what it fixes.
+* ``train``: a fixed batch of 8 sequences, each rank its contiguous 8/DP rows, the loss normalised by the global token
+  count: step 1 (AdamW), logits; export → transformers reloads it → its logits; save; step 2 → log-probs; load → step 2
+  again → log-probs (exactly equal); the reference reset to the current policy and saved with it; with ``--resume`` a
+  checkpoint another layout saved is loaded first, with ``--reference-from`` one holding a reset reference last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from nemo_factuality.testing import megatron_cpu  # noqa: E402
+
+megatron_cpu.apply()
+
+import torch  # noqa: E402
+
+from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
+from nemo_factuality.trainers.interfaces import Rollout, SamplingParams  # noqa: E402
+
+ROWS, WIDTH, PROMPT = 8, 11, 3
+
+
+def make_model(out: Path) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from nemo_factuality.testing.tiny_models import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(out)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      intermediate_size=128, vocab_size=400, max_position_embeddings=256, rope_theta=123456.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, torch_dtype="float32")
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # transformers starts biases at 0 and norms at 1: a swapped one would not show
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.08)
+    model.save_pretrained(str(out))
+
+
+def build_actor(args, *extra: str):
+    from nemo_factuality.trainers.backends import BACKENDS
+
+    overrides = [f"model.path={args.hf}", "trainer.backend=megatron", f"model.tensor_model_parallel_size={args.tp}",
+                 f"model.pipeline_model_parallel_size={args.pp}", "model.forward_micro_batch_size=2",
+                 "remote_rm.url=http://127.0.0.1:9", "model.global_batch_size=8", *extra]
+    cfg = load_train_config(GRPOConfig, None, overrides)
+    actor, _ = BACKENDS.get("megatron")(cfg)
+    return actor
+
+
+def fixed_batch() -> dict[str, torch.Tensor]:
+    """8 sequences of 11 tokens (prompt 3), response lengths 6..11, a loss mask over each response."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(5, 390, (ROWS, WIDTH), generator=gen)
+    lengths = torch.tensor([6, 11, 9, 7, 11, 10, 6, 8])
+    pos = torch.arange(WIDTH - 1).unsqueeze(0)
+    mask = ((pos >= PROMPT - 1) & (pos < lengths.unsqueeze(1) - 1)).float()
+    return {"tokens": tokens, "prompt_lengths": torch.full((ROWS,), PROMPT), "response_lengths": lengths, "mask": mask}
+
+
+def as_rollout(batch: dict[str, torch.Tensor]) -> Rollout:
+    return Rollout(batch["tokens"], batch["prompt_lengths"], batch["response_lengths"], torch.ones(ROWS, dtype=torch.bool))
+
+
+def policy_loss(global_tokens: float):
+    def loss(out, mb):
+        value = -(out["logprobs"] * mb["mask"]).sum() / global_tokens
+        return value, {"loss/policy": float(value)}
+
+    return loss
+
+
+def full_logits(actor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[b, S, V]`` logits of the actor's current weights (vocabulary gathered over TP, sent from the last stage)."""
+    from megatron.core import tensor_parallel
+
+    actor.model.eval()
+
+    def logits_of(mb, logits):
+        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)
+        return torch.zeros(()), {"logits": full.detach().float().cpu()}
+
+    with torch.no_grad():
+        reported = actor._run_schedule([{"tokens": tokens}], logits_of, forward_only=True)
+    out = reported[0]["logits"] if reported else torch.zeros(*tokens.shape, 400)
+    return actor._from_last_pipeline_stage(out)
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def undo_fix(name: str) -> None:
+    """Build without one of ``megatron_build``'s fixes (the checks must then fail)."""
+    from nemo_factuality.trainers.backends import megatron_build
+
+    if name == "scatter":
+        megatron_build.contiguous_tensor_parallel_scatter = lambda: None
+    elif name == "tp-attributes":
+        megatron_build.set_tensor_parallel_attributes = lambda chunks: chunks
+        megatron_build.tensor_parallel_weights_unmarked = lambda chunks: []
+
+
+def parity(args) -> dict:
+    from nemo_factuality.trainers.backends.hf import token_logprobs
+
+    if args.unfixed:
+        undo_fix(args.unfixed)
+    actor = build_actor(args, "model.optim.name=sgd", "model.optim.lr=0.0", "trainer.gradient_clip_val=0",
+                        "model.sampling_params.temperature=0.7", "model.sampling_params.top_k=8",
+                        "model.sampling_params.top_p=0.9")
+    hf = hf_model(args.hf)
+    batch = fixed_batch()
+    with torch.no_grad():
+        ref_logits = hf(batch["tokens"]).logits
+    ours = full_logits(actor, batch["tokens"])
+    logprobs = actor.logprobs(as_rollout(batch))
+    with torch.no_grad():
+        ref_logprobs = token_logprobs(ref_logits, batch["tokens"], actor.distribution)
+    valid = batch["mask"].bool()
+    # one step's gradient norm of the same loss under transformers (temperature/top-k/top-p warped log-probs)
+    global_tokens = float(batch["mask"].sum())
+    hf.zero_grad()
+    loss = -(token_logprobs(hf(batch["tokens"]).logits, batch["tokens"], actor.distribution) * batch["mask"]).sum()
+    (loss / global_tokens).backward()
+    hf_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in hf.parameters())))
+    metrics = actor.train_step(batch, policy_loss(global_tokens), micro_batch_size=2)
+    return {"logits_max_diff": float((ours - ref_logits).abs().max()), "logit_scale": float(ref_logits.abs().max()),
+            "logprobs_max_diff": float((logprobs - ref_logprobs)[valid].abs().max()),
+            "grad_norm": metrics["grad_norm"], "hf_grad_norm": hf_norm, "loss": metrics["loss"],
+            "hf_loss": float(loss) / global_tokens, **generations(args, actor)}
+
+
+def generations(args, actor) -> dict:
+    """Greedy rollouts of the actor and of the hf backend (transformers' generate); sampled first tokens."""
+    from nemo_factuality.trainers.backends.hf import HFActor
+
+    cfg = load_train_config(GRPOConfig, None, [f"model.path={args.hf}", "remote_rm.url=http://127.0.0.1:9"])
+    prompts = [[5, 17, 33, 8], [9, 60], [120, 7, 7, 41, 300, 12], [2, 44, 31]]
+    greedy = SamplingParams(max_new_tokens=8, use_greedy=True)
+    ours = actor.generate(prompts, greedy)
+    ref = HFActor(cfg.model, max_steps=1).generate(prompts, greedy)
+    one = [[5, 17, 33, 8, 90]]
+    sampled = actor.generate(one * 400, SamplingParams(max_new_tokens=1, temperature=0.7, top_k=8, top_p=0.9))
+    lp = actor.logprobs(sampled)[:, len(one[0]) - 1]
+    first = sampled.tokens[:, len(one[0])]
+    tokens = sorted(set(first.tolist()))
+    return {"greedy": [ours.tokens.tolist(), ours.response_lengths.tolist(), ours.is_end.tolist()],
+            "hf_greedy": [ref.tokens.tolist(), ref.response_lengths.tolist(), ref.is_end.tolist()],
+            "sampled": {str(t): [int((first == t).sum()), float(lp[first == t][0].exp())] for t in tokens}}
+
+
+def train(args) -> dict:
+    actor = build_actor(args, "model.optim.name=adamw", "model.optim.lr=0.01", "trainer.gradient_clip_val=1.0",
+                        f"model.megatron.use_distributed_optimizer={args.distributed_optimizer}")
+    out = Path(args.out)
+    result: dict = {"dp": actor.data_parallel_size, "initial_logprobs": actor.logprobs(as_rollout(fixed_batch())).tolist()}
+    if args.resume:
+        actor.load(Path(args.resume))
+        result["resumed_logprobs"] = actor.logprobs(as_rollout(fixed_batch())).tolist()
+    batch = fixed_batch()
+    global_tokens = float(batch["mask"].sum())
+    dp, rank = actor.data_parallel_size, actor.data_parallel_rank
+    mine = {k: v[rank * ROWS // dp : (rank + 1) * ROWS // dp] for k, v in batch.items()}
+    step = lambda: actor.train_step(mine, policy_loss(global_tokens), micro_batch_size=2)  # noqa: E731
+    result["metrics1"] = step()
+    result["logprobs1"] = actor.logprobs(as_rollout(batch)).tolist()
+    trained = full_logits(actor, batch["tokens"])
+    actor.export(out / f"{args.tag}_export")
+    if actor.global_rank == 0:
+        with torch.no_grad():
+            reloaded = hf_model(str(out / f"{args.tag}_export"))(batch["tokens"]).logits
+        result["export_logits_max_diff"] = float((reloaded - trained).abs().max())
+        result["export_files"] = sorted(p.name for p in (out / f"{args.tag}_export").iterdir())
+    ckpt = out / f"{args.tag}_ckpt"
+    actor.save(ckpt)
+    result["metrics2"] = step()
+    result["logprobs2"] = actor.logprobs(as_rollout(batch)).tolist()
+    actor.load(ckpt)
+    result["loaded_logprobs1"] = actor.logprobs(as_rollout(batch)).tolist()
+    result["metrics2_after_load"] = step()
+    result["logprobs2_after_load"] = actor.logprobs(as_rollout(batch)).tolist()
+    result["reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
+    # KTO's reference: the current policy, then stored in the checkpoint (a distributed checkpoint of its own)
+    actor.reset_reference()
+    result["reset_reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
+    actor.save(out / f"{args.tag}_refckpt")
+    if args.reference_from:
+        actor.load(Path(args.reference_from))
+        result["loaded_reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("command", choices=["make-model", "parity", "train"])
+    ap.add_argument("--hf")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tag", default="run")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--resume", help="train: load this checkpoint (saved at another layout) first")
+    ap.add_argument("--distributed-optimizer", action="store_true", help="train: Megatron's distributed optimizer")
+    ap.add_argument("--reference-from", help="train: at the end, load this checkpoint (a reset reference, another layout)")
+    ap.add_argument("--unfixed", choices=["scatter", "tp-attributes"], help="parity: without this fix of the backend")
+    args = ap.parse_args()
+    if args.command == "make-model":
+        make_model(Path(args.out))
+        return 0
+    result = parity(args) if args.command == "parity" else train(args)
+    rank = torch.distributed.get_rank()
+    (Path(args.out) / f"{args.tag}.rank{rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

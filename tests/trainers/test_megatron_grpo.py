@@ -1,0 +1,62 @@
+"""The GRPO stage on ``trainer.backend=megatron``: the real ``GRPOTrainer`` (as the stage command runs it) from the
+HF checkpoint to the exported HF folder, at TP=2 (one replica over two ranks) and at DP=2 (two replicas), in the
+megatron venv under torchrun on gloo (``megatron_grpo_driver.py``). A run interrupted after step 2 and rerun with the
+same command resumes from its checkpoint and ends exactly where the uninterrupted run ends; ``final/`` reloads in
+transformers with the trained Megatron model's logits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from nemo_factuality.testing.megatron_env import run_in_megatron_venv
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+DRIVER = "tests/trainers/megatron_grpo_driver.py"
+
+
+@pytest.fixture(scope="module", params=["tp2", "dp2"])
+def ranks(request, megatron_venv, tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp(f"megatron_grpo_{request.param}")
+    res = run_in_megatron_venv(megatron_venv, ["tests/trainers/megatron_driver.py", "make-model", f"--out={root / 'hf'}"],
+                               timeout=120)
+    assert res.returncode == 0, res.stdout[-4000:]
+    out = root / "out"
+    out.mkdir()
+    tp = ["--tp=2"] if request.param == "tp2" else []
+    res = run_in_megatron_venv(megatron_venv, [DRIVER, f"--hf={root / 'hf'}", f"--out={out}", *tp], nproc=2, timeout=600)
+    assert res.returncode == 0, res.stdout[-6000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_the_layout(ranks, request):
+    tp2 = "tp2" in request.node.callspec.id
+    assert [r["dp"] for r in ranks] == ([1, 1] if tp2 else [2, 2])
+    assert sorted(r["dp_rank"] for r in ranks) == ([0, 0] if tp2 else [0, 1])
+
+
+def test_the_stage_trains_three_steps_with_a_checkpoint_each(ranks):
+    for r in ranks:
+        run = r["runs"]["straight"]
+        assert run["exit"] == 0 and run["checkpoints"][-1] == "step_000003" and "latest" in run["checkpoints"]
+        assert [m["step"] for m in run["metrics"]] == [1, 2, 3]
+        for m in run["metrics"]:
+            assert math.isfinite(m["reward/score"]) and math.isfinite(m["loss/policy"]) and m["grad_norm"] > 0
+
+
+def test_the_rerun_of_an_interrupted_run_ends_where_the_straight_run_ends(ranks):
+    for r in ranks:
+        straight, rerun = r["runs"]["straight"], r["runs"]["interrupted"]
+        assert rerun["exit"] == 0 and rerun["checkpoints"][-1] == "step_000003"
+        assert rerun["logprobs"] == straight["logprobs"]  # the same weights, exactly
+        # the same rollouts, rewards and losses (each rank's random streams resumed); only the timings differ
+        untimed = lambda run: [{k: v for k, v in m.items() if not k.startswith("time/")} for m in run["metrics"]]  # noqa: E731
+        assert untimed(rerun) == untimed(straight)
+
+
+def test_final_is_an_hf_folder_with_the_trained_logits(ranks):
+    writer = ranks[0]["runs"]
+    assert writer["final_logits_max_diff"] <= 1e-5
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= set(writer["final_files"])

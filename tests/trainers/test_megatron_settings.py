@@ -1,0 +1,89 @@
+"""The megatron backend's parts that need no Megatron: its config rules, its registration, what importing it loads,
+the rollout layout of Megatron's generations, and the test command's handling of its venv."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nemo_factuality.config import REPO_ROOT, ConfigError
+from nemo_factuality.trainers.config import GRPOConfig, KTOConfig, PPOConfig, load_train_config
+
+
+def _megatron(schema, *extra: str):
+    return load_train_config(schema, None, ["trainer.backend=megatron", "model.path=/models/policy",
+                                            "remote_rm.url=http://127.0.0.1:9", *extra])
+
+
+def test_grpo_and_kto_accept_the_megatron_backend():
+    cfg = _megatron(GRPOConfig, "model.tensor_model_parallel_size=2", "model.megatron.use_distributed_optimizer=true")
+    assert cfg.trainer.backend == "megatron" and cfg.model.megatron.use_distributed_optimizer
+    assert _megatron(KTOConfig).trainer.backend == "megatron"
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["model.path=null"], "model.path"),
+    (["model.dtype=bfloat16"], "model.dtype=bfloat16"),
+    (["rollout.engine=trtllm"], "rollout.engine=trtllm"),
+])
+def test_what_the_megatron_backend_cannot_do_is_refused_naming_the_setting(extra, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        _megatron(GRPOConfig, *extra)
+
+
+def test_ppo_is_refused_until_the_backend_has_a_critic():
+    with pytest.raises(ConfigError, match="no critic yet"):
+        _megatron(PPOConfig)
+
+
+def test_the_backend_is_registered_and_importing_it_loads_no_megatron():
+    code = ("import sys; from nemo_factuality.trainers.backends import BACKENDS; "
+            "import nemo_factuality.trainers.backends.megatron as m; "
+            "assert 'megatron' in BACKENDS.names(), BACKENDS.names(); "
+            "loaded = [k for k in sys.modules if k.split('.')[0] == 'megatron']; assert not loaded, loaded")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_megatrons_generations_become_the_stages_rollout_layout():
+    """Megatron's static engine returns each generation without its EOS, shorter than the budget when EOS ended it:
+    the rollout holds the EOS in the response (is_end), as the hf backend's does, right-padded with the pad id."""
+    from nemo_factuality.trainers.backends.megatron_generate import _rollout
+
+    eos, pad = 3, 4
+    rollout = _rollout([[7, 8, 9], [5]], [[11, 12], [13, 14, 15]], max_new_tokens=3, eos_id=eos, pad_id=pad)
+    assert rollout.tokens.tolist() == [[7, 8, 9, 11, 12, eos], [5, 13, 14, 15, pad, pad]]
+    assert rollout.prompt_lengths.tolist() == [3, 1] and rollout.response_lengths.tolist() == [6, 4]
+    assert rollout.is_end.tolist() == [True, False]
+    assert rollout.response_ids(0, eos_id=eos) == [11, 12] and rollout.response_ids(1, eos_id=eos) == [13, 14, 15]
+    assert rollout.tokens.dtype == torch.long
+
+
+def test_the_test_command_exports_the_megatron_venv_it_finds(tmp_path):
+    """As for the aligner venv (tests/test_run_tests.py): a complete venv where the setup script puts it is exported
+    to the tests that use it, and nothing is built."""
+    root = tmp_path / "venvs"
+    where = subprocess.run(["bash", str(REPO_ROOT / "tools" / "setup_megatron_env.sh"), "--path"], capture_output=True,
+                           text=True, check=True, timeout=30, env={**os.environ, "MEGATRON_VENV_ROOT": str(root)})
+    venv = root / where.stdout.strip().rsplit("/", 1)[-1]
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
+    (venv / "bin" / "python").chmod(0o755)
+    (venv / ".complete").touch()
+    probe = tmp_path / "probe" / "test_probe.py"
+    probe.parent.mkdir()
+    probe.write_text("import os\n\nfrom nemo_factuality.testing.megatron_env import megatron_venv\n\n\n"
+                     "def test_probe():\n    print('RESOLVED', os.environ.get('NEMO_FACTUALITY_MEGATRON_VENV'), megatron_venv())\n")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_FACTUALITY_")}
+    base["PATH"] = f"{os.path.dirname(sys.executable)}:{base['PATH']}"  # this interpreter, in a checkout without .venv
+    res = subprocess.run(["bash", str(REPO_ROOT / "tools" / "run_tests.sh"), str(probe), "-s", "-p", "no:cacheprovider"],
+                         capture_output=True, text=True, timeout=180,
+                         env={**base, "PYTHONPATH": str(REPO_ROOT), "MEGATRON_VENV_ROOT": str(root)})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert f"RESOLVED {venv} {venv}" in res.stdout
+    assert f"== Megatron-Core/Bridge venv: {venv}" in res.stderr and "building" not in res.stderr
