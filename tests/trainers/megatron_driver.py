@@ -138,7 +138,7 @@ def parity(args) -> dict:
     actor = build_actor(args, "model.optim.name=sgd", "model.optim.lr=0.0", "trainer.gradient_clip_val=0",
                         "model.sampling_params.temperature=0.7", "model.sampling_params.top_k=8",
                         "model.sampling_params.top_p=0.9")
-    hf = hf_model(args.hf)
+    hf = hf_model(args.reference_hf or args.hf)
     batch = fixed_batch()
     with torch.no_grad():
         ref_logits = hf(batch["tokens"]).logits
@@ -164,7 +164,7 @@ def generations(args, actor) -> dict:
     """Greedy rollouts of the actor and of the hf backend (transformers' generate); sampled first tokens."""
     from nemo_factuality.trainers.backends.hf import HFActor
 
-    cfg = load_train_config(GRPOConfig, None, [f"model.path={args.hf}", "remote_rm.url=http://127.0.0.1:9"])
+    cfg = load_train_config(GRPOConfig, None, [f"model.path={args.reference_hf or args.hf}", "remote_rm.url=http://127.0.0.1:9"])
     prompts = [[5, 17, 33, 8], [9, 60], [120, 7, 7, 41, 300, 12], [2, 44, 31]]
     greedy = SamplingParams(max_new_tokens=8, use_greedy=True)
     ours = actor.generate(prompts, greedy)
@@ -231,6 +231,7 @@ def main() -> int:
     ap.add_argument("--resume", help="train: load this checkpoint (saved at another layout) first")
     ap.add_argument("--distributed-optimizer", action="store_true", help="train: Megatron's distributed optimizer")
     ap.add_argument("--reference-from", help="train: at the end, load this checkpoint (a reset reference, another layout)")
+    ap.add_argument("--reference-hf", help="parity: the folder transformers loads as the reference (default --hf)")
     ap.add_argument("--unfixed", choices=["scatter", "tp-attributes"], help="parity: without this fix of the backend")
     args = ap.parse_args()
     if args.command == "make-model":

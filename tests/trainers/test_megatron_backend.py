@@ -175,3 +175,28 @@ def test_a_reset_reference_is_stored_and_loads_at_another_layout(trained, tag, s
     saved = trained[source]
     assert _max_diff(saved["reset_reference_logprobs"], saved["initial_logprobs"]) > 0.5  # not the initial policy
     assert _max_diff(trained[tag]["loaded_reference_logprobs"], saved["reset_reference_logprobs"]) <= LOGIT_TOLERANCE
+
+
+def test_a_checkpoint_written_by_transformers_5_loads_with_its_rope_theta(megatron_venv, root, tmp_path):
+    """transformers 5 writes RoPE inside ``rope_parameters``; the transformers 4.57 Bridge runs on reads only the
+    top-level ``rope_theta`` and silently took 10000 for this checkpoint's 123456 (every logit changes). The backend
+    reads the folder through a view in its own layout and checks the built model's RoPE base: the same folder with a
+    transformers-5 config gives the logits transformers gives the original."""
+    from nemo_factuality.convert.hf_config import read_rope
+
+    v5 = tmp_path / "hf_v5"
+    v5.mkdir()
+    for item in (root / "hf").iterdir():
+        if item.name != "config.json":
+            (v5 / item.name).symlink_to(item.resolve())
+    cfg = json.loads((root / "hf" / "config.json").read_text())
+    theta = read_rope(cfg).theta
+    assert theta == 123456.0
+    layout5 = {k: v for k, v in cfg.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    layout5.update(rope_parameters={"rope_type": "default", "rope_theta": theta}, dtype="float32")
+    (v5 / "config.json").write_text(json.dumps(layout5))
+    res = run_in_megatron_venv(megatron_venv, [DRIVER, "parity", f"--hf={v5}", f"--reference-hf={root / 'hf'}",
+                                               f"--out={tmp_path}", "--tag=v5"], timeout=400)
+    assert res.returncode == 0, res.stdout[-6000:]
+    rank = json.loads((tmp_path / "v5.rank0.json").read_text())
+    assert rank["logits_max_diff"] <= LOGIT_TOLERANCE, rank["logits_max_diff"]

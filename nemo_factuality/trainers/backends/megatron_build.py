@@ -28,14 +28,17 @@ Importing this module imports nothing from Megatron; the functions import it whe
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.backends.hf import lr_factor
+from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +181,53 @@ def configure_provider(provider: Any, layout: Layout, *, on_gpu: bool) -> Any:
     return provider
 
 
+def in_installed_config_layout(path: str) -> Path:
+    """``path``, or a folder of links to its files with ``config.json`` rewritten in the layout this venv's transformers
+    reads. transformers 5 writes RoPE inside ``rope_parameters``; the 4.57 that Bridge needs reads only the top-level
+    ``rope_theta`` and silently falls back to 10000 (a Qwen2.5 checkpoint's 1e6 lost: every logit changes)."""
+    import json
+    import tempfile
+
+    from nemo_factuality.convert.hf_config import to_installed_layout
+
+    src = Path(path)
+    cfg = json.loads((src / "config.json").read_text())
+    fixed = to_installed_layout(cfg)
+    if fixed == cfg:
+        return src
+    view = Path(tempfile.mkdtemp(prefix="megatron_hf_view_"))
+    for item in src.iterdir():
+        if item.name != "config.json":
+            (view / item.name).symlink_to(item.resolve())
+    (view / "config.json").write_text(json.dumps(fixed, indent=2))
+    log.info("%s/config.json is in another transformers layout than this venv's: read through %s", src, view)
+    return view
+
+
+def check_rope(provider: Any, path: str) -> None:
+    """The built model's RoPE base is the checkpoint's (read from either config layout), or a one-line error."""
+    import json
+
+    from nemo_factuality.convert.hf_config import read_rope
+
+    want = read_rope(json.loads((Path(path) / "config.json").read_text())).theta
+    got = float(getattr(provider, "rotary_base", want))
+    if not math.isclose(got, want, rel_tol=1e-9):
+        raise FactualityInputError(f"{path}: Megatron-Bridge built the model with rope_theta {got:g} but the "
+                                   f"checkpoint's config.json says {want:g}")
+
+
 def build_policy(path: str, layout: Layout, *, on_gpu: bool, use_distributed_optimizer: bool) -> tuple[Any, list[Any]]:
     """(the ``AutoBridge`` of ``path``, this rank's model chunks wrapped in Megatron-Core's DDP) with the HF weights."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    bridge = import_auto_bridge().from_hf_pretrained(path, torch_dtype=torch.float32)
+    source = in_installed_config_layout(path)
+    bridge = import_auto_bridge().from_hf_pretrained(str(source), torch_dtype=torch.float32)
     contiguous_tensor_parallel_scatter()
     provider = bridge.to_megatron_provider(load_weights=True)
     provider.register_pre_wrap_hook(set_tensor_parallel_attributes, prepend=True)
+    check_rope(provider, path)
     configure_provider(provider, layout, on_gpu=on_gpu)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                         use_distributed_optimizer=use_distributed_optimizer)
