@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from nemo_factuality.testing.paths import REPO_ROOT
+from nemo_factuality.testing.venvs import built_venv
 
 SETUP_SCRIPT = REPO_ROOT / "tools" / "setup_aligner_env.sh"
 ENV_VAR = "NEMO_FACTUALITY_ALIGNER_VENV"
@@ -21,12 +22,7 @@ ENV_VAR = "NEMO_FACTUALITY_ALIGNER_VENV"
 
 def aligner_venv() -> Path | None:
     """``$NEMO_FACTUALITY_ALIGNER_VENV`` or where the setup script builds it; None when not built."""
-    if os.environ.get(ENV_VAR):
-        venv = Path(os.environ[ENV_VAR])
-    else:
-        out = subprocess.run(["bash", str(SETUP_SCRIPT), "--path"], capture_output=True, text=True, timeout=30, check=True)
-        venv = Path(out.stdout.strip().splitlines()[-1])
-    return venv if (venv / "bin" / "python").is_file() and (venv / ".complete").is_file() else None
+    return built_venv(ENV_VAR, SETUP_SCRIPT)
 
 
 def skip_reason() -> str:

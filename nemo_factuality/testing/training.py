@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,25 @@ def build_policy(out: Path, *, tie: bool = False, head_dim: int = 12) -> Path:
     Qwen2ForCausalLM(cfg).save_pretrained(str(out))
     respect_umask(out)  # safetensors writes model.safetensors 0600 (through a temporary file): 0644 under umask 022
     return out
+
+
+def grpo_test_config(policy: Path | str, run_dir: Path | str, *, steps: int = 20, **over: Any) -> Any:
+    """The GRPO config the toy-reward tests train with: 4 prompts × 8 samples, 6 tokens, lr 3e-3, truncated responses
+    kept (the random tiny model rarely stops), ``steps`` steps, no checkpoints or TensorBoard; ``over``: dotted keys."""
+    from nemo_factuality.trainers.config import GRPOConfig
+
+    cfg = GRPOConfig()
+    cfg.model.path = str(policy)
+    cfg.model.optim.lr = 3e-3
+    cfg.model.length_params.max_length = 6
+    cfg.model.global_batch_size, cfg.model.micro_batch_size = 16, 8
+    cfg.grpo.num_prompts_per_step, cfg.grpo.num_rollouts_per_prompt = 4, 8
+    cfg.grpo.truncated = "keep"
+    cfg.trainer.max_steps, cfg.trainer.progress_bar, cfg.trainer.save_interval = steps, False, 0
+    cfg.exp_manager.explicit_log_dir = str(run_dir)
+    cfg.exp_manager.create_tensorboard_logger = False
+    set_dotted(cfg, over)
+    return cfg
 
 
 def prompts(n: int) -> list[PromptRecord]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from nemo_factuality.testing.training import good_fraction, prompts, read_metrics, set_dotted
+from nemo_factuality.testing.training import good_fraction, grpo_test_config, prompts, read_metrics
 from nemo_factuality.trainers.backends.hf import HFActor
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.grpo import GRPOTrainer
@@ -17,18 +17,8 @@ from nemo_factuality.types import RewardBatch
 
 
 def grpo_cfg(policy, run_dir, **over) -> GRPOConfig:
-    cfg = GRPOConfig()
-    cfg.model.path = str(policy)
-    cfg.model.optim.lr = 3e-3
-    cfg.model.length_params.max_length = 6
-    cfg.model.global_batch_size, cfg.model.micro_batch_size = 16, 8
-    cfg.grpo.num_prompts_per_step, cfg.grpo.num_rollouts_per_prompt = 4, 8
-    cfg.grpo.truncated = "keep"  # the random tiny model rarely stops: learn from every sample
-    cfg.trainer.max_steps, cfg.trainer.progress_bar, cfg.trainer.save_interval = 20, False, 0
-    cfg.exp_manager.explicit_log_dir = str(run_dir)
-    cfg.exp_manager.create_tensorboard_logger = False
+    cfg = grpo_test_config(policy, run_dir, **over)
     cfg.reward = {"name": "toy"}
-    set_dotted(cfg, over)
     return cfg
 
 

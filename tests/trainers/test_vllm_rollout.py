@@ -23,7 +23,7 @@ import torch
 from nemo_factuality.algorithms import response_mask
 from nemo_factuality.testing.fake_openai import ScriptedOpenAIServer
 from nemo_factuality.testing.methods import FACTS, build_kb, method_judge
-from nemo_factuality.testing.training import good_fraction, prompts, read_metrics, set_dotted, write_jsonl
+from nemo_factuality.testing.training import good_fraction, grpo_test_config, prompts, read_metrics, write_jsonl
 from nemo_factuality.trainers.backends.hf import HFActor
 from nemo_factuality.trainers.config import GRPOConfig, VLLMEngineConfig
 from nemo_factuality.trainers.engines.vllm_engine import EngineUnavailable, VLLMEngine
@@ -46,18 +46,7 @@ def engine(engine_policy, vllm_python, tmp_path_factory):
 
 
 def grpo_cfg(policy, run_dir, **over) -> GRPOConfig:
-    cfg = GRPOConfig()
-    cfg.model.path = str(policy)
-    cfg.model.optim.lr = 3e-3
-    cfg.model.length_params.max_length = 6
-    cfg.model.global_batch_size, cfg.model.micro_batch_size = 16, 8
-    cfg.grpo.num_prompts_per_step, cfg.grpo.num_rollouts_per_prompt = 4, 8
-    cfg.grpo.truncated = "keep"
-    cfg.trainer.max_steps, cfg.trainer.progress_bar, cfg.trainer.save_interval = 12, False, 0
-    cfg.exp_manager.explicit_log_dir = str(run_dir)
-    cfg.exp_manager.create_tensorboard_logger = False
-    set_dotted(cfg, over)
-    return cfg
+    return grpo_test_config(policy, run_dir, steps=12, **over)
 
 
 def _on_engine(actor, engine, tmp_path) -> VLLMRollout:
