@@ -424,10 +424,9 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         problems.append(f"model.path must point at a Hugging Face model directory (trainer.backend={cfg.trainer.backend})")
     if cfg.trainer.backend == "megatron":
         problems += _megatron_problems(cfg)
-    if cfg.rollout.engine == "vllm" and cfg.trainer.backend != "hf":
-        problems.append(f"rollout.engine=vllm needs trainer.backend=hf for now (trainer.backend={cfg.trainer.backend}: "
-                        "NeMo-Aligner's actor generates with NeMo's engine or TensorRT-LLM, rollout.engine=megatron or "
-                        "trtllm; the megatron backend's refit is not wired yet)")
+    if cfg.rollout.engine == "vllm" and cfg.trainer.backend == "aligner":
+        problems.append("rollout.engine=vllm needs trainer.backend=hf or megatron (NeMo-Aligner's actor generates with "
+                        "NeMo's engine or TensorRT-LLM: rollout.engine=megatron or trtllm)")
     tis = cfg.rollout.vllm.tis_cap
     if tis is not None and not tis >= 1.0:
         problems.append(f"rollout.vllm.tis_cap={tis}: the truncation of π_trainer / π_engine must be >= 1 (or null: off)")

@@ -41,15 +41,15 @@ from nemo_factuality.trainers.interfaces import Rollout, SamplingParams  # noqa:
 ROWS, WIDTH, PROMPT = 8, 11, 3
 
 
-def make_model(out: Path) -> None:
+def make_model(out: Path, hidden: int = 64) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from nemo_factuality.testing.tiny_models import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer(out)
     torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      intermediate_size=128, vocab_size=400, max_position_embeddings=256, rope_theta=123456.0,
+    cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      intermediate_size=2 * hidden, vocab_size=400, max_position_embeddings=256, rope_theta=123456.0,
                       rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, torch_dtype="float32")
     model = Qwen2ForCausalLM(cfg)

@@ -51,7 +51,7 @@ def test_trtllm_without_tensorrt_llm_fails_at_start_up_in_one_line(tmp_path, cap
 @pytest.mark.parametrize("overrides, message", [
     (["rollout.engine=trtllm"], "rollout.engine=trtllm is NeMo-Aligner's TensorRT-LLM generation: it needs trainer.backend=aligner"),
     (["rollout.engine=tensorrt"], "rollout.engine='tensorrt' (choose one of megatron, vllm, trtllm)"),
-    (["rollout.engine=vllm", "trainer.backend=aligner", "model.restore_from_path=/x"], "rollout.engine=vllm needs trainer.backend=hf"),
+    (["rollout.engine=vllm", "trainer.backend=aligner", "model.restore_from_path=/x"], "rollout.engine=vllm needs trainer.backend=hf or megatron"),
 ])
 def test_bad_engine_settings_name_the_key(overrides, message):
     from nemo_factuality.config import ConfigError

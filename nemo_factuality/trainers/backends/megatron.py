@@ -404,6 +404,13 @@ class MegatronActor(ProcessGroupDataParallel):
             build.load_optimizer_state(self.optimizer, loaded["optimizer"])
         self.barrier()
 
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole policy in the HF checkpoint's tensor names, CPU copies (a rollout engine's refit). Collective: every
+        rank of the job takes part (Bridge gathers each weight over tensor and pipeline parallelism once) and every
+        rank gets every tensor; copies, because on CPU the exported tensors can alias the live parameters."""
+        return {name: tensor.detach().to("cpu", copy=True).contiguous()
+                for name, tensor in self.bridge.export_hf_weights(self.chunks, cpu=True, show_progress=False)}
+
     def export(self, path: Path) -> None:
         """An HF folder ``transformers`` loads (collective; global rank 0 writes it)."""
         from nemo_factuality.fileio import respect_umask

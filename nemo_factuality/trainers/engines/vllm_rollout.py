@@ -6,7 +6,10 @@ weights in the checkpoint's tensor names (``hf_state_dict``) go to one safetenso
 trainer recomputes every log-prob; each rollout carries the engine's own (``Rollout.logprobs``), so the stage
 logs the gap (``rollout/logprob_diff``) and can correct for it (``rollout.vllm.tis_cap``).
 
-With data parallelism each rank has its own engine (colocated with it) and refits it from its own replica.
+With data parallelism each replica has its own engine (colocated with it) and refits it from its own weights. With
+model parallelism (the megatron backend at TP/PP > 1) the export is collective — every rank of the replica gathers,
+each weight once — and the replica's model-parallel source rank alone holds the engine, writes the weights, asks for
+the rollouts and broadcasts them (its errors too: an engine gone past its restarts stops every rank alike).
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ log = logging.getLogger(__name__)
 class VLLMRollout:
     """The actor with ``generate`` / ``generate_chunks`` on ``engine``; every other attribute is the actor's."""
 
-    def __init__(self, actor: Any, engine: VLLMEngine, *, weights_dir: Path, chunk_size: int,
+    def __init__(self, actor: Any, engine: VLLMEngine | None, *, weights_dir: Path, chunk_size: int,
                  in_sync: bool = True) -> None:
-        """``in_sync``: the engine holds the actor's weights now (it started from ``model.path``, the actor's
-        initial weights); else the first ``generate`` refits it."""
+        """``engine``: None on a model-parallel rank that is not its replica's source. ``in_sync``: the engine holds
+        the actor's weights now (it started from ``model.path``, the actor's initial weights); else the first
+        ``generate`` refits it."""
         self.actor, self.engine, self.weights_dir, self.chunk_size = actor, engine, Path(weights_dir), max(1, chunk_size)
         self.stale = not in_sync
+        self._reload_due = False  # weights written, not yet loaded by the engine (the source's next request does)
         self.refits = 0
         self.last_refit_s = 0.0  # trainer export + engine reload, the step's last refit
 
@@ -56,24 +61,36 @@ class VLLMRollout:
         self.stale = True
 
     def close(self) -> None:
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
 
     # ------------------------------------------------------------------ refit and generation
     def refit(self) -> float:
-        """Push the actor's current weights into the engine; returns the seconds it took (export + reload)."""
+        """Export the actor's current weights (collective under model parallelism) and, on the engine's rank, write
+        them for the engine, which loads them before its next rollout; returns the seconds it took."""
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.weights_dir / "model.safetensors.partial"  # not *.safetensors: the engine reads only whole files
-        save_file(self.actor.hf_state_dict(), str(tmp))
-        os.replace(tmp, self.weights_dir / "model.safetensors")
-        engine_s = self.engine.refit(self.weights_dir)
+        weights = self.actor.hf_state_dict()
+        if self.engine is not None:
+            self.weights_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.weights_dir / "model.safetensors.partial"  # not *.safetensors: the engine reads only whole files
+            save_file(weights, str(tmp))
+            os.replace(tmp, self.weights_dir / "model.safetensors")
+            self._reload_due = True
         self.stale = False
         self.refits += 1
         self.last_refit_s = time.perf_counter() - start
-        log.debug("refit %d: %.3f s (engine %.3f s)", self.refits, self.last_refit_s, engine_s)
         return self.last_refit_s
+
+    def _reload(self) -> None:
+        """The engine loads the written weights (on the engine's rank, inside the broadcast call: its failure reaches
+        every rank of the replica)."""
+        if self._reload_due:
+            start = time.perf_counter()
+            self.engine.refit(self.weights_dir)
+            self._reload_due = False
+            self.last_refit_s += time.perf_counter() - start
 
     def engine_metrics(self) -> dict[str, float]:
         """The step's refit time (0 when no refit happened since the last call)."""
@@ -90,15 +107,21 @@ class VLLMRollout:
             raise ValueError("generate: every prompt needs at least one token")
         if self.stale:
             self.refit()
+        on_source = getattr(self.actor, "on_model_parallel_source", None) or (lambda fn: fn())
         for start in range(0, len(prompt_ids), self.chunk_size):
             rows = list(range(start, min(start + self.chunk_size, len(prompt_ids))))
             prompts = [list(prompt_ids[i]) for i in rows]
-            # from the trainer's random stream: a resumed step (its RNG state restored) samples the same rollouts
+            # from the trainer's random stream, drawn on every rank alike: a resumed step (its RNG state restored)
+            # samples the same rollouts, and the model-parallel ranks' streams stay together
             seed = int(torch.randint(0, 2**31 - 1, (1,)))
-            out = self.engine.generate(prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                       top_k=sampling.top_k, top_p=sampling.top_p, greedy=sampling.use_greedy,
-                                       eos_id=self.actor.eos_id, seed=seed)
-            yield RolloutChunk(rows, engine_rollout(prompts, out, self.actor.pad_id))
+            yield RolloutChunk(rows, on_source(lambda p=prompts, s=seed: self._engine_rollout(p, sampling, s)))
+
+    def _engine_rollout(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
+        self._reload()
+        out = self.engine.generate(prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                   top_k=sampling.top_k, top_p=sampling.top_p, greedy=sampling.use_greedy,
+                                   eos_id=self.actor.eos_id, seed=seed)
+        return engine_rollout(prompts, out, self.actor.pad_id)
 
 
 def engine_rollout(prompts: Sequence[Sequence[int]], rows: Sequence[dict[str, Any]], pad_id: int) -> Rollout:
@@ -118,14 +141,17 @@ def engine_rollout(prompts: Sequence[Sequence[int]], rows: Sequence[dict[str, An
 
 def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
     """The actor the stage trains with ``cfg.rollout.engine`` (the one place the choice is made): the actor itself for
-    its own generation (``megatron``, ``trtllm``), else wrapped in ``VLLMRollout`` with a started engine."""
+    its own generation (``megatron``, ``trtllm``), else wrapped in ``VLLMRollout`` with a started engine on each
+    replica's model-parallel source rank."""
     if cfg.rollout.engine != "vllm":
         return actor
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     v = cfg.rollout.vllm
-    engine = VLLMEngine(cfg.model.path, v, dtype=v.dtype or cfg.model.dtype, seed=cfg.trainer.seed + rank,
-                        log_dir=run_dir / "vllm" / f"rank{rank}").start()
+    engine = None
+    if getattr(actor, "is_model_parallel_source", True):
+        engine = VLLMEngine(cfg.model.path, v, dtype=v.dtype or cfg.model.dtype, seed=cfg.trainer.seed + rank,
+                            log_dir=run_dir / "vllm" / f"rank{rank}").start()
     return VLLMRollout(actor, engine, weights_dir=run_dir / "vllm" / f"rank{rank}" / "weights",
                        chunk_size=cfg.model.rollout_micro_batch_size)
