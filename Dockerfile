@@ -31,12 +31,59 @@
 #                        package compiles and its modules import (tests/test_container_stack.py).
 #   judge image          vLLM needs a newer torch than this base: judges run in their own image (--target judge),
 #                        vllm/vllm-openai at the version of requirements/vllm.txt (the rollout engine's too).
+#   megatron target      the maintained stack (trainer.backend=megatron, requirements/megatron.txt): megatron-core
+#                        0.16.1 + megatron-bridge 0.3.1 on NGC PyTorch 25.11 — a current NGC release whose torch meets
+#                        Bridge's >= 2.6 and which ships Transformer Engine built against that torch, so Megatron-Core
+#                        builds TE's layer spec (the CPU tests stub TE). The same --no-deps closed set as CI's megatron
+#                        venv (Bridge's metadata hard-requires CUDA-only builds the GPT path never imports), base CUDA
+#                        packages frozen as in the trainer stage; tests/test_container_stack.py fails when the pins and
+#                        requirements/megatron.txt drift. It also carries the rollout engine: official vLLM (the
+#                        judges' version) in its own venv, /opt/vllm, because vLLM pins its own torch.
+#     docker build -t nemo_factuality:megatron --target megatron .
 ARG BASE_IMAGE=nvcr.io/nvidia/pytorch:25.01-py3
+ARG MEGATRON_BASE_IMAGE=nvcr.io/nvidia/pytorch:25.11-py3
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
 # ---------------------------------------------------------------------------------------- judges (vLLM)
 FROM ${VLLM_IMAGE} AS judge
 WORKDIR /workspace
+
+# ---------------------------------------------------------------------------------------- megatron (maintained stack)
+FROM ${MEGATRON_BASE_IMAGE} AS megatron
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+WORKDIR /workspace/nemo_factuality
+RUN python -c "import sys; assert sys.version_info[:2] == (3, 12), sys.version" \
+ && python -c "import torch, transformer_engine.pytorch; print('torch', torch.__version__)" \
+ && pip list --format=freeze | grep -iE '^(torch|torchvision|triton|pytorch-triton|transformer.engine|apex|flash.attn|numpy)==' \
+    > /opt/base-constraints.txt
+# The pins of requirements/megatron.txt that the base does not provide (torch, numpy and the like are the base's).
+RUN pip install --no-cache-dir --no-deps \
+    "megatron-core==0.16.1" \
+    "megatron-bridge==0.3.1" \
+    "transformers==4.57.6" \
+    "einops==0.8.2" \
+    "omegaconf==2.3.0" \
+    "antlr4-python3-runtime==4.9.3" \
+    "huggingface-hub==0.36.2" \
+    "tokenizers==0.22.2" \
+    "safetensors==0.8.0" \
+ && python -c "import megatron.core, megatron.bridge; print('megatron-core', megatron.core.__version__)"
+# The rollout engine's own interpreter (rollout.engine=vllm): vLLM pins its own torch, so it never shares this one.
+RUN python -m venv /opt/vllm \
+ && /opt/vllm/bin/pip install --no-cache-dir \
+    "vllm==0.32.0" \
+ && /opt/vllm/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+ENV NEMO_FACTUALITY_VLLM_PYTHON=/opt/vllm/bin/python
+COPY pyproject.toml README.md LICENSE ./
+COPY nemo_factuality ./nemo_factuality
+COPY conf ./conf
+COPY slurm ./slurm
+COPY tools ./tools
+RUN pip freeze | grep -iE '^(megatron-core|megatron-bridge|transformers|tokenizers|huggingface-hub)==' \
+    >> /opt/base-constraints.txt \
+ && pip install --no-cache-dir -c /opt/base-constraints.txt -e ".[serve,train,retrieval]" \
+ && python -c "import nemo_factuality.trainers.backends.megatron, nemo_factuality.trainers.engines.vllm_engine"
+ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 
 # ---------------------------------------------------------------------------------------- trainer (default)
 FROM ${BASE_IMAGE} AS trainer

