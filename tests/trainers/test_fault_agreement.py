@@ -38,8 +38,9 @@ def ranks(request, tmp_path_factory):
         args, nproc = [f"--nemo={root / 'policy'}", "--tp=2"], 4
     else:  # the project's own venv: a full replica per rank
         venv, args, nproc = Path(sys.executable).parents[1], [f"--hf={root / 'hf'}"], 2
-    # bounded: before the fix this run hung in mismatched collectives until killed here
-    res = run_in_aligner_venv(venv, [DRIVER, f"--out={out}", *args], nproc=nproc, timeout=540)
+    # bounded: before the fix this run hung in mismatched collectives until killed here. 480 s leaves the fixture's
+    # checkpoint conversion room under pytest's 600 s, so this bound (which kills the run's process group) fires first
+    res = run_in_aligner_venv(venv, [DRIVER, f"--out={out}", *args], nproc=nproc, timeout=480)
     assert res.returncode == 0, res.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
