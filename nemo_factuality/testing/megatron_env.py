@@ -8,13 +8,11 @@ heavy.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
-from nemo_factuality.testing.aligner_env import run_bounded
 from nemo_factuality.testing.paths import REPO_ROOT
-from nemo_factuality.testing.venvs import built_venv
+from nemo_factuality.testing.venvs import built_venv, run_in_venv, venv_env
 
 SETUP_SCRIPT = REPO_ROOT / "tools" / "setup_megatron_env.sh"
 ENV_VAR = "NEMO_FACTUALITY_MEGATRON_VENV"
@@ -30,25 +28,8 @@ def skip_reason() -> str:
             f"(~1 min, ~1.5 GB; .ci/run does) or point ${ENV_VAR} at one")
 
 
-def megatron_env(**extra: str) -> dict[str, str]:
-    """Environment for a program in the venv: the checkout on PYTHONPATH, offline, one thread, gloo on loopback."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
-    env.update(extra)
-    return env
-
-
 def run_in_megatron_venv(venv: Path, args: list[str], *, nproc: int = 1, timeout: float = 300,
                          **env: str) -> subprocess.CompletedProcess:
     """``python args…`` (nproc == 1) or ``torchrun --nproc_per_node nproc args…`` in the venv, niced (the test
     machines are shared), killed with its process group past ``timeout`` seconds."""
-    python = str(venv / "bin" / "python")
-    if nproc == 1:
-        cmd = [python, *args]
-    else:
-        from nemo_factuality.testing.ports import free_ports
-
-        cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
-               f"--master_port={free_ports(1)[0]}", "--master_addr=127.0.0.1", *args]
-    return run_bounded(["nice", "-n", "10", *cmd], timeout=timeout, env=megatron_env(**env), cwd=REPO_ROOT)
+    return run_in_venv(venv, args, env=venv_env(**env), nproc=nproc, timeout=timeout, nice=True)

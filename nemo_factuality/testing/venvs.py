@@ -6,8 +6,11 @@ its requirements and shared by every checkout; a venv counts only once the scrip
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
+
+from nemo_factuality.testing.paths import REPO_ROOT
 
 
 def built_venv(env_var: str, setup_script: Path) -> Path | None:
@@ -18,3 +21,44 @@ def built_venv(env_var: str, setup_script: Path) -> Path | None:
         out = subprocess.run(["bash", str(setup_script), "--path"], capture_output=True, text=True, timeout=30, check=True)
         venv = Path(out.stdout.strip().splitlines()[-1])
     return venv if (venv / "bin" / "python").is_file() and (venv / ".complete").is_file() else None
+
+
+def venv_env(**extra: str) -> dict[str, str]:
+    """Environment for a program in a stack's venv: the checkout on PYTHONPATH, offline, one thread, gloo on loopback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1")
+    env.update(extra)
+    return env
+
+
+def run_bounded(cmd: list[str], *, timeout: float, env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; past ``timeout`` kill that group (and only it) and raise."""
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise TimeoutError(f"{' '.join(cmd[:4])}… ran past {timeout:.0f} s and was killed; last output:\n{out[-4000:]}") from None
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def run_in_venv(venv: Path, args: list[str], *, env: dict[str, str], nproc: int = 1, timeout: float = 300,
+                nice: bool = False) -> subprocess.CompletedProcess:
+    """``python args…`` (nproc == 1) or ``torchrun --nproc_per_node nproc args…`` in ``venv`` from the checkout, bounded
+    by ``run_bounded``; ``nice``: at lower priority (the test machines are shared)."""
+    python = str(venv / "bin" / "python")
+    if nproc == 1:
+        cmd = [python, *args]
+    else:
+        from nemo_factuality.testing.ports import free_ports
+
+        cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
+               f"--master_port={free_ports(1)[0]}", "--master_addr=127.0.0.1", *args]
+    return run_bounded(["nice", "-n", "10", *cmd] if nice else cmd, timeout=timeout, env=env, cwd=REPO_ROOT)

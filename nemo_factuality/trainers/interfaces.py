@@ -115,6 +115,18 @@ def assemble_rollout(chunks: Sequence[RolloutChunk], pad_id: int) -> Rollout:
                    is_end=torch.cat([c.rollout.is_end for c in chunks])[order], logprobs=logprobs)
 
 
+def check_train_batch(batch: Mapping[str, torch.Tensor], micro_batch_size: int) -> int:
+    """The number of sequences in a ``train_step`` batch, after checking it holds what every actor needs (``tokens``,
+    ``prompt_lengths``, ``response_lengths``; the loss function may need more) and splits into micro batches."""
+    missing = [k for k in ("tokens", "prompt_lengths", "response_lengths") if k not in batch]
+    if missing:
+        raise KeyError(f"train_step batch lacks {missing} (has {sorted(batch)})")
+    size = int(batch["tokens"].shape[0])
+    if size % micro_batch_size:
+        raise ValueError(f"a batch of {size} sequences is not a multiple of micro_batch_size={micro_batch_size}")
+    return size
+
+
 @runtime_checkable
 class PolicyActor(Protocol):
     """The trained policy plus its frozen reference (initial policy) for KL.

@@ -39,13 +39,18 @@ import torch
 
 from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device, on_group_source
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
+from nemo_factuality.trainers.interfaces import (
+    LossFn,
+    Rollout,
+    RolloutChunk,
+    SamplingParams,
+    assemble_rollout,
+    check_train_batch,
+)
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 
-# What the stage's batch must hold for the actor itself (the loss function may need more).
-_REQUIRED = ("tokens", "prompt_lengths", "response_lengths")
 
 
 @dataclass
@@ -477,12 +482,7 @@ class AlignerActor(ProcessGroupDataParallel):
         from nemo_aligner.utils.train_utils import clip_gradients
         from nemo_aligner.utils.utils import configure_batch_sizes
 
-        missing = [k for k in _REQUIRED if k not in batch]
-        if missing:
-            raise KeyError(f"train_step batch lacks {missing} (has {sorted(batch)})")
-        size = int(batch["tokens"].shape[0])
-        if size % micro_batch_size:
-            raise ValueError(f"a batch of {size} sequences is not a multiple of micro_batch_size={micro_batch_size}")
+        size = check_train_batch(batch, micro_batch_size)
         m = self.model
         m.prepare_for_training()  # Aligner: batch-size calculator from the config + Adam states back on device
         configure_batch_sizes(mbs=micro_batch_size, gbs=size * self.data_parallel_size, dp=self.data_parallel_size)

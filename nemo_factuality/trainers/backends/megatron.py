@@ -41,12 +41,18 @@ from nemo_factuality.trainers.backends import megatron_build as build
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device, on_group_source
 from nemo_factuality.trainers.backends.hf import SampledDistribution, token_logprobs
 from nemo_factuality.trainers.backends.megatron_generate import generate_static_batch
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
+from nemo_factuality.trainers.interfaces import (
+    LossFn,
+    Rollout,
+    RolloutChunk,
+    SamplingParams,
+    assemble_rollout,
+    check_train_batch,
+)
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 
-_REQUIRED = ("tokens", "prompt_lengths", "response_lengths")  # what train_step's batch must hold for the actor itself
 _SCHEDULE_FILE = "megatron_schedule.json"
 # the distributed optimizer's checkpoint format that reloads at another TP/PP/DP (Megatron's default does not)
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -248,12 +254,7 @@ class MegatronActor(ProcessGroupDataParallel):
     # ---- training -----------------------------------------------------------------------------------
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
                    need_entropy: bool = False) -> dict[str, float]:
-        missing = [k for k in _REQUIRED if k not in batch]
-        if missing:
-            raise KeyError(f"train_step batch lacks {missing} (has {sorted(batch)})")
-        size = int(batch["tokens"].shape[0])
-        if size % micro_batch_size:
-            raise ValueError(f"a batch of {size} sequences is not a multiple of micro_batch_size={micro_batch_size}")
+        size = check_train_batch(batch, micro_batch_size)
         trimmed = _trim_to_longest(batch)
         micro = [{k: v[i : i + micro_batch_size] if _per_row(v, size) else v for k, v in trimmed.items()}
                  for i in range(0, size, micro_batch_size)]
