@@ -197,8 +197,12 @@ def _make_handler(server: ScriptedOpenAIServer) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:  # noqa: N802
             length = int(self.headers.get("Content-Length", 0))
+            body = self.rfile.read(length)
+            if len(body) < length:  # the client died between its headers and its body (a killed server's judge
+                self.close_connection = True  # client): nobody to answer, and an empty body is no request
+                return
             try:
-                request = json.loads(self.rfile.read(length) or b"{}")
+                request = json.loads(body or b"{}")
             except json.JSONDecodeError:
                 self._send(400, b'{"error": "invalid JSON"}')
                 return

@@ -151,3 +151,25 @@ def test_the_scripted_judge_prints_nothing_when_a_client_resets_its_connection(c
         time.sleep(0.5)  # the server thread's read of the next request line meets the reset
         assert srv.url  # still serving
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_scripted_judge_ignores_a_request_whose_client_died_before_its_body(capfd):
+    """A reward server SIGKILLed between a request's headers and its body leaves an empty read at EOF: that is no
+    request (the script never sees it, nothing is recorded), not an empty JSON object a script fails on."""
+    import socket
+    import time
+
+    seen = []
+    with ScriptedOpenAIServer(lambda req: seen.append(req) or Reply(req["messages"][-1]["content"])) as srv:
+        host, port = srv.url.split("//")[1].split("/")[0].split(":")
+        conn = socket.create_connection((host, int(port)))
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 120\r\n\r\n")
+        conn.shutdown(socket.SHUT_WR)  # headers sent, then the process is gone
+        assert conn.recv(65536) == b""  # closed without an answer
+        conn.close()
+        time.sleep(0.3)
+        client = OpenAIJudgeClient(srv.url, "judge")
+        assert [r.text for r in client.complete_batch([_req("still serving")])] == ["still serving"]
+        client.close()
+        assert len(seen) == 1 and srv.requests == seen
+    assert "Traceback" not in capfd.readouterr().err
