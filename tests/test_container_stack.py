@@ -131,6 +131,17 @@ def test_the_gpu_smoke_kit_carries_the_same_versions():
     assert {n: v for n, (_, v) in carried.items() if n in venv} == {n: venv[n][1] for n in carried if n in venv}
 
 
+def test_the_megatron_smoke_kit_carries_the_megatron_venvs_versions():
+    """requirements/gpu_smoke_megatron.txt (what the kit's megatron phase gets on a bare GPU machine) pins what the
+    megatron venv (requirements/megatron.txt) pins, and every carried package is one that venv installs."""
+    venv = pins((REPO / "requirements" / "megatron.txt").read_text().splitlines())
+    carried = pins((REPO / "requirements" / "gpu_smoke_megatron.txt").read_text().splitlines())
+    for core in ("megatron-core", "megatron-bridge", "transformers"):
+        assert core in carried, core
+    assert set(carried) <= set(venv), set(carried) - set(venv)
+    assert {n: v for n, (_, v) in carried.items()} == {n: venv[n][1] for n in carried}
+
+
 def _version(path: str, name: str) -> str:
     found = pins((REPO / path).read_text().splitlines())
     assert _normal(name) in found, f"{path} pins no {name}"

@@ -1,8 +1,8 @@
-"""GPU smoke kit: the aligner backend's GRPO stage on one GPU, with TRL's GRPOTrainer as the peer.
+"""GPU smoke kit: a backend's GRPO stage on one GPU (aligner or megatron), with TRL's GRPOTrainer as the peer.
 
-    bash tools/gpu_smoke.sh                 # a GPU machine with PyTorch; installs the carried wheels first
-    bash tools/gpu_smoke.sh --cpu           # the same path on CPU with a tiny model (CI runs it)
-    python tools/gpu_smoke.py --out DIR [--cpu] [--steps N] [--max-batch-cap N]   # what the script runs
+    bash tools/gpu_smoke.sh [--backend megatron]        # a GPU machine with PyTorch; installs the carried wheels first
+    bash tools/gpu_smoke.sh --cpu [--backend megatron]  # the same path on CPU with a tiny model (CI runs it)
+    python tools/gpu_smoke.py --out DIR [--backend B] [--cpu] [--steps N] [--max-batch-cap N]   # what the script runs
 
 One run builds a Qwen2-shaped model from a config (``qwen2-0.5b``: Qwen2.5-0.5B's shape, random weights, bf16;
 ``--cpu``: a 2-layer one) with a word-level tokenizer over its whole vocabulary, converts it to ``.nemo`` with
@@ -13,6 +13,8 @@ One run builds a Qwen2-shaped model from a config (``qwen2-0.5b``: Qwen2.5-0.5B'
   sequence parallelism): generation tokens/s at rollout batch 16 and at the largest batch the memory formula
   allows (halved on an out-of-memory error), then ``--steps`` GRPO steps of the real stage on a toy reward,
   with the step-time split from ``metrics.jsonl`` and peak GPU memory against ``aligner_memory``'s prediction;
+* **megatron** (``--backend megatron``, instead of aligner): the megatron backend's actor from the HF folder itself
+  (no ``.nemo`` step), measured the same way (``tools/gpu_smoke_megatron.py`` says how it differs);
 * **trl**: TRL's ``GRPOTrainer`` on the same HF weights, prompts, group size, completion length and reward.
 
 It prints a table and writes ``smoke.json`` and ``smoke.md`` under ``--out``. Without Transformer Engine and Apex
@@ -72,14 +74,15 @@ def toy_reward_scores(completions: list[str]) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------------------ build
-def build(out: Path, model: str) -> tuple[Path, Path]:
-    """HF model + word-level tokenizer in ``out/hf``, converted to an extracted ``.nemo`` in ``out/policy``."""
+def build(out: Path, model: str, *, nemo_too: bool = True) -> tuple[Path, Path]:
+    """HF model + word-level tokenizer in ``out/hf``, converted to an extracted ``.nemo`` in ``out/policy`` (the
+    aligner backend's input; ``nemo_too=False``: the HF folder only)."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     hf, nemo = out / "hf", out / "policy"
-    if (nemo / "model_config.yaml").is_file():
+    if (nemo / "model_config.yaml").is_file() or (not nemo_too and (hf / "config.json").is_file()):
         return hf, nemo
     cfg = MODELS[model]
     vocab = {w: i for i, w in enumerate([f"w{i}" for i in range(cfg["vocab_size"] - len(SPECIALS))] + SPECIALS)}
@@ -92,6 +95,8 @@ def build(out: Path, model: str) -> tuple[Path, Path]:
     config = Qwen2Config(**cfg, torch_dtype="bfloat16", pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
                          bos_token_id=fast.bos_token_id)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(str(hf))
+    if not nemo_too:
+        return hf, nemo
     cmd = [sys.executable, "-m", "nemo_factuality.cli", "convert", "hf-to-nemo", "--hf", str(hf), "--out", str(nemo),
            "--extracted"]
     subprocess.run(cmd, check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=_pythonpath()))
@@ -137,14 +142,18 @@ def _reset_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def measure_generation(actor, ids: list[list[int]], batch: int, new_tokens: int) -> dict:
-    """Tokens/s generating ``batch`` sequences at once (sampled, T=1), and the peak memory while doing it."""
+def measure_generation(actor, ids: list[list[int]], batch: int, new_tokens: int, set_batch=None) -> dict:
+    """Tokens/s generating ``batch`` sequences at once (sampled, T=1), and the peak memory while doing it.
+    ``set_batch(n)`` makes the actor generate ``n`` rows per call (default: the aligner actor's runtime setting)."""
     import torch
 
     from nemo_factuality.trainers.interfaces import SamplingParams
 
     rows = [ids[i % len(ids)] for i in range(batch)]
-    actor.runtime.rollout_micro_batch_size = batch
+    if set_batch is None:
+        actor.runtime.rollout_micro_batch_size = batch
+    else:
+        set_batch(batch)
     _reset_peak()
     start = time.perf_counter()
     rollout = actor.generate(rows, SamplingParams(max_new_tokens=new_tokens, temperature=1.0))
@@ -153,6 +162,14 @@ def measure_generation(actor, ids: list[list[int]], batch: int, new_tokens: int)
     seconds = time.perf_counter() - start
     tokens = int((rollout.response_lengths - rollout.prompt_lengths).sum())
     return {"batch": batch, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": _peak_gib()}
+
+
+def step_split(history: list[dict]) -> dict[str, float]:
+    """The stage's per-step times (``time/*`` metrics), averaged over the steps after the first (step 1 pays one-time
+    costs: optimizer state allocation, kernel selection)."""
+    steady = history[1:] or history
+    return {k.removeprefix("time/"): sum(h[k] for h in steady) / len(steady)
+            for k in ("time/generate", "time/reward", "time/logprobs", "time/train", "time/step") if k in steady[0]}
 
 
 def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
@@ -225,11 +242,9 @@ def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
     _reset_peak()
     history = trainer.fit()
     train_peak = _peak_gib()
-    steady = history[1:] or history  # step 1 pays one-time costs (optimizer state allocation, kernel selection)
-    split = {k.removeprefix("time/"): sum(h[k] for h in steady) / len(steady)
-             for k in ("time/generate", "time/reward", "time/logprobs", "time/train", "time/step") if k in steady[0]}
+    split = step_split(history)
     return {
-        "setup_s": setup_s, "generation_16": gen16, "generation_max": gen_max, "oom_batches": tried,
+        "backend": "aligner", "setup_s": setup_s, "generation_16": gen16, "generation_max": gen_max, "oom_batches": tried,
         "formula_max_batch": max_rollout_batch(arch, layout, budget), "budget_gib": budget,
         "step_split_s": split, "steps": len(history), "rewards": [h.get("reward/score") for h in history],
         "tokens_per_step": rollouts * s["new_tokens"],
@@ -300,14 +315,26 @@ def run_trl(args, hf: Path, run_dir: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------------ report
 def report(result: dict) -> str:
-    """The run as a markdown table (aligner backend vs TRL) with the memory formula's predictions."""
-    a, t = result["aligner"], result.get("trl") or {}
-    g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
+    """The run as a markdown table (the backend vs TRL) with the memory formula's predictions where one applies."""
+    backend = result.get("backend", "aligner")
+    a, t = result[backend], result.get("trl") or {}
     size = a["parameters_b"]
+    title = (f"# GPU smoke: {result['device']}, {result['model']} "
+             + (f"({size:.2f} B parameters)" if size >= 0.1 else f"({size * 1e3:.2f} M parameters)"))
+    if backend == "megatron":
+        from gpu_smoke_megatron import report_rows
+
+        refused = f" (bf16 refused: {a['bf16_refused']})" if a["bf16_refused"] else ""
+        trl_dtype = "float32" if result["device"] == "cpu" else "bf16"
+        lines = [title, "", f"| | megatron backend (Megatron-Core 0.16.1 + Bridge 0.3.1, {a['dtype']}, local spec) | "
+                 f"TRL GRPOTrainer 0.15.2 ({trl_dtype}) |", "|---|---|---|", *report_rows(a, t), "",
+                 f"{a['steps']} GRPO steps of {a['tokens_per_step']} new tokens; toy reward per step: "
+                 f"{', '.join(f'{r:.3f}' for r in a['rewards'])}. Build from HF {a['setup_s']:.1f} s; steps after the "
+                 f"first are averaged; Transformer Engine in use: {a['transformer_engine']}{refused}."]
+        return "\n".join(lines) + "\n"
+    g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
     trl_gen = f"{t['generation']['tokens_per_s']:.0f}" if t else "not run"
-    lines = [f"# GPU smoke: {result['device']}, {result['model']} "
-             f"({size:.2f} B parameters)" if size >= 0.1 else f"# GPU smoke: {result['device']}, {result['model']} "
-             f"({size * 1e3:.2f} M parameters)", "",
+    lines = [title, "",
              "| | aligner backend (NeMo-Aligner 0.7.0) | TRL GRPOTrainer 0.15.2 |", "|---|---|---|",
              f"| generation tokens/s, rollout batch 16 | {g16['tokens_per_s']:.0f} | {trl_gen} |"]
     if gmax:
@@ -331,9 +358,13 @@ def report(result: dict) -> str:
 
 def _phase(args, phase: str, out: Path) -> dict:
     """Run one phase in its own process (NeMo's and TRL's globals and GPU memory stay apart)."""
-    cmd = [sys.executable, __file__, "--phase", phase, "--out", str(out), "--steps", str(args.steps),
+    # NF_SMOKE_<PHASE>_PYTHON / _PYTHONPATH: where a phase's stack lives when it is not this process's (gpu_smoke.sh
+    # sets them: the megatron stack's folder, or on CPU the aligner venv that holds TRL)
+    python = os.environ.get(f"NF_SMOKE_{phase.upper()}_PYTHON", sys.executable)
+    path = os.environ.get(f"NF_SMOKE_{phase.upper()}_PYTHONPATH", _pythonpath())
+    cmd = [python, __file__, "--phase", phase, "--out", str(out), "--steps", str(args.steps),
            "--max-batch-cap", str(args.max_batch_cap), *(["--cpu"] if args.cpu else [])]
-    res = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=_pythonpath()))
+    res = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=path))
     if res.returncode:
         raise SystemExit(f"gpu_smoke: the {phase} phase failed (exit {res.returncode}); its output is above")
     return json.loads((out / f"{phase}.json").read_text())
@@ -346,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps per trainer (default 4 on GPU, 2 with --cpu)")
     ap.add_argument("--max-batch-cap", type=int, default=None,
                     help="upper bound on the largest rollout batch tried (default 1024 on GPU, 48 with --cpu)")
-    ap.add_argument("--skip-trl", action="store_true", help="only the aligner backend")
-    ap.add_argument("--phase", choices=("aligner", "trl"), help=argparse.SUPPRESS)
+    ap.add_argument("--backend", choices=("aligner", "megatron"), default="aligner",
+                    help="the actor measured: NeMo-Aligner 0.7.0, or Megatron-Core 0.16.1 + Megatron-Bridge 0.3.1")
+    ap.add_argument("--skip-trl", action="store_true", help="only the backend, not the TRL peer")
+    ap.add_argument("--phase", choices=("aligner", "megatron", "trl"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.steps = args.steps or (2 if args.cpu else 4)
     args.max_batch_cap = args.max_batch_cap or (48 if args.cpu else 1024)
@@ -358,17 +391,22 @@ def main(argv: list[str] | None = None) -> int:
         hf, nemo = out / "hf", out / "policy"
         run_dir = out / f"{args.phase}_run"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume of the last one
-        fn = run_aligner if args.phase == "aligner" else run_trl
-        result = fn(args, nemo if args.phase == "aligner" else hf, run_dir)
+        if args.phase == "megatron":
+            from gpu_smoke_megatron import run_megatron
+
+            result = run_megatron(args, hf, run_dir)
+        else:
+            fn = run_aligner if args.phase == "aligner" else run_trl
+            result = fn(args, nemo if args.phase == "aligner" else hf, run_dir)
         (out / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
         return 0
     import torch
 
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("gpu_smoke: no CUDA device visible; use --cpu for the CPU path")
-    build(out, s["model"])
+    build(out, s["model"], nemo_too=args.backend == "aligner")
     result = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "model": s["model"], "shape": s,
-              "torch": torch.__version__, "aligner": _phase(args, "aligner", out)}
+              "torch": torch.__version__, "backend": args.backend, args.backend: _phase(args, args.backend, out)}
     if not args.skip_trl:
         result["trl"] = _phase(args, "trl", out)
     (out / "smoke.json").write_text(json.dumps(result, indent=1))
