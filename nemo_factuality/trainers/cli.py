@@ -95,8 +95,10 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     from nemo_factuality.config import to_yaml
+    from nemo_factuality.trainers.backends.collectives import ranks_from_slurm
 
-    writer = int(os.environ.get("RANK", "0")) == 0  # under torchrun/srun only the job's rank 0 writes the run's files
+    # under torchrun or srun only the job's rank 0 writes the run's files
+    writer = int(os.environ.get("RANK") or ranks_from_slurm(os.environ).get("RANK", "0")) == 0
     if writer:
         (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     seed_everything(cfg.trainer.seed)
