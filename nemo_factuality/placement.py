@@ -44,6 +44,9 @@ def layout_problems(placement: str, *, tasks_per_node: int, gpus_per_node: int, 
     if engine_tp < 1:
         return [f"{key}.tensor_parallel_size must be >= 1, got {engine_tp}"]
     if placement == "colocated":
+        if tasks_per_node % tensor and tensor % tasks_per_node:
+            return [f"{key}: model.tensor_model_parallel_size={tensor} splits replicas across the node boundary of "
+                    f"{tasks_per_node} ranks; use a TP that divides (or is a multiple of) the GPUs per node"]
         own = min(tensor, tasks_per_node)  # the replica's tensor-parallel GPUs on its source's node
         if engine_tp > own:
             return [f"{key}.tensor_parallel_size={engine_tp}: a colocated engine shares its replica's GPUs on one node, "

@@ -64,6 +64,8 @@ def test_with_pipeline_parallelism_only_the_first_stage_holds_engines():
      "rollout.vllm.placement=separate needs model.pipeline_model_parallel_size=1"),
     (dict(placement="separate", tasks_per_node=8, gpus_per_node=8, tensor=2, pipeline=1, engine_tp=2),
      "4 replica(s) of 2 GPU(s) and their engines of 2 need 16 GPUs per node, the node has 8"),
+    (dict(placement="colocated", tasks_per_node=8, gpus_per_node=8, tensor=3, pipeline=1, engine_tp=1),
+     "model.tensor_model_parallel_size=3 splits replicas across the node boundary of 8 ranks"),
     (dict(placement="nearby", tasks_per_node=8, gpus_per_node=8, tensor=2, pipeline=1, engine_tp=2),
      "rollout.vllm.placement='nearby' (choose one of colocated, separate)"),
 ])
