@@ -8,8 +8,9 @@ never runs silently with a default.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -140,3 +141,23 @@ def _close_keys(err: ConfigKeyError) -> str:
 def to_yaml(cfg: Any) -> str:
     """Render a config object (dataclass or DictConfig) as YAML for logs and run directories."""
     return OmegaConf.to_yaml(OmegaConf.structured(cfg) if is_dataclass(cfg) else cfg)
+
+
+def merge_tree(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict:
+    """``base`` with ``extra`` merged in, nested mappings key by key (``extra`` wins): how a model preset's method
+    section goes on top of its ``common`` block (``trainers/presets.py``, ``launch/layout.py``)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge_tree(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def dotlist(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """A nested mapping as ``a.b=value`` overrides (lists as JSON), as ``load_config`` takes them."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out += dotlist(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}={json.dumps(value) if isinstance(value, list) else value}")
+    return out

@@ -18,10 +18,15 @@ class ClusterProfile:
     cpus_per_task: int | None = None  # sbatch --cpus-per-task
     mem: str | None = None  # e.g. "0" = all memory of the node
     time_limit: str = "04:00:00"  # sbatch --time
-    # pyxis/enroot images (squashfs path or registry URI) by the name a step asks for (ServerSpec.image; the
-    # trainer runs `trainer`): `trainer` = `docker build .`, `judge` = `docker build --target judge .` (vLLM).
+    # pyxis/enroot images (squashfs path or registry URI) by the name a step asks for (ServerSpec.image; the trainer
+    # runs its backend's: `trainer` for hf and aligner, `megatron` for megatron): `trainer` = `docker build .`,
+    # `judge` = `docker build --target judge .` (vLLM), `megatron` = `docker build --target megatron .`.
     # Empty = bare metal: every step runs in the submitting environment.
     images: dict[str, str] = field(default_factory=dict)
+    # the interpreter with vLLM that a trainer's rollout engines run in (rollout.engine=vllm), exported to the trainer
+    # step as NEMO_FACTUALITY_VLLM_PYTHON: the megatron image's /opt/vllm/bin/python (the Dockerfile), or a vLLM
+    # venv on bare metal; null = the image's own setting
+    vllm_python: str | None = None
     container_mounts: list[str] = field(default_factory=list)
     # pyxis --container-workdir of the steps running the `trainer` image (where this package lives in it); a step in
     # another image (vLLM's `judge`) starts in that image's own directory: pyxis fails a step whose workdir is missing
@@ -63,11 +68,12 @@ class LaunchConfig:
     # Site-specific values the commands use as {key}: the policy, the training data, each judge's checkpoint.
     # A null value is required: rendering stops until it is set (`params.policy_model=/models/...`).
     params: dict[str, str | None] = field(default_factory=dict)
-    # group 0: the policy actor (trainer). An aligner-backend stage names a model preset
-    # (conf/train/aligner/<preset>.yaml): the job then takes its nodes, TP and PP from the preset and
-    # starts one trainer task per GPU (Megatron ranks), and the trainer command passes `--preset {preset}`
-    # so the trainer builds NeMo's trainer with the same layout. Without a preset (hf backend): one process
-    # on one node and (on a GPU profile) one GPU.
+    # group 0: the policy actor (trainer). An aligner- or megatron-backend stage names a model preset
+    # (conf/train/<trainer.backend>/<preset>.yaml, the backend its trainer command names): the job then takes its
+    # nodes, TP and PP from the preset and starts one trainer task per GPU (Megatron ranks; on megatron fewer when
+    # the preset's vLLM engines have GPUs of their own), and the trainer command passes `--preset {preset}` so the
+    # trainer takes the same layout. Without a preset (hf backend): one process on one node and (on a GPU profile)
+    # one GPU.
     preset: str | None = None
     actor_nodes: int | None = None  # None: the preset's nodes, else 1
     tensor_parallel: int | None = None  # None: the preset's TP, else 1

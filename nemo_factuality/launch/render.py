@@ -15,22 +15,31 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import jinja2
-import yaml
 
 from nemo_factuality import exit_codes
-from nemo_factuality.config import REPO_ROOT, conf_dir
+from nemo_factuality.config import REPO_ROOT
 from nemo_factuality.launch.config import ClusterProfile, LaunchConfig, ServerSpec
+from nemo_factuality.launch.layout import (
+    PACKAGE_IMAGES,
+    TRAINER_IMAGES,
+    VLLM_PYTHON_ENV,
+    PresetError,
+    PresetLayout,
+    command_backend,
+    gpu_split_lines,
+    layout_problems,
+    preset_layout,
+    python_modules,
+)
 from nemo_factuality.launch.wiring import envname, served_name_problems, wire
 
 TEMPLATE_DIR = REPO_ROOT / "slurm"
-TRAINER_IMAGE = "trainer"
 
 
 class LaunchConfigError(ValueError):
     """The stage or profile cannot produce a valid job."""
 
 
-_PYTHON_MODULE = re.compile(r"(?:^|[\s;&|(])\S*python[\d.]*\s+(?:-[A-Za-z]+\s+)*-m\s+([A-Za-z_][\w.]*)")
 _PLACEHOLDER = re.compile(r"(?<!\$)\{([a-z][a-z0-9_]*)\}")  # {port}, {policy_model}; never the shell's ${VAR}
 _RUNS_VLLM = re.compile(r"(?:^|[\s;&|(])vllm\s")
 # a value nobody's site has: <account>, CHANGEME, TODO, xxx, ... (as a path component too); an account or
@@ -38,11 +47,6 @@ _RUNS_VLLM = re.compile(r"(?:^|[\s;&|(])vllm\s")
 _PLACEHOLDER_PART = re.compile(r"<[^<>]*>|change[_-]?me|todo|fixme|tbd|x{3,}|\.{3}|placeholder", re.IGNORECASE)
 _PLACEHOLDER_NAME = re.compile(r"(?:my|your)[_-]?(?:account|partition|project|qos|group|cluster|site)", re.IGNORECASE)
 PACKAGE = "nemo_factuality"
-
-
-def python_modules(command: str) -> list[str]:
-    """Modules a shell command runs with ``python -m X`` (in order)."""
-    return _PYTHON_MODULE.findall(command)
 
 
 def servers(stage: LaunchConfig) -> list[ServerSpec]:
@@ -76,56 +80,32 @@ def fill(text: str, values: dict[str, str], where: str, problems: list[str]) -> 
 
 
 # ------------------------------------------------------------------------------------------------ actor layout
-@dataclass(frozen=True)
-class PresetLayout:
-    """Where an aligner preset (``conf/train/aligner/<name>.yaml``) puts the policy: what the job must allocate."""
+def resolve(stage: LaunchConfig) -> tuple[LaunchConfig, PresetLayout | None]:
+    """(the stage with its actor layout filled in, its preset's layout or None).
 
-    name: str
-    nodes: int
-    gpus_per_node: int
-    tensor_parallel: int
-    pipeline_parallel: int
-
-
-_STAGE_MODULE = re.compile(r"^nemo_factuality\.trainers\.(grpo|ppo|kto)$")
-
-
-def preset_layout(name: str, trainer_command: str) -> PresetLayout:
-    """The preset's layout for the method the trainer command runs. Read from the YAML here, not through
-    ``trainers.backends.aligner.load_preset``: the launcher never imports the trainers (torch on a login node);
-    the tests check both readings agree."""
-    path = conf_dir() / "train" / "aligner" / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise LaunchConfigError(f"invalid launch config: no aligner preset {name!r} ({path}); known: {', '.join(known)}")
-    methods = [m.group(1) for m in map(_STAGE_MODULE.match, python_modules(trainer_command)) if m]
-    if not methods:
-        raise LaunchConfigError(f"invalid launch config: preset {name!r} needs a trainer command running "
-                                "python -m nemo_factuality.trainers.{grpo,ppo,kto} (the preset's method section)")
-    preset = yaml.safe_load(path.read_text(encoding="utf-8"))
-    # the method's own model keys win over common's, as in load_preset
-    model = {**preset["common"].get("model", {}), **preset[methods[-1]]["overrides"].get("model", {})}
-    return PresetLayout(name, int(preset["nodes"]), int(preset["gpus_per_node"]),
-                        int(model.get("tensor_model_parallel_size", 1)), int(model.get("pipeline_model_parallel_size", 1)))
-
-
-def resolve(stage: LaunchConfig) -> tuple[LaunchConfig, int]:
-    """(the stage with its actor layout filled in, trainer tasks per node).
-
-    With a preset the layout is the preset's and the trainer runs one task per GPU; a value the stage sets
-    that differs is an error (the trainer sizes NeMo's trainer from the preset, so srun must match it).
-    Without a preset: 1 node, TP=PP=1 unless set, one task per node (the hf backend's single process)."""
+    With a preset the layout is the preset's (``launch.layout``: its nodes, one trainer task per GPU, fewer on a node
+    whose vLLM engines have GPUs of their own); a value the stage sets that differs is an error (the trainer sizes
+    itself from the same preset, so srun must match it). Without a preset: 1 node, TP=PP=1 unless set, one task per
+    node (the hf backend's single process)."""
     layout_keys = ("actor_nodes", "tensor_parallel", "pipeline_parallel")
     if not stage.preset:
-        return replace(stage, **{k: 1 if getattr(stage, k) is None else getattr(stage, k) for k in layout_keys}), 1
-    layout = preset_layout(stage.preset, stage.trainer_command)
+        return replace(stage, **{k: 1 if getattr(stage, k) is None else getattr(stage, k) for k in layout_keys}), None
+    try:
+        layout = preset_layout(stage.preset, stage.trainer_command)
+    except PresetError as err:
+        raise LaunchConfigError(f"invalid launch config: {err}") from None
     wanted = dict(zip(layout_keys, (layout.nodes, layout.tensor_parallel, layout.pipeline_parallel), strict=True))
     conflicts = [f"{k}={getattr(stage, k)} but preset {stage.preset} has {v}" for k, v in wanted.items()
                  if getattr(stage, k) not in (None, v)]
     if conflicts:
         raise LaunchConfigError("invalid launch config: " + "; ".join(conflicts) + " (leave them unset, or use a preset "
-                                "with that layout: conf/train/aligner/)")
-    return replace(stage, **wanted), layout.gpus_per_node
+                                f"with that layout: conf/train/{layout.backend}/)")
+    return replace(stage, **wanted), layout
+
+
+def trainer_image(stage: LaunchConfig) -> str:
+    """The profile image the trainer step runs: its backend's (``trainer.backend=`` in its command; hf when none)."""
+    return TRAINER_IMAGES.get(command_backend(stage.trainer_command) or ("aligner" if stage.preset else "hf"), "trainer")
 
 
 # ------------------------------------------------------------------------------------------------ server steps
@@ -257,10 +237,10 @@ def missing_modules(stage: LaunchConfig) -> list[str]:
     return missing
 
 
-def validate(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int = 1) -> list[str]:
+def validate(stage: LaunchConfig, cluster: ClusterProfile, layout: PresetLayout | None = None) -> list[str]:
     """Every problem of the resolved stage × profile that does not need the rendered steps (GPUs, servers,
-    images, modules)."""
-    problems = _preset_problems(stage, cluster, tasks_per_node) if stage.preset else _hf_problems(stage, cluster)
+    images, modules); ``layout``: the stage's preset's (``resolve``)."""
+    problems = _preset_problems(stage, cluster, layout) if layout is not None else _hf_problems(stage, cluster)
     problems += placeholder_settings(cluster)
     if stage.preset:
         gpus_needed = stage.tensor_parallel * stage.pipeline_parallel
@@ -280,8 +260,10 @@ def validate(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int =
         problems.append(f"critic {stage.critic.name!r} cannot serve reward blocks (serves: is for reward servers and judges)")
     if len({envname(s.name) for s in servers(stage)}) != len(servers(stage)):
         problems.append("server names must be unique (they name log files and env variables)")
-    if cluster.images and TRAINER_IMAGE not in cluster.images:
-        problems.append(f"the profile's images have no {TRAINER_IMAGE!r} (the trainer's; `docker build .`)")
+    image = trainer_image(stage)
+    if cluster.images and image not in cluster.images:
+        build = "`docker build .`" if image == "trainer" else f"`docker build --target {image} .`"
+        problems.append(f"the profile's images have no {image!r} (the trainer's; {build})")
     commands = " ".join([stage.trainer_command, stage.ckpt_dir] + [s.command for s in servers(stage)])
     problems += [f"params.{k} is set but no command uses {{{k}}}" for k in stage.params if f"{{{k}}}" not in commands]
     problems += [f"python -m {m}: no such module in this installation of {PACKAGE} (a typo, or a newer version is "
@@ -293,7 +275,7 @@ def placeholder_settings(cluster: ClusterProfile) -> list[str]:
     """The profile's site settings still holding a placeholder (``account: my_account``): sbatch or pyxis would
     refuse the job only once it is submitted (or a step starts), so rendering refuses it first."""
     settings = {"account": cluster.account, "partition": cluster.partition, "log_root": cluster.log_root,
-                "container_workdir": cluster.container_workdir,
+                "container_workdir": cluster.container_workdir, "vllm_python": cluster.vllm_python,
                 **{f"images.{k}": v for k, v in cluster.images.items()},
                 **{f"container_mounts[{i}]": v for i, v in enumerate(cluster.container_mounts)}}
     return [f"cluster.{key}={value} is a placeholder: set your site's value (cluster.{key}=... on the command line, "
@@ -319,8 +301,9 @@ def _server_problems(spec: ServerSpec, cluster: ClusterProfile, is_critic: bool)
     if cluster.images and spec.image not in cluster.images:
         problems.append(f"server {spec.name!r} runs image {spec.image!r}, which the profile's images "
                         f"({', '.join(sorted(cluster.images))}) do not have")
-    if _RUNS_VLLM.search(spec.command) and spec.image == TRAINER_IMAGE:
-        problems.append(f"server {spec.name!r} runs vllm in the {TRAINER_IMAGE!r} image, which has no vLLM (image: judge)")
+    if _RUNS_VLLM.search(spec.command) and spec.image in PACKAGE_IMAGES:
+        problems.append(f"server {spec.name!r} runs vllm in the {spec.image!r} image, which has no vLLM on its PATH "
+                        "(image: judge)")
     return problems
 
 
@@ -329,28 +312,26 @@ def _hf_problems(stage: LaunchConfig, cluster: ClusterProfile) -> list[str]:
     if not cluster.gpus_per_node and "trainer.device=cuda" in stage.trainer_command:
         problems.append("trainer_command trains on trainer.device=cuda but the profile's nodes have no GPUs (gpus_per_node: 0)")
     if "{preset}" in stage.trainer_command:
-        problems.append("trainer_command uses {preset} but the stage names no preset (preset: <conf/train/aligner name>)")
+        problems.append("trainer_command uses {preset} but the stage names no preset (preset: <a conf/train/aligner or "
+                        "conf/train/megatron name>)")
     layout = {"actor_nodes": stage.actor_nodes, "tensor_parallel": stage.tensor_parallel,
               "pipeline_parallel": stage.pipeline_parallel}
     if any(v != 1 for v in layout.values()):
         wrong = ", ".join(f"{k}={v}" for k, v in layout.items() if v != 1)
         problems.append(f"{wrong}: a stage without a preset runs the hf backend, one process on one device; "
-                        "multi-GPU training is the aligner backend's (an aligner_* stage with preset: <conf/train/aligner name>)")
+                        "multi-GPU training is the aligner and megatron backends' (an aligner_* or megatron_* stage with "
+                        "preset: <conf/train/aligner or conf/train/megatron name>)")
     return problems
 
 
-def _preset_problems(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_node: int) -> list[str]:
-    problems = []
-    if tasks_per_node > cluster.gpus_per_node:
-        problems.append(f"preset {stage.preset} runs {tasks_per_node} trainer tasks (one per GPU) per node but the "
-                        f"profile's nodes have {cluster.gpus_per_node} GPUs")
-    world = stage.actor_nodes * tasks_per_node
-    if world % (stage.tensor_parallel * stage.pipeline_parallel):
-        problems.append(f"TP×PP = {stage.tensor_parallel * stage.pipeline_parallel} does not divide the {world} GPUs "
-                        f"of preset {stage.preset}")
+def _preset_problems(stage: LaunchConfig, cluster: ClusterProfile, layout: PresetLayout) -> list[str]:
+    problems = layout_problems(layout, stage.trainer_command, cluster.gpus_per_node)
     if not re.search(r"--preset[= ]\{preset\}(\s|$)", stage.trainer_command):
-        problems.append("trainer_command must pass --preset {preset}: the trainer builds NeMo's trainer (devices, "
-                        "nodes, TP/PP) from the same preset the job is sized from")
+        problems.append("trainer_command must pass --preset {preset}: the trainer takes its layout (devices, nodes, "
+                        "TP/PP, the rollout engines) from the same preset the job is sized from")
+    if layout.engines is not None and not cluster.vllm_python and not cluster.images:
+        problems.append(f"the trainer's rollouts run on vLLM (rollout.engine=vllm) but cluster.vllm_python is unset and "
+                        f"the profile has no images: set it to an interpreter with vLLM (exported as {VLLM_PYTHON_ENV})")
     return problems
 
 
@@ -358,8 +339,8 @@ def _preset_problems(stage: LaunchConfig, cluster: ClusterProfile, tasks_per_nod
 def render(stage_name: str, stage: LaunchConfig, cluster: ClusterProfile) -> str:
     """The sbatch script text (every problem reported at once, in one ``LaunchConfigError``, before rendering)."""
     require_params(stage_name, stage)
-    stage, tasks_per_node = resolve(stage)
-    problems = validate(stage, cluster, tasks_per_node)
+    stage, layout = resolve(stage)
+    problems = validate(stage, cluster, layout)
     ckpt_dir = stage.ckpt_dir.format(job_name=stage.job_name)
     trainer_command = fill(stage.trainer_command, _values(stage, ckpt_dir), "trainer_command", problems)
     groups, critic = server_steps(stage, cluster, ckpt_dir, problems)
@@ -368,14 +349,23 @@ def render(stage_name: str, stage: LaunchConfig, cluster: ClusterProfile) -> str
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
     env.filters["q"] = lambda s: shlex.quote(str(s))
-    actor_gpus = (tasks_per_node if stage.preset else 1) if cluster.gpus_per_node else 0
+    tasks_per_node = layout.tasks_per_node if layout else 1
+    actor_gpus = (layout.gpus_per_node if layout else 1) if cluster.gpus_per_node else 0
+    megatron = layout is not None and layout.backend == "megatron"
+    if megatron and cluster.gpus_per_node:  # every trainer task sees the node's GPUs: its own and its engines'
+        trainer_command = f"export CUDA_VISIBLE_DEVICES={','.join(map(str, range(actor_gpus)))}; {trainer_command}"
+    trainer_env = {"LOCAL_WORLD_SIZE": tasks_per_node} if layout else {}
+    if layout and layout.engines is not None and cluster.vllm_python:
+        trainer_env[VLLM_PYTHON_ENV] = cluster.vllm_python
     steps = [s for g in groups for s in g.steps]
     pid_index = {s.name: i for i, s in enumerate(steps + ([critic] if critic else []))}  # SERVER_PIDS order
     return env.get_template("het_job.sbatch.j2").render(
         stage_name=stage_name, stage=asdict(stage), cluster=asdict(cluster), ckpt_dir=ckpt_dir,
         trainer_command=trainer_command, actor_tasks_per_node=tasks_per_node, actor_gpus=actor_gpus,
         groups=groups, steps=steps, critic=critic, pid_index=pid_index, critic_nodes=stage.critic.nodes if critic else 0,
-        has_gpus=bool(cluster.gpus_per_node), trainer_image=TRAINER_IMAGE, exit_codes=exit_codes,
+        has_gpus=bool(cluster.gpus_per_node), trainer_image=trainer_image(stage), package_images=PACKAGE_IMAGES,
+        exit_codes=exit_codes, backend=layout.backend if layout else "hf", trainer_env=trainer_env,
+        engines=layout.engines if layout else None, gpu_split=gpu_split_lines(layout) if megatron else [],
     )
 
 

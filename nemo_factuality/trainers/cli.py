@@ -52,14 +52,16 @@ def _add_stage_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config-name", default=None,
                    help="conf/train/<name>.yaml (klcf, fspo, knowrl -> grpo; rlfh -> ppo; factalign -> kto) or a YAML path")
     p.add_argument("--preset", default=None,
-                   help="trainer.backend=aligner: a model preset, conf/train/aligner/<name>.yaml (its layout, batch "
-                        "sizes and NeMo model settings for this stage; key=value overrides still win)")
+                   help="a model preset of the stage's trainer.backend (aligner or megatron, named on the command line "
+                        "or in the config), conf/train/<backend>/<name>.yaml: its layout, batch sizes and settings for "
+                        "this stage (on aligner also the NeMo model settings); key=value overrides still win")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
 
 def parse_stage_config(stage: str, argv: Sequence[str] | None, *, prog: str | None = None) -> tuple[Any, dict]:
-    """``--config-name NAME [--preset P] key=value …`` → (the stage's validated typed config, the preset's
-    ``AlignerRuntime`` fields); ``ConfigError`` names the key."""
+    """``--config-name NAME [--preset P] key=value …`` → (the stage's validated typed config, the preset's runtime
+    fields for the backend builder: an aligner preset's ``AlignerRuntime``, nothing for megatron's); ``ConfigError``
+    names the key."""
     from nemo_factuality.cli import split_overrides
     from nemo_factuality.config import ConfigError
     from nemo_factuality.trainers import config as schemas
@@ -67,10 +69,18 @@ def parse_stage_config(stage: str, argv: Sequence[str] | None, *, prog: str | No
     parser = _parser(stage, prog)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     overrides = split_overrides(args.overrides, parser.prog)
-    preset_overrides, runtime = _preset(args.preset, stage)
-    cfg = schemas.load_train_config(getattr(schemas, STAGES[stage][0]), args.config_name, [*preset_overrides, *overrides])
-    if args.preset and cfg.trainer.backend != "aligner":
-        raise ConfigError(f"--preset {args.preset} is an aligner-backend preset; drop trainer.backend={cfg.trainer.backend}")
+    schema = getattr(schemas, STAGES[stage][0])
+    preset_overrides, runtime, backend = [], {}, None
+    if args.preset:  # the backend the config and command line name picks the preset folder (conf/train/<backend>/)
+        from nemo_factuality.config import load_config
+        from nemo_factuality.trainers.presets import load_preset
+
+        backend = load_config(schema, args.config_name, overrides, group="train").trainer.backend
+        preset_overrides, runtime = load_preset(backend, args.preset, stage)
+    cfg = schemas.load_train_config(schema, args.config_name, [*preset_overrides, *overrides])
+    if backend is not None and cfg.trainer.backend != backend:
+        raise ConfigError(f"--preset {args.preset} is a {backend}-backend preset (conf/train/{backend}/) but it sets "
+                          f"trainer.backend={cfg.trainer.backend}: fix the preset's common.trainer.backend")
     return cfg, runtime
 
 
@@ -95,8 +105,10 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     from nemo_factuality.config import to_yaml
+    from nemo_factuality.trainers.backends.collectives import ranks_from_slurm
 
-    writer = int(os.environ.get("RANK", "0")) == 0  # under torchrun/srun only the job's rank 0 writes the run's files
+    # under torchrun or srun only the job's rank 0 writes the run's files
+    writer = int(os.environ.get("RANK") or ranks_from_slurm(os.environ).get("RANK", "0")) == 0
     if writer:
         (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     seed_everything(cfg.trainer.seed)
@@ -146,20 +158,6 @@ def _fit(stage: str, cfg: Any, actor: Any, critic: Any, reward: Any, train: list
         from nemo_factuality.trainers.kto import KTOTrainer
 
         KTOTrainer(cfg, actor, reward, train, general_pairs=pairs, run_dir=run_dir).fit()
-
-
-def _preset(name: str | None, stage: str) -> tuple[list[str], dict]:
-    """A preset's stage overrides (applied before the command line's) and its ``AlignerRuntime`` fields: the NeMo
-    model settings the stage schema does not carry and the node layout, which must match the launcher's srun."""
-    if not name:
-        return [], {}
-    from nemo_factuality.config import ConfigError
-    from nemo_factuality.trainers.backends.aligner import load_preset
-
-    try:
-        return load_preset(name, stage)
-    except (FileNotFoundError, KeyError) as err:
-        raise ConfigError(f"--preset {name}: {err}") from err
 
 
 def main(argv: Sequence[str]) -> int:

@@ -60,6 +60,9 @@ class MegatronModelConfig:
 
     # Megatron's distributed optimizer: Adam states and fp32 main weights sharded over the data-parallel ranks
     use_distributed_optimizer: bool = False
+    sequence_parallel: bool = False  # Megatron's sequence parallelism (TP > 1): activations split over the TP ranks
+    recompute: str = "none"  # activation recompute: none | full (every layer, uniform) | selective (attention core)
+    transformer_engine: bool = False  # Transformer Engine's layer spec (the NGC container); false: Megatron's local spec
 
 
 @dataclass
@@ -194,7 +197,12 @@ class VLLMEngineConfig:
     python: str | None = None
     dtype: str | None = None  # null = model.dtype
     tensor_parallel_size: int = 1  # the engine's own TP (GPUs it spans)
-    gpu_memory_utilization: float = 0.3  # GPU share vLLM takes for weights + KV cache (colocated with the trainer)
+    gpu_memory_utilization: float = 0.3  # share of each of its GPUs vLLM takes for weights + KV cache (+ its overhead)
+    # where the engine runs on a GPU node (trainer.device=cuda; on CPU it shares the CPU): colocated = on the first
+    # tensor_parallel_size GPUs of its model replica, beside the trainer ranks (gpu_memory_utilization of each);
+    # separate = on GPUs of its own on the replica's node, after the trainer ranks' (LOCAL_WORLD_SIZE) GPUs
+    # (nemo_factuality/placement.py; `nemo-factuality launch` sizes the job for it)
+    placement: str = "colocated"
     max_model_len: int | None = None  # null = the checkpoint's
     start_timeout_s: float = 600.0  # an engine that does not answer within this is an error naming its log
     request_timeout_s: float = 1800.0  # one generate / refit request
@@ -344,6 +352,7 @@ _CHOICES = {
     "ppo.truncated": ("mask", "keep"),
     "data.format": ("jsonl", "klcf", "rlfh", "fspo", "knowrl", "factalign"),
     "rollout.engine": ("megatron", "vllm", "trtllm"),
+    "rollout.vllm.placement": ("colocated", "separate"),
 }
 
 
@@ -444,6 +453,13 @@ def _megatron_problems(cfg: Any) -> list[str]:
     if cfg.model.dtype != "float32":
         problems.append(f"model.dtype={cfg.model.dtype}: trainer.backend=megatron trains in float32 only so far "
                         "(bf16 mixed precision is not checked yet); use model.dtype=float32")
+    mc = cfg.model.megatron
+    for key, value, default, what in (("sequence_parallel", mc.sequence_parallel, False, "sequence parallelism"),
+                                      ("recompute", mc.recompute, "none", "activation recompute"),
+                                      ("transformer_engine", mc.transformer_engine, False, "Transformer Engine's layer spec")):
+        if value != default:
+            problems.append(f"model.megatron.{key}={value}: trainer.backend=megatron builds without {what} so far (it "
+                            f"is not checked yet); use model.megatron.{key}={str(default).lower()}")
     if isinstance(cfg, PPOConfig):
         problems.append("trainer.backend=megatron has no critic yet (PPO / RLFH): use trainer.backend=hf or aligner")
     return problems

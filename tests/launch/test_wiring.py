@@ -167,19 +167,26 @@ def test_the_reward_servers_serve_invocation_is_read_as_the_server_reads_it():
 # ------------------------------------------------------------------------------------------------ images
 @pytest.mark.parametrize("stage_name", GPU_STAGES)
 def test_judges_run_the_judge_image_and_everything_else_the_trainer_image(stage_name):
+    """... except a megatron-backend trainer, which runs the megatron image (Megatron-Core 0.16 + Bridge + vLLM)."""
     for line, command in srun_steps(rendered(stage_name)):
         image = re.search(r"--container-image=(\S+)", line).group(1)
-        assert image == H100.images["judge" if re.search(r"(^|\s)vllm serve", command) else "trainer"], line
+        megatron_trainer = line.startswith("srun --het-group=0 ") and "trainer.backend=megatron" in command
+        want = "judge" if re.search(r"(^|\s)vllm serve", command) else "megatron" if megatron_trainer else "trainer"
+        assert image == H100.images[want], line
 
 
 def test_images_are_checked_against_the_profile():
     with pytest.raises(LaunchConfigError, match=r"server 'extractor' runs vllm in the 'trainer' image, which has no vLLM"):
         render("grpo_klcf", _klcf_with(extractor={"image": "trainer"}), H100)
     with pytest.raises(LaunchConfigError, match=r"server 'extractor' runs image 'vllm', which the profile's images "
-                                                r"\(judge, trainer\) do not have"):
+                                                r"\(judge, megatron, trainer\) do not have"):
         render("grpo_klcf", _klcf_with(extractor={"image": "vllm"}), H100)
     with pytest.raises(LaunchConfigError, match=r"the profile's images have no 'trainer'"):
         render("grpo_fspo", load_site_stage("grpo_fspo"), replace(H100, images={"judge": "/x.sqsh"}))
+    without = {k: v for k, v in H100.images.items() if k != "megatron"}
+    with pytest.raises(LaunchConfigError, match=r"the profile's images have no 'megatron' \(the trainer's; "
+                                                r"`docker build --target megatron \.`\)"):
+        render("megatron_grpo_fspo", load_site_stage("megatron_grpo_fspo"), replace(H100, images=without))
 
 
 # ------------------------------------------------------------------------------------------------ GPUs

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from nemo_factuality.config import dotlist as _dotlist
+from nemo_factuality.config import merge_tree as _merge
 from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device, on_group_source
 from nemo_factuality.trainers.interfaces import (
@@ -164,13 +166,6 @@ def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime, trt_l
         },
     }
     return _merge(out, runtime.model_overrides)
-
-
-def _merge(base: dict, extra: Mapping[str, Any]) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
-    return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -785,18 +780,6 @@ def load_preset(name: str, method: str) -> tuple[list[str], dict[str, Any]]:
     runtime.update(num_nodes=preset["nodes"], devices=preset["gpus_per_node"],
                    model_overrides=preset["common"].get("aligner", {}))
     return _dotlist(stage), runtime
-
-
-def _dotlist(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
-    import json
-
-    out = []
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            out += _dotlist(value, f"{prefix}{key}.")
-        else:
-            out.append(f"{prefix}{key}={json.dumps(value) if isinstance(value, list) else value}")
-    return out
 
 
 def on_model_parallel_source(fn: Any) -> Any:

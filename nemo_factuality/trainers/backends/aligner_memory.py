@@ -1,4 +1,6 @@
-"""Per-GPU memory arithmetic for the aligner presets (``conf/train/aligner/*.yaml``): training and rollout peaks.
+"""Per-GPU memory arithmetic for the aligner presets (``conf/train/aligner/*.yaml``): training and rollout peaks
+(the states, activations and training step are ``memory.py``'s, shared with the megatron presets; NeMo's own
+generation and the checkpoint's bytes are this backend's).
 
 Bytes per parameter, per GPU (P parameters, model-parallel size M = TP·PP, data-parallel size DP):
 
@@ -28,91 +30,28 @@ over-prediction at that size, mostly the fixed 4 GiB overhead.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-GIB = 1024**3
-# What a preset may use of one H100-80GB: torch sees ~79 GiB; 15% stays free for allocator spikes.
-H100_BUDGET_GIB = 0.85 * 79
+from nemo_factuality.trainers.backends.memory import (  # noqa: F401  (the shared formulas, re-exported)
+    GIB,
+    H100_BUDGET_GIB,
+    Arch,
+    Layout,
+    gib,
+    layer_working_set,
+    states_bytes,
+    training_bytes,
+)
+
 # A preset's rollout batch is sized to this share of the budget, not all of it: filling the budget left the 32B
 # GRPO preset at 66.4 of 67.1 GiB, with nothing for what the formula does not see, and its rollout side was
 # measured only at 0.5B (it over-predicted there; README). 10% of the budget stays free at every rollout peak.
 ROLLOUT_BUDGET_SHARE = 0.9
 
 
-@dataclass(frozen=True)
-class Arch:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-    tied: bool = False
-    qkv_bias: bool = True
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def parameters(self) -> int:
-        h, d = self.hidden, self.head_dim
-        qkv = h * (self.heads + 2 * self.kv_heads) * d + (self.heads + 2 * self.kv_heads) * d * self.qkv_bias
-        layer = qkv + self.heads * d * h + 3 * h * self.ffn + 2 * h
-        return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp: int
-    micro_batch: int  # sequences per training micro batch
-    seq_len: int  # prompt + response tokens in training
-    rollout_micro_batch: int  # sequences generated together
-    prompt_len: int
-    recompute: str = "full"  # full | none
-    sequence_parallel: bool = True
-    distributed_optimizer: bool = True
-    offload_adam: bool = True
-    overhead_gib: float = 4.0
-
-
-def _states(arch: Arch, lay: Layout) -> dict[str, float]:
-    p, m = arch.parameters(), lay.tp * lay.pp
-    optimizer = 12 * p / m / (lay.dp if lay.distributed_optimizer else 1)
-    return {"weights": 2 * p / m, "grads": 4 * p / m, "optimizer": optimizer}
-
-
-def layer_working_set(sbh: int, lay: Layout) -> float:
-    """One layer's activations for backward (Korthikanti et al., Table 2, flash attention: no ``5·a·s²·b`` term).
-    With sequence parallelism every tensor is split over TP: ``34·s·b·h / TP``. Without it only the tensors inside
-    the attention and MLP blocks are (``24·s·b·h / TP``); the layer norms' inputs and outputs and the dropout masks
-    stay full-size on each TP rank (``10·s·b·h``)."""
-    if lay.sequence_parallel:
-        return 34 * sbh / lay.tp
-    return sbh * (10 + 24 / lay.tp)
-
-
-def training_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
-    """Peak bytes per GPU during a training step, by component, plus ``total``."""
-    out = _states(arch, lay)
-    sbh = lay.seq_len * lay.micro_batch * arch.hidden
-    layers = math.ceil(arch.layers / lay.pp)
-    in_flight = min(lay.pp, 8)
-    if lay.recompute == "full":
-        kept = 2 * sbh / (lay.tp if lay.sequence_parallel else 1) * layers * in_flight
-        out["activations"] = kept + layer_working_set(sbh, lay)
-    else:
-        out["activations"] = layer_working_set(sbh, lay) * layers * in_flight
-    out["logits"] = 3 * 4 * lay.seq_len * lay.micro_batch * arch.vocab / lay.tp
-    out["overhead"] = lay.overhead_gib * GIB
-    out["total"] = sum(out.values())
-    return out
-
-
 def rollout_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     """Peak bytes per GPU while generating (Adam states offloaded to the host when ``offload_adam``)."""
-    out = _states(arch, lay)
+    out = states_bytes(arch, lay)
     if lay.offload_adam:  # only the Adam states move; the contiguous grad buffer stays allocated
         out["optimizer"] = 0.0
     kv_per_token = 2 * math.ceil(arch.layers / lay.pp) * math.ceil(arch.kv_heads / lay.tp) * arch.head_dim * 2
@@ -124,10 +63,6 @@ def rollout_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     out["overhead"] = lay.overhead_gib * GIB
     out["total"] = sum(out.values())
     return out
-
-
-def gib(table: dict[str, float]) -> dict[str, float]:
-    return {k: round(v / GIB, 1) for k, v in table.items()}
 
 
 def max_rollout_batch(arch: Arch, lay: Layout, budget_gib: float = H100_BUDGET_GIB) -> int:

@@ -9,7 +9,7 @@ Megatron backend (DP over Megatron's data-parallel group) share it, so a fault i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -218,14 +218,54 @@ def _sum_bucket(bucket: list[torch.nn.Parameter], group: Any) -> None:
         offset += n
 
 
-def init_from_environment(device: str) -> str:
-    """Join the job torchrun/srun started (``WORLD_SIZE`` > 1 in the environment): gloo on CPU, NCCL on GPU, one GPU
-    per local rank. Returns the device this rank runs on (``device`` itself for a single process)."""
+def ranks_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` for a process that srun started as one task of
+    a step of several (one task per GPU, as ``nemo-factuality launch`` starts the megatron backend), read from srun's
+    task variables; ``{}`` under torchrun (which sets ``WORLD_SIZE`` itself) and for a single task. Tasks are numbered
+    node by node (srun's default block distribution), so a task's local id is its GPU. The rendezvous address is not
+    srun's to give: ``MASTER_ADDR`` / ``MASTER_PORT`` come from the job (the rendered script exports them).
+
+    >>> ranks_from_slurm({"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "16",
+    ...                   "SLURM_STEP_TASKS_PER_NODE": "8(x2)"})
+    {'RANK': '9', 'WORLD_SIZE': '16', 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '8'}
+    """
+    if "WORLD_SIZE" in environ or "SLURM_PROCID" not in environ:
+        return {}
+    world = environ.get("SLURM_STEP_NUM_TASKS") or environ.get("SLURM_NTASKS") or "1"
+    if int(world) <= 1:
+        return {}
+    per_node = environ.get("LOCAL_WORLD_SIZE") or environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get(
+        "SLURM_NTASKS_PER_NODE") or world
+    # srun writes e.g. "8(x2)" or "8,4": this node's count is the first number only on uniform layouts, which are the
+    # only ones the launcher starts; the stages check the world against the layout
+    return {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": world, "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+            "LOCAL_WORLD_SIZE": per_node.split("(")[0].split(",")[0]}
+
+
+def adopt_slurm_ranks() -> None:
+    """Put ``ranks_from_slurm`` into this process's environment (torch.distributed's ``env://`` and the stages read
+    it there); a no-op under torchrun or for a single process."""
     import os
 
+    os.environ.update(ranks_from_slurm(os.environ))
+
+
+def init_from_environment(device: str) -> str:
+    """Join the job torchrun or srun started (``WORLD_SIZE`` > 1 in the environment, or several srun tasks:
+    ``adopt_slurm_ranks``): gloo on CPU, NCCL on GPU, one GPU per local rank. Returns the device this rank runs on
+    (``device`` itself for a single process)."""
+    import os
+
+    from nemo_factuality.config import ConfigError
+
+    adopt_slurm_ranks()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return device
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing and not torch.distributed.is_initialized():
+        raise ConfigError(f"{world} ranks but no {' / '.join(missing)} to meet at: start them with torchrun, or export "
+                          "the address and a free port of the first rank's node before srun (the launcher's script does)")
     on_gpu = device.startswith("cuda")
     if on_gpu:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"

@@ -75,8 +75,9 @@ def init_process_groups(tensor: int, pipeline: int, device: str, seed: int) -> L
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not torch.distributed.is_initialized():
-        from nemo_factuality.trainers.backends.collectives import init_from_environment
+        from nemo_factuality.trainers.backends.collectives import adopt_slurm_ranks, init_from_environment
 
+        adopt_slurm_ranks()  # one srun task per GPU (the launcher's megatron jobs) as well as torchrun
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             init_from_environment(device)
         else:  # Megatron-Core needs process groups even alone

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,11 @@ class VLLMEngine:
     """One vLLM engine process holding the policy (started from ``model_dir``); ``refit`` replaces its weights."""
 
     def __init__(self, model_dir: str | Path, cfg: VLLMEngineConfig, *, dtype: str, seed: int = 0,
-                 log_dir: str | Path | None = None) -> None:
+                 log_dir: str | Path | None = None, devices: Sequence[str] | None = None) -> None:
+        """``devices``: the GPUs the engine process sees (its ``CUDA_VISIBLE_DEVICES``, ids as the trainer sees them:
+        ``vllm_rollout.engine_devices``); None leaves the trainer's environment as it is (CPU)."""
         self.model_dir, self.cfg, self.dtype, self.seed = str(model_dir), cfg, dtype, seed
+        self.devices = None if devices is None else [str(d) for d in devices]
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="vllm_engine_"))
         self.restarts_left = cfg.restarts
         self.weights_dir: Path | None = None  # the last refit's weights: a restarted engine is refit with them
@@ -57,8 +61,8 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> VLLMEngine:
-        """Start the engine and wait until it answers (``start_timeout_s``); an engine that exits first is an error
-        naming its log."""
+        """Start the engine on its devices and wait until it answers a health request (``start_timeout_s``); an engine
+        that exits first is an error naming its log."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ready = self.log_dir / f"engine{self.starts}.port"
         ready.unlink(missing_ok=True)
@@ -70,14 +74,17 @@ class VLLMEngine:
         if self.cfg.max_model_len:
             cmd += ["--max-model-len", str(self.cfg.max_model_len)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONHOME", "VIRTUAL_ENV"))}
-        package_root = str(Path(__file__).resolve().parents[3])  # the checkout: the engine imports only vllm_server
-        env.update({KEY_ENV: self._key.hex(), "PYTHONPATH": package_root, "VLLM_CPU_KVCACHE_SPACE":
-                    env.get("VLLM_CPU_KVCACHE_SPACE", "1"), "TOKENIZERS_PARALLELISM": "false"})
-        log.info("starting the vLLM engine (%s) on %s; log %s", cmd[0], self.model_dir, log_path)
+        env.update(self.environment(env))
+        log.info("starting the vLLM engine (%s) on %s%s; log %s", cmd[0], self.model_dir,
+                 "" if self.devices is None else f", CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}", log_path)
+        started = time.monotonic()
         with open(log_path, "ab") as out:
             self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.starts += 1
         self._connect(ready, log_path)
+        self._ask({"op": "health"})  # loaded and serving: the stage's step 1 waits for this on every replica
+        log.info("vLLM engine ready: pid %d answered its health check %.1f s after it started%s", self._proc.pid,
+                 time.monotonic() - started, "" if self.devices is None else f", on GPUs {','.join(self.devices)}")
         return self
 
     def _connect(self, ready: Path, log_path: Path) -> None:
@@ -92,7 +99,16 @@ class VLLMEngine:
                                   f"{self.cfg.start_timeout_s:g} s; its log ({log_path}) ends:\n{_tail(log_path)}")
             time.sleep(0.2)
         self._conn = Client(("127.0.0.1", int(ready.read_text())), authkey=self._key.hex().encode())
-        log.info("vLLM engine ready (pid %d)", self._proc.pid)
+
+    def environment(self, inherited: Mapping[str, str]) -> dict[str, str]:
+        """What the engine process's environment adds to (or replaces in) ``inherited``: the channel's key, the
+        checkout on ``PYTHONPATH`` and, on a GPU node, the devices it may use."""
+        package_root = str(Path(__file__).resolve().parents[3])  # the checkout: the engine imports only vllm_server
+        env = {KEY_ENV: self._key.hex(), "PYTHONPATH": package_root, "TOKENIZERS_PARALLELISM": "false",
+               "VLLM_CPU_KVCACHE_SPACE": inherited.get("VLLM_CPU_KVCACHE_SPACE", "1")}
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
+        return env
 
     def close(self) -> None:
         """Ask the engine to stop, then kill its process group (its workers with it)."""

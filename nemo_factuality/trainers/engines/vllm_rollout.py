@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -148,10 +148,44 @@ def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
     v = cfg.rollout.vllm
+    source = getattr(actor, "is_model_parallel_source", True)
+    devices = engine_devices(cfg, rank, world, os.environ, source=source)
     engine = None
-    if getattr(actor, "is_model_parallel_source", True):
+    if source:
         engine = VLLMEngine(cfg.model.path, v, dtype=v.dtype or cfg.model.dtype, seed=cfg.trainer.seed + rank,
-                            log_dir=run_dir / "vllm" / f"rank{rank}").start()
+                            log_dir=run_dir / "vllm" / f"rank{rank}", devices=devices).start()
     return VLLMRollout(actor, engine, weights_dir=run_dir / "vllm" / f"rank{rank}" / "weights",
                        chunk_size=cfg.model.rollout_micro_batch_size)
+
+
+def engine_devices(cfg: Any, rank: int, world: int, environ: Mapping[str, str], *, source: bool) -> list[str] | None:
+    """The ``CUDA_VISIBLE_DEVICES`` of the engine that trainer ``rank`` of ``world`` starts, by
+    ``rollout.vllm.placement`` (``nemo_factuality.placement``, the split the launcher renders), in the ids this
+    process sees its node's GPUs by (its own ``CUDA_VISIBLE_DEVICES``, else all); ``[]`` for a rank that starts no
+    engine, None on CPU. The node's trainer ranks are ``LOCAL_WORLD_SIZE`` (torchrun; srun: ``collectives``)."""
+    if not str(cfg.trainer.device).startswith("cuda"):
+        return None
+    from nemo_factuality import placement
+    from nemo_factuality.config import ConfigError
+
+    listed = environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in listed.split(",") if d.strip()] if listed else \
+        [str(i) for i in range(torch.cuda.device_count())]
+    tasks = int(environ.get("LOCAL_WORLD_SIZE", world))
+    local = int(environ.get("LOCAL_RANK", rank % tasks))
+    if local != rank % tasks:
+        raise ConfigError(f"rank {rank} is local rank {local} of {tasks} on its node, not {rank % tasks}: the engines' "
+                          "GPUs are placed for ranks laid out node by node (srun --distribution=block, torchrun)")
+    m, v = cfg.model, cfg.rollout.vllm
+    try:
+        gpus = placement.engine_gpus(rank, world=world, placement=v.placement, tasks_per_node=tasks,
+                                     gpus_per_node=len(visible), tensor=m.tensor_model_parallel_size,
+                                     pipeline=m.pipeline_model_parallel_size, engine_tp=v.tensor_parallel_size)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if bool(gpus) != bool(source):
+        raise RuntimeError(f"rank {rank}: the actor says it {'is' if source else 'is not'} its replica's source rank, "
+                           "Megatron's default rank order says otherwise; the engines' GPU split assumes that order")
+    return [visible[i] for i in gpus]

@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     if not key:
         print(f"error: set {KEY_ENV} (the channel's HMAC key)", file=sys.stderr)
         return 2
+    # first line of its log: the GPUs the trainer gave it (rollout.vllm.placement), before vLLM claims any
+    print(f"vLLM engine for {args.model}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}, "
+          f"tensor_parallel_size={args.tensor_parallel_size}, gpu_memory_utilization={args.gpu_memory_utilization}",
+          flush=True)
     from vllm import LLM
 
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "enforce_eager": True, "seed": args.seed,

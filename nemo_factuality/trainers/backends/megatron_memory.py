@@ -1,0 +1,200 @@
+"""Per-GPU memory arithmetic and checkpoint bytes of the megatron presets (``conf/train/megatron/*.yaml``).
+
+The trainer's states and training step are ``memory.py``'s (shared with the aligner presets): bf16 weights ``2P/M``,
+fp32 gradient buffer ``4P/M`` (``grad_reduce_in_fp32``), Adam's fp32 main weights and moments ``12P/(M·DP)`` (the
+distributed optimizer), recomputed activations and ``3 × fp32`` loss logits, plus a 4 GiB overhead. What differs here:
+
+* **No rollouts in the trainer**: a vLLM engine generates (``rollout.engine=vllm``). The trainer's second peak is the
+  log-prob forward (old and reference log-probs, ``model.forward_micro_batch_size`` sequences): no activations kept,
+  its logits ``14 B`` each (``s·b·V/TP``: the bf16 output, the fp32 copy divided by the temperature, the fp32
+  temporary of ``.float()`` and Megatron's vocab-parallel cross-entropy's buffer — the path without top-k/top-p
+  truncation, as every stage config samples; truncation gathers the whole vocabulary on each TP rank).
+* **The reference** is a copy of the initial weights: on the GPU (``2P/M``) with ``model.reference=copy``, in host
+  memory with ``cpu_weight_swap`` (the presets).
+* **PPO's critic** is a second model of the policy's layout in the same process (Megatron-Core with a value head
+  instead of the output layer: ``P − V·h + h + 1`` parameters): its states add to every phase; its own step keeps the
+  policy's activations without the vocabulary logits, so it peaks below the policy's step at the same micro batch.
+* **The engine** takes ``gpu_memory_utilization × 79 GiB`` of each of its GPUs for its life (vLLM reserves its share
+  at start): its weights ``2P/TP_e``, ``ENGINE_OVERHEAD_GIB``, and the KV cache in the rest
+  (``2·L·⌈kv/TP_e⌉·d·2 B`` per token). ``colocated``: that share sits on the replica's GPUs beside the trainer, so a
+  GPU holds the trainer's peak plus the share; ``separate``: the engine's GPUs hold only the share.
+
+A preset fits when every GPU stays within ``H100_BUDGET_GIB`` (85% of 79 GiB). Nothing here was measured on a GPU at
+the presets' sizes; the one GPU measurement of the shared formula is the aligner backend's (``aligner_memory.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nemo_factuality.trainers.backends.memory import (
+    GIB,
+    H100_BUDGET_GIB,
+    H100_GIB,
+    Arch,
+    Layout,
+    parameter_states,
+    training_bytes,
+)
+
+# vLLM's memory inside its share that is not KV cache: the CUDA context, the activations of its profiling forward
+# (max_num_batched_tokens) and the sampler's logits. An estimate, not measured here (no GPU in the session that wrote it)
+ENGINE_OVERHEAD_GIB = 2.0
+# fewest full-length sequences an engine's KV cache must hold at once for a preset to count as sized (vLLM queues the
+# rest, so fewer would not fail, only generate slowly)
+MIN_ENGINE_SEQUENCES = 32
+LOGPROB_BYTES_PER_LOGIT = 14  # the log-prob forward's logits: bf16 2 + fp32 copy 4 + its temporary 4 + the CE buffer 4
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The vLLM engine of each model replica (``rollout.vllm.*``)."""
+
+    tp: int
+    gpu_memory_utilization: float
+    placement: str
+    seq_len: int  # the longest sequence it holds (prompt + response)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the arithmetic needs of one preset's method: the model, the trainer's layout and the engine."""
+
+    arch: Arch
+    layout: Layout
+    engine: Engine
+    forward_micro_batch: int
+    reference_on_gpu: bool
+    critic: bool
+    nodes: int
+    gpus_per_node: int
+    tasks_per_node: int
+
+
+def critic_parameters(arch: Arch) -> int:
+    """The critic's parameters: the policy's backbone with a one-output value head (weight and bias) instead of the
+    output layer (a tied output layer is the embedding, which the critic keeps)."""
+    return arch.parameters() - (0 if arch.tied else arch.vocab * arch.hidden) + arch.hidden + 1
+
+
+def method_nodes(preset: dict[str, Any], method: str) -> int:
+    """The nodes ``method`` trains on: its section's ``nodes`` (PPO holds a critic too), else the preset's."""
+    return int(preset[method].get("nodes", preset["nodes"]))
+
+
+def plan(preset: dict[str, Any], method: str) -> Plan:
+    """The arithmetic's inputs, read from the preset's own stage overrides (``common`` + the method's), so the numbers
+    describe exactly what ``--preset`` trains."""
+    from nemo_factuality.placement import trainer_tasks_per_node
+    from nemo_factuality.trainers.presets import merge
+
+    s = merge(preset["common"], preset[method]["overrides"])
+    m, v, mc = s["model"], s["rollout"]["vllm"], s["model"]["megatron"]
+    tp, pp = m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"]
+    tasks = trainer_tasks_per_node(v["placement"], gpus_per_node=preset["gpus_per_node"], tensor=tp, pipeline=pp,
+                                   engine_tp=v["tensor_parallel_size"])
+    seq = s["data"]["max_prompt_tokens"] + m["length_params"]["max_length"]
+    nodes = method_nodes(preset, method)
+    layout = Layout(tp=tp, pp=pp, dp=nodes * tasks // (tp * pp), micro_batch=m["micro_batch_size"],
+                    seq_len=seq, recompute=mc["recompute"], sequence_parallel=mc["sequence_parallel"],
+                    distributed_optimizer=mc["use_distributed_optimizer"])
+    engine = Engine(v["tensor_parallel_size"], v["gpu_memory_utilization"], v["placement"], v.get("max_model_len") or seq)
+    return Plan(arch=Arch(**preset["arch"]), layout=layout, engine=engine, forward_micro_batch=m["forward_micro_batch_size"],
+                reference_on_gpu=m.get("reference", "copy") == "copy", critic=method == "ppo", nodes=nodes,
+                gpus_per_node=preset["gpus_per_node"], tasks_per_node=tasks)
+
+
+def _resident(p: Plan) -> dict[str, float]:
+    """The trainer's bytes per GPU in every phase: the policy's states, the critic's, the reference's."""
+    out = parameter_states(p.arch.parameters(), p.layout)
+    if p.critic:
+        out["critic"] = sum(parameter_states(critic_parameters(p.arch), p.layout).values())
+    if p.reference_on_gpu:
+        out["reference"] = 2 * p.arch.parameters() / (p.layout.tp * p.layout.pp)
+    return out
+
+
+def trainer_bytes(p: Plan) -> dict[str, dict[str, float]]:
+    """Peak bytes per trainer GPU, by component (and ``total``), of a training step (``train``) and of the log-prob
+    forward (``logprobs``)."""
+    resident = _resident(p)
+    step = training_bytes(p.arch, p.layout)
+    train = {**resident, "activations": step["activations"], "logits": step["logits"], "overhead": step["overhead"]}
+    logits = LOGPROB_BYTES_PER_LOGIT * p.layout.seq_len * p.forward_micro_batch * p.arch.vocab / p.layout.tp
+    logprobs = {**resident, "logits": logits, "overhead": step["overhead"]}
+    return {phase: {**parts, "total": sum(parts.values())} for phase, parts in (("train", train), ("logprobs", logprobs))}
+
+
+def engine_bytes(arch: Arch, engine: Engine) -> dict[str, float]:
+    """Bytes per engine GPU: its share (``total``), split into its weights, overhead and KV cache, and ``sequences``,
+    how many full-length sequences the KV cache holds at once."""
+    total = engine.gpu_memory_utilization * H100_GIB * GIB
+    weights = 2 * arch.parameters() / engine.tp
+    overhead = ENGINE_OVERHEAD_GIB * GIB
+    kv = total - weights - overhead
+    per_token = 2 * arch.layers * math.ceil(arch.kv_heads / engine.tp) * arch.head_dim * 2
+    return {"weights": weights, "overhead": overhead, "kv_cache": kv, "total": total,
+            "sequences": max(0, math.floor(kv / (per_token * engine.seq_len)))}
+
+
+def gpu_peaks(p: Plan) -> dict[str, float]:
+    """The busiest GPU of each kind, bytes: ``trainer`` (a trainer GPU; colocated: plus the engine's share on the GPUs
+    that hold one) and ``engine`` (a separate engine's GPU; 0 when colocated)."""
+    phases = trainer_bytes(p)
+    trainer = max(phases["train"]["total"], phases["logprobs"]["total"])
+    share = engine_bytes(p.arch, p.engine)["total"]
+    if p.engine.placement == "colocated":
+        return {"trainer": trainer + share, "engine": 0.0}
+    return {"trainer": trainer, "engine": share}
+
+
+def largest_forward_micro_batch(p: Plan, cap: int = 16) -> int:
+    """The largest log-prob forward micro batch (≤ ``cap``) whose GPU peak stays within the budget (0: none does)."""
+    fits = [b for b in range(1, cap + 1) if max(gpu_peaks(replace(p, forward_micro_batch=b)).values()) / GIB <= H100_BUDGET_GIB]
+    return max(fits, default=0)
+
+
+def checkpoint_bytes(arch: Arch, method: str) -> dict[str, float]:
+    """Bytes on disk of one stage checkpoint (the whole job's), by component, plus ``total`` and ``final`` (the HF
+    export, written once at the end, not in ``total``).
+
+    A Megatron distributed checkpoint writes every tensor once, whatever TP/PP/DP: the bf16 weights ``2·P``; the
+    distributed optimizer's fp32 main weights and Adam moments ``12·P`` (its fully reshardable format); KTO's reset
+    reference ``2·P`` (``reference/``; GRPO's and PPO's reference is the initial HF folder, recorded in
+    ``reference.json``); PPO's critic, weights and optimizer, ``14·P_critic``. ``final/`` is an HF folder in bf16
+    (``2·P``). Schedules, RNG states and metadata add kilobytes."""
+    p = arch.parameters()
+    out = {"weights": 2.0 * p, "optimizer": 12.0 * p, "reference": 2.0 * p if method == "kto" else 0.0,
+           "critic": 14.0 * critic_parameters(arch) if method == "ppo" else 0.0}
+    out["total"] = sum(out.values())
+    out["final"] = 2.0 * p
+    return out
+
+
+def _sum_line(parts: dict[str, float]) -> str:
+    terms = " + ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if k != "total")
+    return f"{terms} = {parts['total'] / GIB:.1f}"
+
+
+def section_lines(p: Plan, method: str) -> list[str]:
+    """The comment lines a preset writes above each method's settings (the test compares them verbatim)."""
+    phases, eng, peaks = trainer_bytes(p), engine_bytes(p.arch, p.engine), gpu_peaks(p)
+    e, ckpt = p.engine, checkpoint_bytes(p.arch, method)
+    trainer = max(phases["train"]["total"], phases["logprobs"]["total"])
+    lines = [
+        f"train: {_sum_line(phases['train'])}",
+        f"logprobs (forward micro batch {p.forward_micro_batch}): {_sum_line(phases['logprobs'])}",
+        f"engine ({e.placement}, TP={e.tp}): {e.gpu_memory_utilization} × {H100_GIB:g} = {eng['total'] / GIB:.1f} per GPU = "
+        f"weights {eng['weights'] / GIB:.1f} + overhead {eng['overhead'] / GIB:.1f} + KV cache {eng['kv_cache'] / GIB:.1f}",
+        f"  KV cache: {eng['sequences']} sequences of {e.seq_len} tokens at once",
+        (f"per GPU: trainer {trainer / GIB:.1f} + engine {eng['total'] / GIB:.1f} = {peaks['trainer'] / GIB:.1f} "
+         if e.placement == "colocated" else
+         f"per GPU: trainer {peaks['trainer'] / GIB:.1f}, engine {peaks['engine'] / GIB:.1f} ")
+        + f"(budget {H100_BUDGET_GIB:.1f})",
+        f"checkpoint (the job's, GB): weights {ckpt['weights'] / 1e9:.1f} + optimizer {ckpt['optimizer'] / 1e9:.1f} + "
+        f"reference {ckpt['reference'] / 1e9:.1f} + critic {ckpt['critic'] / 1e9:.1f} = {ckpt['total'] / 1e9:.1f}; "
+        f"final/ {ckpt['final'] / 1e9:.1f}",
+    ]
+    return lines

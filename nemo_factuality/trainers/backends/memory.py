@@ -1,0 +1,113 @@
+"""Per-GPU memory arithmetic both Megatron backends' presets share (``aligner_memory.py``, ``megatron_memory.py``):
+a model's parameters, its resident states and a training step's peak.
+
+Bytes per parameter, per GPU (P parameters, model-parallel size M = TP·PP, data-parallel size DP):
+
+* weights, bf16 (bf16 mixed precision): ``2·P / M``;
+* gradients, fp32 accumulation buffer (Megatron's DDP with ``grad_reduce_in_fp32``; conservative where NeMo keeps
+  them in bf16): ``4·P / M``;
+* Adam (fp32 main weights + 2 moments): ``12·P / M``, divided by DP with the distributed optimizer.
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+with flash attention so no ``a·s²`` score term): full recompute keeps each layer's input
+(``2·s·b·h`` bytes, ÷TP with sequence parallelism, whole on each TP rank without it) for the stage's layers and
+the 1F1B in-flight micro batches (≤ PP), plus one layer's working set while it is recomputed: ``34·s·b·h / TP``
+with sequence parallelism, ``(10 + 24/TP)·s·b·h`` without (the norms' tensors and dropout masks are not split).
+The loss needs ``s·b·V/TP`` fp32 logits about three times (logits, log-softmax, gradient). Every total adds
+``overhead_gib`` (CUDA context, NCCL buffers, allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GIB = 1024**3
+H100_GIB = 79.0  # what torch reports as an H100-80GB's memory (vLLM's gpu_memory_utilization is a share of it)
+# What a preset may use of one H100-80GB: 15% stays free for allocator spikes.
+H100_BUDGET_GIB = 0.85 * H100_GIB
+
+
+@dataclass(frozen=True)
+class Arch:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def parameters(self) -> int:
+        h, d = self.hidden, self.head_dim
+        qkv = h * (self.heads + 2 * self.kv_heads) * d + (self.heads + 2 * self.kv_heads) * d * self.qkv_bias
+        layer = qkv + self.heads * d * h + 3 * h * self.ffn + 2 * h
+        return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int  # sequences per training micro batch
+    seq_len: int  # prompt + response tokens in training
+    rollout_micro_batch: int = 0  # sequences generated together (the aligner backend's own generation)
+    prompt_len: int = 0
+    # full | selective | none. Selective recompute (Megatron's attention core) keeps what none keeps here: with flash
+    # attention the core stores no s² scores, the only term selective recompute drops (Korthikanti et al.)
+    recompute: str = "full"
+    sequence_parallel: bool = True
+    distributed_optimizer: bool = True
+    offload_adam: bool = True
+    overhead_gib: float = 4.0
+
+
+def states_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
+    """The model's resident bytes per GPU (``parameter_states`` of its parameters)."""
+    return parameter_states(arch.parameters(), lay)
+
+
+def parameter_states(p: int, lay: Layout) -> dict[str, float]:
+    """Resident bytes per GPU of a model of ``p`` parameters: bf16 weights ``2P/M``, fp32 gradient buffer ``4P/M``,
+    Adam's fp32 main weights and moments ``12P/M`` (÷DP with the distributed optimizer)."""
+    m = lay.tp * lay.pp
+    optimizer = 12 * p / m / (lay.dp if lay.distributed_optimizer else 1)
+    return {"weights": 2 * p / m, "grads": 4 * p / m, "optimizer": optimizer}
+
+
+def layer_working_set(sbh: int, lay: Layout) -> float:
+    """One layer's activations for backward (Korthikanti et al., Table 2, flash attention: no ``5·a·s²·b`` term).
+    With sequence parallelism every tensor is split over TP: ``34·s·b·h / TP``. Without it only the tensors inside
+    the attention and MLP blocks are (``24·s·b·h / TP``); the layer norms' inputs and outputs and the dropout masks
+    stay full-size on each TP rank (``10·s·b·h``)."""
+    if lay.sequence_parallel:
+        return 34 * sbh / lay.tp
+    return sbh * (10 + 24 / lay.tp)
+
+
+def training_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
+    """Peak bytes per GPU during a training step, by component, plus ``total``."""
+    out = states_bytes(arch, lay)
+    sbh = lay.seq_len * lay.micro_batch * arch.hidden
+    layers = math.ceil(arch.layers / lay.pp)
+    in_flight = min(lay.pp, 8)
+    if lay.recompute == "full":
+        kept = 2 * sbh / (lay.tp if lay.sequence_parallel else 1) * layers * in_flight
+        out["activations"] = kept + layer_working_set(sbh, lay)
+    else:
+        out["activations"] = layer_working_set(sbh, lay) * layers * in_flight
+    out["logits"] = 3 * 4 * lay.seq_len * lay.micro_batch * arch.vocab / lay.tp
+    out["overhead"] = lay.overhead_gib * GIB
+    out["total"] = sum(out.values())
+    return out
+
+
+def gib(table: dict[str, float]) -> dict[str, float]:
+    """A byte table in GiB, one decimal."""
+    return {k: round(v / GIB, 1) for k, v in table.items()}

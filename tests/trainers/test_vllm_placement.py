@@ -1,0 +1,144 @@
+"""Where the vLLM rollout engines sit (``rollout.vllm.placement``): the GPU split per rank computed by
+``nemo_factuality.placement`` for colocated and separate engines, TP > 1 engines and pipeline parallelism; the
+``CUDA_VISIBLE_DEVICES`` the trainer gives each engine (``vllm_rollout.engine_devices``, in the ids its own
+``CUDA_VISIBLE_DEVICES`` names) and that the engine process really starts with it; srun's task variables as
+torch.distributed's rank, world and local rank."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from nemo_factuality import placement
+from nemo_factuality.config import ConfigError
+from nemo_factuality.trainers.backends.collectives import ranks_from_slurm
+from nemo_factuality.trainers.config import VLLMEngineConfig
+from nemo_factuality.trainers.engines.vllm_engine import EngineError, VLLMEngine
+from nemo_factuality.trainers.engines.vllm_rollout import engine_devices
+
+
+def _gpus(world, **layout):
+    return {r: placement.engine_gpus(r, world=world, **layout) for r in range(world)}
+
+
+def test_colocated_engines_share_their_replicas_first_gpus_hand_computed():
+    # TP=2 on 8 GPUs: replicas {0,1} {2,3} {4,5} {6,7}; each source starts an engine on its replica's 2 GPUs
+    got = _gpus(8, placement="colocated", tasks_per_node=8, gpus_per_node=8, tensor=2, pipeline=1, engine_tp=2)
+    assert got == {0: (0, 1), 1: (), 2: (2, 3), 3: (), 4: (4, 5), 5: (), 6: (6, 7), 7: ()}
+    # an engine narrower than its replica takes the replica's first GPUs (TP=8 replica, TP=4 engine)
+    got = _gpus(16, placement="colocated", tasks_per_node=8, gpus_per_node=8, tensor=8, pipeline=1, engine_tp=4)
+    assert {r: g for r, g in got.items() if g} == {0: (0, 1, 2, 3), 8: (0, 1, 2, 3)}  # one per node, local GPUs
+    # the hf backend under torchrun (TP=1): every rank is a replica and shares its own GPU with its engine
+    assert _gpus(2, placement="colocated", tasks_per_node=2, gpus_per_node=2, tensor=1, pipeline=1, engine_tp=1) == \
+        {0: (0,), 1: (1,)}
+
+
+def test_separate_engines_take_the_gpus_after_the_trainer_ranks_hand_computed():
+    # 8 GPUs, TP=2 trainer + TP=2 engines: 2 replicas (ranks 0-3 on GPUs 0-3), engines on 4,5 and 6,7
+    assert placement.trainer_tasks_per_node("separate", gpus_per_node=8, tensor=2, pipeline=1, engine_tp=2) == 4
+    got = _gpus(8, placement="separate", tasks_per_node=4, gpus_per_node=8, tensor=2, pipeline=1, engine_tp=2)
+    assert got == {0: (4, 5), 1: (), 2: (6, 7), 3: (), 4: (4, 5), 5: (), 6: (6, 7), 7: ()}  # two nodes alike
+    # TP=4 trainer + TP=2 engine: one replica per node (4 + 2 GPUs), two GPUs idle
+    assert placement.trainer_tasks_per_node("separate", gpus_per_node=8, tensor=4, pipeline=1, engine_tp=2) == 4
+    assert _gpus(4, placement="separate", tasks_per_node=4, gpus_per_node=8, tensor=4, pipeline=1, engine_tp=2)[0] == (4, 5)
+    # TP=1 (DP ranks): 4 ranks and 4 single-GPU engines
+    assert _gpus(4, placement="separate", tasks_per_node=4, gpus_per_node=8, tensor=1, pipeline=1, engine_tp=1) == \
+        {0: (4,), 1: (5,), 2: (6,), 3: (7,)}
+
+
+def test_with_pipeline_parallelism_only_the_first_stage_holds_engines():
+    """TP=8 PP=2 DP=2 on 4 nodes: Megatron's order puts pipeline stage 0 of both replicas on nodes 0 and 1."""
+    got = _gpus(32, placement="colocated", tasks_per_node=8, gpus_per_node=8, tensor=8, pipeline=2, engine_tp=8)
+    assert {r: g for r, g in got.items() if g} == {0: tuple(range(8)), 8: tuple(range(8))}
+    splits = placement.node_splits(nodes=4, placement="colocated", tasks_per_node=8, gpus_per_node=8, tensor=8,
+                                   pipeline=2, engine_tp=8)
+    assert [[(s.replica, s.rank) for s in n.engines] for n in splits] == [[(0, 0)], [(1, 8)], [], []]
+
+
+@pytest.mark.parametrize("layout, named", [
+    (dict(placement="colocated", tasks_per_node=8, gpus_per_node=8, tensor=2, pipeline=1, engine_tp=4),
+     "rollout.vllm.tensor_parallel_size=4: a colocated engine shares its replica's GPUs on one node, 2 here"),
+    (dict(placement="separate", tasks_per_node=8, gpus_per_node=8, tensor=8, pipeline=2, engine_tp=8),
+     "rollout.vllm.placement=separate needs model.pipeline_model_parallel_size=1"),
+    (dict(placement="separate", tasks_per_node=8, gpus_per_node=8, tensor=2, pipeline=1, engine_tp=2),
+     "4 replica(s) of 2 GPU(s) and their engines of 2 need 16 GPUs per node, the node has 8"),
+    (dict(placement="colocated", tasks_per_node=8, gpus_per_node=8, tensor=3, pipeline=1, engine_tp=1),
+     "model.tensor_model_parallel_size=3 splits replicas across the node boundary of 8 ranks"),
+    (dict(placement="nearby", tasks_per_node=8, gpus_per_node=8, tensor=2, pipeline=1, engine_tp=2),
+     "rollout.vllm.placement='nearby' (choose one of colocated, separate)"),
+])
+def test_a_layout_that_cannot_place_its_engines_is_refused_naming_the_setting(layout, named):
+    assert any(named in p for p in placement.layout_problems(**layout))
+    with pytest.raises(ValueError, match="rollout.vllm"):
+        placement.engine_gpus(0, world=8, **layout)
+
+
+def _cfg(placement_, *, tp=1, pp=1, engine_tp=1, device="cuda"):
+    return SimpleNamespace(trainer=SimpleNamespace(device=device),
+                           model=SimpleNamespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
+                           rollout=SimpleNamespace(vllm=SimpleNamespace(placement=placement_, tensor_parallel_size=engine_tp)))
+
+
+def test_the_trainer_gives_each_engine_the_gpus_as_its_own_process_sees_them():
+    """The split's indices are positions in the trainer's CUDA_VISIBLE_DEVICES (what cuda:LOCAL_RANK means), so an
+    engine gets the ids the node's GPUs have there: on a node whose job holds GPUs 8-15 the separate engines of two
+    TP=2 replicas get 12,13 and 14,15."""
+    env = {"CUDA_VISIBLE_DEVICES": "8,9,10,11,12,13,14,15", "LOCAL_WORLD_SIZE": "4"}
+    cfg = _cfg("separate", tp=2, engine_tp=2)
+    got = {r: engine_devices(cfg, r, 8, {**env, "LOCAL_RANK": str(r % 4)}, source=r % 2 == 0) for r in range(8)}
+    assert got == {0: ["12", "13"], 1: [], 2: ["14", "15"], 3: [], 4: ["12", "13"], 5: [], 6: ["14", "15"], 7: []}
+    colocated = _cfg("colocated", tp=4, engine_tp=4)
+    assert engine_devices(colocated, 4, 8, {**env, "LOCAL_WORLD_SIZE": "8", "LOCAL_RANK": "4"}, source=True) == \
+        ["12", "13", "14", "15"]
+    assert engine_devices(_cfg("separate", device="cpu"), 0, 1, {}, source=True) is None  # CPU: no devices set
+
+
+def test_the_trainers_split_is_the_one_the_launcher_writes_out():
+    """Every rank of a 2-node job (TP=2, separate TP=2 engines; TP=4 colocated) gets from ``engine_devices`` exactly
+    the GPUs ``node_splits`` (the rendered comment block) names for it."""
+    for place, tp, etp in (("separate", 2, 2), ("colocated", 4, 4), ("colocated", 8, 2)):
+        tasks = placement.trainer_tasks_per_node(place, gpus_per_node=8, tensor=tp, pipeline=1, engine_tp=etp)
+        world = 2 * tasks
+        written = {s.rank: s.gpus for n in placement.node_splits(nodes=2, placement=place, tasks_per_node=tasks,
+                                                                  gpus_per_node=8, tensor=tp, pipeline=1, engine_tp=etp)
+                   for s in n.engines}
+        env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "LOCAL_WORLD_SIZE": str(tasks)}
+        for rank in range(world):
+            got = engine_devices(_cfg(place, tp=tp, engine_tp=etp), rank, world, {**env, "LOCAL_RANK": str(rank % tasks)},
+                                 source=rank % tp == 0)
+            assert got == [str(g) for g in written.get(rank, ())], (place, tp, rank)
+
+
+def test_a_rank_layout_the_split_does_not_know_is_refused():
+    cfg = _cfg("colocated", tp=2, engine_tp=2)
+    with pytest.raises(ConfigError, match="rank 3 is local rank 0 of 4 on its node, not 3"):
+        engine_devices(cfg, 3, 8, {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "0"},
+                       source=False)
+    with pytest.raises(RuntimeError, match="the actor says it is its replica's source rank"):
+        engine_devices(cfg, 1, 2, {"CUDA_VISIBLE_DEVICES": "0,1", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1"}, source=True)
+    with pytest.raises(ConfigError, match="need 6 GPUs per node, the node has 4"):
+        engine_devices(_cfg("separate", tp=2, engine_tp=4), 0, 2,
+                       {"CUDA_VISIBLE_DEVICES": "0,1,2,3", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}, source=True)
+
+
+def test_the_engine_process_starts_with_the_devices_it_was_given(tmp_path):
+    """A real engine process: started with this interpreter (no vLLM here), its log's first line is its own
+    CUDA_VISIBLE_DEVICES, then it fails importing vLLM — the error quotes the log, so the line is the process's."""
+    cfg = VLLMEngineConfig(python=sys.executable, start_timeout_s=60, tensor_parallel_size=2)
+    engine = VLLMEngine(tmp_path / "model", cfg, dtype="bfloat16", log_dir=tmp_path / "log", devices=["6", "7"])
+    with pytest.raises(EngineError, match=r"(?s)exited with code 1 while starting.*CUDA_VISIBLE_DEVICES=6,7, "
+                                          r"tensor_parallel_size=2.*No module named 'vllm'"):
+        engine.start()
+    assert engine.environment({})["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert "CUDA_VISIBLE_DEVICES" not in VLLMEngine(tmp_path, cfg, dtype="float32").environment({})  # CPU: untouched
+
+
+def test_srun_task_variables_become_torch_distributed_ranks():
+    srun = {"SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_STEP_NUM_TASKS": "8", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"}
+    assert ranks_from_slurm(srun) == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
+    assert ranks_from_slurm({**srun, "LOCAL_WORLD_SIZE": "4"})["LOCAL_WORLD_SIZE"] == "4"  # the launcher's export
+    assert ranks_from_slurm({**srun, "WORLD_SIZE": "8"}) == {}  # torchrun's own variables win
+    assert ranks_from_slurm({**srun, "SLURM_STEP_NUM_TASKS": "1"}) == {}  # a single task: no job to join
+    assert ranks_from_slurm({}) == {}
