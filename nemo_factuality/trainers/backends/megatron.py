@@ -6,7 +6,7 @@
   optimizer with ``model.megatron.use_distributed_optimizer``) and every backend's LR schedule.
 * Rollouts (``megatron_generate.py``): Megatron-Core's static inference engine with a KV cache, sampling from the
   distribution the log-probs here are of (temperature, top-k, top-p as transformers applies them).
-* Log-probs and training (``megatron_model.py``, the part a second model of this backend would share): Megatron's
+* Log-probs and training (``megatron_model.py``, shared with the critic, ``megatron_critic.py``): Megatron's
   forward/backward schedule (pipelined at PP > 1), the gradient the plain sum over micro batches and data-parallel
   ranks (the stages' losses are normalised by the global counts); metrics as the aligner backend reports them.
 * Reference policy: a copy of this rank's shard of the initial weights (``model.reference``: ``copy`` keeps it on the
@@ -256,12 +256,17 @@ class MegatronActor(MegatronModel):
         self.barrier()
 
 
-def build_megatron(cfg: Any, *, critic: bool = False, max_steps: int) -> tuple[MegatronActor, None]:
-    """(actor, None) for a stage config with ``trainer.backend=megatron`` (the ``BACKENDS`` builder shape)."""
-    from nemo_factuality.config import ConfigError
+def build_megatron(cfg: Any, *, critic: bool = False, max_steps: int) -> tuple[MegatronActor, Any]:
+    """(actor, critic or None) for a stage config with ``trainer.backend=megatron`` (the ``BACKENDS`` builder shape); the
+    critic (PPO) is a second Megatron-Core model on the actor's layout (``megatron_critic.py``)."""
+    t, m = cfg.trainer, cfg.model
+    actor = MegatronActor(m, max_steps=max_steps, gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device)
+    if not critic:
+        return actor, None
+    from nemo_factuality.trainers.backends.megatron_critic import MegatronCritic
 
-    if critic:
-        raise ConfigError("trainer.backend=megatron has no critic yet (PPO / RLFH): use trainer.backend=hf or aligner")
-    t = cfg.trainer
-    return MegatronActor(cfg.model, max_steps=max_steps, gradient_clip_val=t.gradient_clip_val, seed=t.seed,
-                         device=t.device), None
+    value_model = MegatronCritic(cfg.critic, m.path, tensor=m.tensor_model_parallel_size,
+                                 pipeline=m.pipeline_model_parallel_size, max_steps=max_steps,
+                                 gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device,
+                                 use_distributed_optimizer=m.megatron.use_distributed_optimizer)
+    return actor, value_model
