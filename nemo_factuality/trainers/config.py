@@ -289,11 +289,13 @@ class GRPOConfig:
 
 @dataclass
 class CriticModelConfig:
-    """``critic.*``: the value model. On the hf backend it trains in the PPO process; on the aligner backend
-    it is NeMo-Aligner's critic server (``python -m nemo_factuality.trainers.critic_server``, same config
-    file) and the PPO stage reaches it at ``critic.url``."""
+    """``critic.*``: the value model. On the hf and megatron backends it trains in the PPO process (megatron: a second
+    Megatron-Core model on the policy's TP/PP/DP layout); on the aligner backend it is NeMo-Aligner's critic server
+    (``python -m nemo_factuality.trainers.critic_server``, same config file) and the PPO stage reaches it at
+    ``critic.url``."""
 
-    # hf: an HF directory; aligner: a .nemo. None = initialise from the policy (RLFH/OpenRLHF), value head zeroed
+    # hf, megatron: an HF directory (megatron: a causal LM's); aligner: a .nemo. None = initialise from the policy
+    # (RLFH/OpenRLHF), value head zeroed
     path: str | None = None
     micro_batch_size: int = 4  # sequences per critic forward/backward
     loss_clip_val: float = 0.2  # Aligner's critic loss_clip_val / RLFH value_clip
@@ -460,8 +462,17 @@ def _megatron_problems(cfg: Any) -> list[str]:
         if value != default:
             problems.append(f"model.megatron.{key}={value}: trainer.backend=megatron builds without {what} so far (it "
                             f"is not checked yet); use model.megatron.{key}={str(default).lower()}")
-    if isinstance(cfg, PPOConfig):
-        problems.append("trainer.backend=megatron has no critic yet (PPO / RLFH): use trainer.backend=hf or aligner")
+    if isinstance(cfg, PPOConfig):  # the critic is a second model in the PPO process, on the actor's process groups
+        c, m = cfg.critic, cfg.model
+        for key, size, policy in (("tensor", c.tensor_model_parallel_size, m.tensor_model_parallel_size),
+                                  ("pipeline", c.pipeline_model_parallel_size, m.pipeline_model_parallel_size)):
+            if size not in (1, policy):
+                problems.append(f"critic.{key}_model_parallel_size={size}: on trainer.backend=megatron the critic "
+                                f"shares the policy's layout (model.{key}_model_parallel_size={policy}); leave it at 1 "
+                                "or set it equal")
+        if c.url:
+            problems.append(f"critic.url={c.url}: on trainer.backend=megatron the critic trains in the PPO process "
+                            "(the critic server is the aligner backend's); set critic.url=null")
     return problems
 
 

@@ -105,11 +105,11 @@ def pack_examples(rows: list[list[int]], prompt_lens: list[int], desirable: list
 def rank_rows(n: int, rank: int, size: int, micro_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of an ``n``-row global minibatch: ``positions [L]`` into it and ``weight [L]`` (1 or 0).
 
-    Under data parallelism the minibatch is padded to a multiple of ``size × micro_batch_size`` with
-    weight-0 copies of row 0, so every rank runs the same number of micro batches (the collective steps
-    line up) whatever the labeller dropped, and the padding adds nothing to the loss or to z0."""
-    if size <= 1:
-        return torch.arange(n), torch.ones(n)
+    The minibatch is padded to a multiple of ``size × micro_batch_size`` with weight-0 copies of row 0, so
+    every rank runs the same number of micro batches (the collective steps line up) whatever the labeller
+    dropped, every micro batch is full (the megatron and aligner actors take equal micro batches only: a
+    last minibatch of 3 rows with micro batches of 2 was refused at DP=1), and the padding adds nothing to
+    the loss or to z0."""
     per = math.ceil(n / (size * micro_batch_size)) * micro_batch_size
     positions = torch.cat([torch.arange(n), torch.zeros(per * size - n, dtype=torch.long)])
     weight = torch.cat([torch.ones(n), torch.zeros(per * size - n)])
@@ -394,9 +394,8 @@ class KTOTrainer:
             global_mb = {key: v[idx] for key, v in self.data.items()}
             positions, weight = rank_rows(len(idx), self.parallel.rank, self.parallel.size, m.micro_batch_size)
             mb = {key: v[positions] for key, v in global_mb.items() if not key.startswith("kl_ref_")}
-            if self.parallel.size > 1:
-                mb["weight"] = weight
-                mb["sent_valid"] = mb["sent_valid"] & (weight > 0).unsqueeze(1)
+            mb["weight"] = weight  # 0 on padding rows (rank_rows); 1 · a loss term is that term, exactly
+            mb["sent_valid"] = mb["sent_valid"] & (weight > 0).unsqueeze(1)
             timer = PhaseTimer()
             with timer("reference_points"):
                 z0, z0_f = self._reference_points(global_mb, positions, weight, epoch) if len(idx) > 1 else (0.0, 0.0)
@@ -457,8 +456,10 @@ class KTOTrainer:
         self.logger.close()
 
     def _state(self) -> dict[str, Any]:
+        # pending: the collected iteration's statistics, not yet logged (with its first optimiser step): a run stopped
+        # between collecting and that step logged them nowhere once resumed
         return {"step": self.step, "iteration": self.iteration, "position": self.position,
-                "sampler": self.sampler.state_dict(), "has_data": self.data is not None}
+                "sampler": self.sampler.state_dict(), "has_data": self.data is not None, "pending": self._pending}
 
     def _save(self) -> Path:
         return self.checkpointer.save(self.step, self.actor, None, self._state(), extra=self._save_data)
@@ -477,6 +478,7 @@ class KTOTrainer:
             return
         state = self.checkpointer.load(latest, self.actor, None)
         self.step, self.iteration, self.position = state["step"], state["iteration"], state["position"]
+        self._pending = state.get("pending", {})  # absent from checkpoints written before it was kept
         self.sampler.load_state_dict(state["sampler"])
         if state["has_data"]:
             from safetensors.torch import load_file

@@ -19,10 +19,13 @@ def _megatron(schema, *extra: str):
                                             "remote_rm.url=http://127.0.0.1:9", *extra])
 
 
-def test_grpo_and_kto_accept_the_megatron_backend():
+def test_every_stage_accepts_the_megatron_backend():
     cfg = _megatron(GRPOConfig, "model.tensor_model_parallel_size=2", "model.megatron.use_distributed_optimizer=true")
     assert cfg.trainer.backend == "megatron" and cfg.model.megatron.use_distributed_optimizer
     assert _megatron(KTOConfig).trainer.backend == "megatron"
+    ppo = _megatron(PPOConfig, "model.tensor_model_parallel_size=2", "critic.tensor_model_parallel_size=2",
+                    "model.global_batch_size=8")
+    assert ppo.trainer.backend == "megatron" and ppo.critic.url is None
 
 
 @pytest.mark.parametrize("extra, named", [
@@ -53,9 +56,16 @@ def test_the_schema_carries_the_gpu_settings_with_their_defaults():
     assert cfg.rollout.vllm.placement == "separate"
 
 
-def test_ppo_is_refused_until_the_backend_has_a_critic():
-    with pytest.raises(ConfigError, match="no critic yet"):
-        _megatron(PPOConfig)
+@pytest.mark.parametrize("extra, named", [
+    (["model.tensor_model_parallel_size=2", "critic.tensor_model_parallel_size=4"], "critic.tensor_model_parallel_size=4"),
+    (["critic.pipeline_model_parallel_size=2"], "critic.pipeline_model_parallel_size=2"),
+    (["critic.url=http://127.0.0.1:5556"], "critic.url="),
+])
+def test_a_critic_apart_from_the_policy_is_refused_naming_the_setting(extra, named):
+    """The megatron backend's critic shares the policy's process groups and trains in the PPO process: another layout
+    or a critic server (the aligner backend's) is a setting to change, not one silently ignored."""
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        _megatron(PPOConfig, "model.global_batch_size=8", *extra)
 
 
 def test_the_backend_is_registered_and_importing_it_loads_no_megatron():

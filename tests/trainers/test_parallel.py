@@ -72,8 +72,12 @@ def test_the_stages_refuse_a_layout_their_batches_do_not_fit(tiny_policy, tmp_pa
 def test_kto_splits_a_minibatch_over_ranks_padding_with_weight_0_rows():
     from nemo_factuality.trainers.kto import rank_rows
 
-    positions, weight = rank_rows(3, 0, 1, 2)  # world 1: the minibatch as it is
-    assert positions.tolist() == [0, 1, 2] and weight.tolist() == [1, 1, 1]
+    positions, weight = rank_rows(4, 0, 1, 2)  # world 1, whole micro batches: the minibatch as it is
+    assert positions.tolist() == [0, 1, 2, 3] and weight.tolist() == [1, 1, 1, 1]
+    # world 1, 3 rows in micro batches of 2: a weight-0 row fills the last (the megatron and aligner actors take equal
+    # micro batches only; the megatron KTO stage at TP=2 stopped on this minibatch before)
+    positions, weight = rank_rows(3, 0, 1, 2)
+    assert positions.tolist() == [0, 1, 2, 0] and weight.tolist() == [1, 1, 1, 0]
     split = [rank_rows(3, r, 2, 1) for r in range(2)]
     assert [p.tolist() for p, _ in split] == [[0, 1], [2, 0]] and [w.tolist() for _, w in split] == [[1, 1], [1, 0]]
     split = [rank_rows(5, r, 2, 2) for r in range(2)]  # each rank: a whole number of micro batches

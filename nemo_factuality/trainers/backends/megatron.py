@@ -6,20 +6,16 @@
   optimizer with ``model.megatron.use_distributed_optimizer``) and every backend's LR schedule.
 * Rollouts (``megatron_generate.py``): Megatron-Core's static inference engine with a KV cache, sampling from the
   distribution the log-probs here are of (temperature, top-k, top-p as transformers applies them).
-* Log-probs and training: Megatron's forward/backward schedule (pipelined at PP > 1). The stage's losses are
-  normalised by the global token/sequence counts, so the step's gradient must be the plain sum over micro batches and
-  data-parallel ranks: the model is built with ``calculate_per_token_loss`` (the schedule does not divide each micro
-  batch's loss by their number, DDP does not average over ranks) and the gradients are reduced by
-  ``finalize_model_grads`` without a token count. Metrics are reported as the aligner backend reports them: each loss
-  metric averaged over micro batches and data-parallel ranks, ``loss`` their sum (the step's global loss), plus
-  ``grad_norm`` (before clipping) and ``lr`` (this step's).
+* Log-probs and training (``megatron_model.py``, shared with the critic, ``megatron_critic.py``): Megatron's
+  forward/backward schedule (pipelined at PP > 1), the gradient the plain sum over micro batches and data-parallel
+  ranks (the stages' losses are normalised by the global counts); metrics as the aligner backend reports them.
 * Reference policy: a copy of this rank's shard of the initial weights (``model.reference``: ``copy`` keeps it on the
   model's device, ``cpu_weight_swap`` in host memory), swapped into the policy for the reference log-probs.
 * Checkpoints: a Megatron distributed checkpoint of weights and optimiser (``megatron/``: every tensor once, whatever
   the layout; it loads at another TP/PP/DP; ``megatron_build.load_optimizer_state`` works around Megatron's distributed
-  optimizer failing to load torch AdamW's step) plus the LR schedule. The reference is not written while it is the initial
-  HF checkpoint (``reference.json`` records ``model.path`` and its fingerprint, as the hf backend does); after
-  ``reset_reference`` (KTO) it is a distributed checkpoint of its own (``reference/``).
+  optimizer failing to load torch AdamW's step) plus the LR schedule (``MegatronModel.save_model``). The reference is
+  not written while it is the initial HF checkpoint (``reference.json`` records ``model.path`` and its fingerprint, as
+  the hf backend does); after ``reset_reference`` (KTO) it is a distributed checkpoint of its own (``reference/``).
 * ``export``: an HF folder ``transformers`` loads (Bridge's ``save_hf_pretrained``: the gathered weights, the source
   checkpoint's config and tokenizer files).
 
@@ -28,7 +24,6 @@ Importing this module imports nothing from Megatron; the heavy stack loads in ``
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -38,27 +33,17 @@ import torch
 
 from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.backends import megatron_build as build
-from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device, on_group_source
+from nemo_factuality.trainers.backends.collectives import on_group_source
 from nemo_factuality.trainers.backends.hf import SampledDistribution, token_logprobs
 from nemo_factuality.trainers.backends.megatron_generate import generate_static_batch
-from nemo_factuality.trainers.interfaces import (
-    LossFn,
-    Rollout,
-    RolloutChunk,
-    SamplingParams,
-    assemble_rollout,
-    check_train_batch,
-)
+from nemo_factuality.trainers.backends.megatron_model import MegatronModel
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 
-_SCHEDULE_FILE = "megatron_schedule.json"
-# the distributed optimizer's checkpoint format that reloads at another TP/PP/DP (Megatron's default does not)
-_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
 
-
-class MegatronActor(ProcessGroupDataParallel):
+class MegatronActor(MegatronModel):
     """``PolicyActor`` on Megatron-Core + Megatron-Bridge (module docstring); one instance per rank."""
 
     def __init__(self, cfg: Any, *, max_steps: int, gradient_clip_val: float = 1.0, seed: int = 1234,
@@ -75,7 +60,7 @@ class MegatronActor(ProcessGroupDataParallel):
                                                 device, seed)
         self.on_gpu = device.startswith("cuda")
         dist_opt = cfg.megatron.use_distributed_optimizer
-        self.bridge, self.chunks = build.build_policy(cfg.path, self.layout, on_gpu=self.on_gpu,
+        self.bridge, self.chunks = build.build_model(cfg.path, self.layout, on_gpu=self.on_gpu,
                                                       use_distributed_optimizer=dist_opt)
         self.model = self.chunks[0].module  # this rank's GPTModel (one pipeline stage; no virtual pipelining)
         torch.manual_seed(sampling_seed + self.data_parallel_rank)  # replicas sample different rollouts
@@ -85,26 +70,15 @@ class MegatronActor(ProcessGroupDataParallel):
             raise ValueError(f"the tokenizer at {cfg.path} has no eos_token; set one so responses can end")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.distribution = SampledDistribution.of(cfg.sampling_params)
-        self.optimizer = build.build_optimizer(self.chunks, cfg.optim, clip_grad=gradient_clip_val,
-                                               use_distributed_optimizer=dist_opt)
-        self.schedule = build.LearningRateSchedule(self.optimizer, cfg.optim, max_steps)
+        self._setup_training(cfg.optim, max_steps=max_steps, gradient_clip_val=gradient_clip_val,
+                             use_distributed_optimizer=dist_opt, role="policy", lr_key="model.optim.lr")
         self._reference: dict[str, torch.Tensor] = {}
         self.reset_reference()
         # the reference is the checkpoint at model.path until reset_reference(): checkpoints record it, not copy it
         self.initial_reference = ref_record.initial_record(cfg.path, "model.path")
         self.reference_is_initial = True
 
-    # ---- parallel layout (the data-parallel hooks: ``collectives.ProcessGroupDataParallel``) ---------------------
-    def _data_parallel_group(self) -> Any:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_group()
-
-    def _model_parallel_group(self) -> Any:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_model_parallel_group()
-
+    # ---- parallel layout ----------------------------------------------------------------------------
     @property
     def is_model_parallel_source(self) -> bool:
         """Whether this rank is its model replica's source rank (the one that calls the reward)."""
@@ -113,9 +87,6 @@ class MegatronActor(ProcessGroupDataParallel):
     def on_model_parallel_source(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` once per model replica, the result (or its error) on every rank of the replica."""
         return on_group_source(fn, self._model_parallel_group())
-
-    def _device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     # ---- rollouts -----------------------------------------------------------------------------------
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Rollout:
@@ -158,64 +129,10 @@ class MegatronActor(ProcessGroupDataParallel):
             out["entropy"] = d.entropy(full[:, :-1])
         return out
 
-    def _run_schedule(self, micro_batches: list[dict[str, torch.Tensor]], loss_of: Callable[..., Any],
-                      forward_only: bool) -> list[dict[str, torch.Tensor]]:
-        """Megatron's forward(/backward) schedule over equal-shape micro batches; returns what ``loss_of(mb,
-        logits)`` reported for each (``(loss, reported)``), on the last pipeline stage (empty elsewhere)."""
-        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-
-        batch, width = micro_batches[0]["tokens"].shape
-        device = self._device()
-        positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, width)
-
-        def forward_step(data_iterator: Iterator[dict], model: Any):
-            mb = next(data_iterator)
-            on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
-            logits = model(input_ids=on_device["tokens"], position_ids=positions, attention_mask=None)
-
-            def loss_func(output: torch.Tensor):
-                loss, reported = loss_of(on_device, output)
-                # 3 values + calculate_per_token_loss: the schedule leaves the loss as the stage normalised it
-                return loss, torch.ones((), dtype=torch.int), reported
-
-            return logits, loss_func
-
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=self.chunks,
-            num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=batch, forward_only=forward_only)
-
-    @torch.no_grad()
     def _logprobs_of_current_weights(self, rollout: Rollout) -> torch.Tensor:
-        rows, width = len(rollout), int(rollout.response_lengths.max())
-        size = min(self.cfg.forward_micro_batch_size, rows)
-        padded_rows = -(-rows // size) * size  # equal micro batches (pipeline stages exchange fixed shapes)
-        tokens = torch.full((padded_rows, width), self.pad_id, dtype=torch.long)
-        tokens[:rows] = rollout.tokens[:, :width]
-        self.model.eval()
-
-        def logprobs_of(mb: dict, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            lp = self._token_outputs(logits, mb["tokens"], need_entropy=False)["logprobs"]
-            return torch.zeros((), device=lp.device), {"logprobs": lp.float().cpu()}
-
-        reported = self._run_schedule([{"tokens": t} for t in tokens.split(size)], logprobs_of, forward_only=True)
-        out = torch.zeros(padded_rows, width - 1)
-        if reported:
-            out = torch.cat([r["logprobs"] for r in reported])
-        out = self._from_last_pipeline_stage(out)
-        full = torch.zeros(rows, rollout.tokens.shape[1] - 1)
-        full[:, : width - 1] = out[:rows]
-        return full
-
-    def _from_last_pipeline_stage(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` as the last pipeline stage holds it, on every stage of this replica."""
-        from megatron.core import parallel_state
-
-        if self.layout.pipeline == 1:
-            return tensor
-        moved = tensor.to(collective_device())
-        torch.distributed.broadcast(moved, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                    group=parallel_state.get_pipeline_model_parallel_group())
-        return moved.cpu()
+        return self._per_token(rollout, self.cfg.forward_micro_batch_size,
+                               lambda logits, tokens: self._token_outputs(logits, tokens, need_entropy=False)["logprobs"],
+                               self.pad_id)
 
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         return self._logprobs_of_current_weights(rollout)
@@ -254,73 +171,17 @@ class MegatronActor(ProcessGroupDataParallel):
     # ---- training -----------------------------------------------------------------------------------
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, micro_batch_size: int,
                    need_entropy: bool = False) -> dict[str, float]:
-        size = check_train_batch(batch, micro_batch_size)
-        trimmed = _trim_to_longest(batch)
-        micro = [{k: v[i : i + micro_batch_size] if _per_row(v, size) else v for k, v in trimmed.items()}
-                 for i in range(0, size, micro_batch_size)]
-
-        def loss_of(mb: dict, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            loss, metrics = loss_fn(self._token_outputs(logits, mb["tokens"], need_entropy), mb)
-            reported = {k: torch.as_tensor(float(v)) for k, v in metrics.items()}
-            reported["loss"] = loss.detach().float().cpu()  # this micro batch's share of the step's loss
-            return loss, reported
-
-        for chunk in self.chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        reduced = self._run_schedule(micro, loss_of, forward_only=False)
-        grad_norm = self._reduce_gradients()
-        lr = self.schedule.current_lr()
-        stepped, _, _ = self.optimizer.step()
-        if not stepped:
-            raise RuntimeError("Megatron's optimizer skipped the step (a non-finite gradient)")
-        self.schedule.step()
-        return {**self._step_metrics(reduced), "grad_norm": grad_norm, "lr": lr}
-
-    def _reduce_gradients(self) -> float:
-        """Sum the gradients over data-parallel ranks (and the layer norms / embeddings Megatron keeps in sync), then
-        their global norm — refusing to step on a non-finite one."""
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-        finalize_model_grads(self.chunks, num_tokens=None)
-        self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
-        if not torch.isfinite(torch.tensor(grad_norm)):
-            self.optimizer.zero_grad()
-            raise FloatingPointError(f"non-finite gradient norm {grad_norm} in the policy update; lower "
-                                     "model.optim.lr or check the reward for inf values")
-        return grad_norm
-
-    def _step_metrics(self, reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """The loss functions' metrics averaged over micro batches and data-parallel ranks; ``loss`` summed over both
-        (each share is normalised by the global count). Computed on the last pipeline stage, then sent everywhere."""
-        metrics: dict[str, float] = {}
-        if reduced:
-            keys = sorted(k for k in reduced[0] if k != "loss")
-            values = torch.tensor([sum(float(r[k]) for r in reduced) / len(reduced) for k in keys]
-                                  + [sum(float(r["loss"]) for r in reduced)], dtype=torch.float64)
-            total = self.all_reduce_sum(values) if self.data_parallel_size > 1 else values
-            metrics = {k: float(v) / self.data_parallel_size for k, v in zip(keys, total[:-1].tolist(), strict=True)}
-            metrics["loss"] = float(total[-1])
-        shared = [metrics]
-        torch.distributed.broadcast_object_list(shared, src=torch.distributed.get_world_size() - 1)
-        return shared[0]
+        return self._train_step(batch, loss_fn, micro_batch_size,
+                                lambda logits, mb: self._token_outputs(logits, mb["tokens"], need_entropy))
 
     # ---- checkpoints --------------------------------------------------------------------------------
-    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
-        model = self.model.sharded_state_dict()
-        optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_OPTIMIZER_FORMAT)
-        return {"model": model, "optimizer": optimizer}
-
     def save(self, path: Path) -> None:
         """Weights + optimiser as a Megatron distributed checkpoint (``megatron/``), the LR schedule, and the reference:
         its record while it is the initial checkpoint, else its own distributed checkpoint (``reference/``)."""
         from megatron.core import dist_checkpointing
 
         path = Path(path)
-        self._make_dirs(path / "megatron")
-        dist_checkpointing.save(self._sharded_state(loading=False), str(path / "megatron"))
+        self.save_model(path)
         if self.reference_is_initial:
             record = self.initial_reference
         else:
@@ -328,14 +189,7 @@ class MegatronActor(ProcessGroupDataParallel):
             dist_checkpointing.save(self._reference_shards(self._reference)[0], str(path / "reference"))
             record = ref_record.stored_record("reference")
         if self.global_rank == 0:
-            state = {**self.schedule.state_dict(), "use_distributed_optimizer": self.cfg.megatron.use_distributed_optimizer}
-            (path / _SCHEDULE_FILE).write_text(json.dumps(state), encoding="utf-8")
             ref_record.write_record(path, record)
-        self.barrier()
-
-    def _make_dirs(self, where: Path) -> None:
-        if self.global_rank == 0:
-            where.mkdir(parents=True, exist_ok=True)
         self.barrier()
 
     def _reference_shards(self, weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -363,13 +217,7 @@ class MegatronActor(ProcessGroupDataParallel):
     def load(self, path: Path) -> None:
         """What ``save`` wrote, at this run's layout (any TP/PP/DP)."""
         path = Path(path)
-        state = json.loads((path / _SCHEDULE_FILE).read_text(encoding="utf-8"))
-        written = state.pop("use_distributed_optimizer")
-        if written != self.cfg.megatron.use_distributed_optimizer:  # the two optimizers' states are stored differently
-            raise FactualityInputError(f"{path} was written with model.megatron.use_distributed_optimizer={written}; "
-                                       "resume with the same setting (the TP/PP/DP layout may change)")
-        self.load_weights(path, with_optimizer=True)
-        self.schedule.load_state_dict(state)
+        self.load_model(path)
         record = ref_record.read_record(path)
         if record is None:
             raise FileNotFoundError(f"{path} has no {ref_record.RECORD}: not written by MegatronActor.save")
@@ -386,24 +234,9 @@ class MegatronActor(ProcessGroupDataParallel):
             self._reference = {names[k]: v.to(self._reference_device()) for k, v in loaded.items()}
             self.reference_is_initial = False
 
-    def load_weights(self, path: Path, *, with_optimizer: bool = False) -> None:
-        """The policy weights of a ``save`` directory (the stages' restore-best-on-early-stop), and with
-        ``with_optimizer`` the optimiser state too."""
-        from megatron.core import dist_checkpointing
-
-        where = Path(path) / "megatron"
-        if not (where / "metadata.json").is_file():
-            raise FileNotFoundError(f"{where} holds no distributed checkpoint: not written by MegatronActor.save")
-        if with_optimizer and self.cfg.megatron.use_distributed_optimizer:
-            build.initialize_adam_state(self.optimizer)  # a fresh process: the template needs Adam's state
-        state = self._sharded_state(loading=True)
-        if not with_optimizer:
-            state.pop("optimizer")
-        loaded = dist_checkpointing.load(state, str(where))
-        self.model.load_state_dict(loaded["model"], strict=False)
-        if with_optimizer:
-            build.load_optimizer_state(self.optimizer, loaded["optimizer"])
-        self.barrier()
+    def load_weights(self, path: Path) -> None:
+        """The policy weights of a ``save`` directory (the stages' restore-best-on-early-stop)."""
+        self.load_model_weights(path)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole policy in the HF checkpoint's tensor names, CPU copies (a rollout engine's refit). Collective: every
@@ -423,32 +256,17 @@ class MegatronActor(ProcessGroupDataParallel):
         self.barrier()
 
 
-def _per_row(value: Any, rows: int) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows
+def build_megatron(cfg: Any, *, critic: bool = False, max_steps: int) -> tuple[MegatronActor, Any]:
+    """(actor, critic or None) for a stage config with ``trainer.backend=megatron`` (the ``BACKENDS`` builder shape); the
+    critic (PPO) is a second Megatron-Core model on the actor's layout (``megatron_critic.py``)."""
+    t, m = cfg.trainer, cfg.model
+    actor = MegatronActor(m, max_steps=max_steps, gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device)
+    if not critic:
+        return actor, None
+    from nemo_factuality.trainers.backends.megatron_critic import MegatronCritic
 
-
-def _trim_to_longest(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The batch cut to its longest sequence (every micro batch then has one shape, as pipeline stages need):
-    ``tokens`` to that width, per-token ``[B, S-1]`` tensors to one less."""
-    width = int(batch["response_lengths"].max())
-    full = batch["tokens"].shape[1]
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if key == "tokens":
-            out[key] = value[:, :width]
-        elif torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == full - 1:
-            out[key] = value[:, : width - 1]
-        else:
-            out[key] = value
-    return out
-
-
-def build_megatron(cfg: Any, *, critic: bool = False, max_steps: int) -> tuple[MegatronActor, None]:
-    """(actor, None) for a stage config with ``trainer.backend=megatron`` (the ``BACKENDS`` builder shape)."""
-    from nemo_factuality.config import ConfigError
-
-    if critic:
-        raise ConfigError("trainer.backend=megatron has no critic yet (PPO / RLFH): use trainer.backend=hf or aligner")
-    t = cfg.trainer
-    return MegatronActor(cfg.model, max_steps=max_steps, gradient_clip_val=t.gradient_clip_val, seed=t.seed,
-                         device=t.device), None
+    value_model = MegatronCritic(cfg.critic, m.path, tensor=m.tensor_model_parallel_size,
+                                 pipeline=m.pipeline_model_parallel_size, max_steps=max_steps,
+                                 gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device,
+                                 use_distributed_optimizer=m.megatron.use_distributed_optimizer)
+    return actor, value_model

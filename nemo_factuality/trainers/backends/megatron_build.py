@@ -1,5 +1,6 @@
-"""Building the megatron backend's policy: Megatron-Core's process groups, a ``GPTModel`` from an HF folder through
-Megatron-Bridge's ``AutoBridge`` at any TP/PP, Megatron's DDP and optimizer, and the LR schedule.
+"""Building the megatron backend's models (the policy, the critic's value model): Megatron-Core's process groups, a
+``GPTModel`` from an HF folder through Megatron-Bridge's ``AutoBridge`` at any TP/PP, Megatron's DDP and optimizer, and
+the LR schedule.
 
 Fixes for what Megatron-Bridge 0.3.1 gets silently wrong, on any device (each has a test that would catch it):
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,8 +220,11 @@ def check_rope(provider: Any, path: str) -> None:
                                    f"checkpoint's config.json says {want:g}")
 
 
-def build_policy(path: str, layout: Layout, *, on_gpu: bool, use_distributed_optimizer: bool) -> tuple[Any, list[Any]]:
-    """(the ``AutoBridge`` of ``path``, this rank's model chunks wrapped in Megatron-Core's DDP) with the HF weights."""
+def build_model(path: str, layout: Layout, *, on_gpu: bool, use_distributed_optimizer: bool,
+                after_load: Callable[[list[Any]], list[Any]] | None = None) -> tuple[Any, list[Any]]:
+    """(the ``AutoBridge`` of ``path``, this rank's model chunks wrapped in Megatron-Core's DDP) with the HF weights.
+    ``after_load(chunks)`` changes the unwrapped chunks once the weights are in, before DDP allocates the gradient
+    buffers (the critic puts its value head in place of the output layer)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -228,6 +233,8 @@ def build_policy(path: str, layout: Layout, *, on_gpu: bool, use_distributed_opt
     contiguous_tensor_parallel_scatter()
     provider = bridge.to_megatron_provider(load_weights=True)
     provider.register_pre_wrap_hook(set_tensor_parallel_attributes, prepend=True)
+    if after_load is not None:
+        provider.register_pre_wrap_hook(after_load)  # after Bridge's weight loading, which is a pre-wrap hook too
     check_rope(provider, path)
     configure_provider(provider, layout, on_gpu=on_gpu)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,

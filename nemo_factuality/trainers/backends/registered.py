@@ -35,8 +35,9 @@ def build_aligner_backend(cfg: Any, *, critic: bool = False, **runtime: Any) -> 
 
 @BACKENDS.register("megatron")
 def build_megatron_backend(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Any, Any]:
-    """(actor, None) on Megatron-Core built from the HF checkpoint at ``model.path`` by Megatron-Bridge (TP/PP from
-    ``model.*``, DP over the rest of the torchrun/srun job); ``runtime`` is the aligner presets' (always empty here)."""
+    """(actor, critic or None) on Megatron-Core built from the HF checkpoints at ``model.path`` (and ``critic.path``) by
+    Megatron-Bridge (TP/PP from ``model.*``, DP over the rest of the torchrun/srun job); ``runtime`` is the aligner
+    presets' (always empty here)."""
     from nemo_factuality.trainers.backends.megatron import build_megatron
 
     return build_megatron(cfg, critic=critic, max_steps=_optimizer_steps(cfg))

@@ -1,0 +1,263 @@
+"""What the megatron backend's actor and critic share: one Megatron-Core model (this rank's TP/PP shard, in Megatron's
+DDP) trained by Megatron's forward/backward schedule and optimiser, and written as a Megatron distributed checkpoint.
+
+* Forward/backward: Megatron's schedule (pipelined at PP > 1) over equal-shape micro batches. The stages' losses are
+  normalised by the global token/sequence counts, so the step's gradient is the plain sum over micro batches and
+  data-parallel ranks: the models are built with ``calculate_per_token_loss`` (the schedule does not divide a micro
+  batch's loss by their number, DDP does not average over ranks) and ``finalize_model_grads`` runs without a token count.
+* Metrics, as the aligner backend reports them: each loss metric averaged over micro batches and data-parallel ranks,
+  ``loss`` their sum (the step's global loss), ``grad_norm`` (before clipping) and ``lr`` (this step's).
+* Checkpoint (``save_model`` / ``load_model``): ``<dir>/megatron/`` holds weights and optimiser (every tensor once,
+  whatever the layout; the optimiser in the fully reshardable format, so it loads at another TP/PP/DP), and
+  ``<dir>/megatron_schedule.json`` the LR schedule's step and the optimiser kind.
+
+Importing this module imports nothing from Megatron.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nemo_factuality.trainers.backends import megatron_build as build
+from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, check_train_batch
+from nemo_factuality.types import FactualityInputError
+
+SCHEDULE_FILE = "megatron_schedule.json"
+# the distributed optimizer's checkpoint format that reloads at another TP/PP/DP (Megatron's default does not)
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+# (what the model returned for one micro batch, that micro batch) → the loss function's inputs, e.g. {"logprobs": …}
+OutputsOf = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class MegatronModel(ProcessGroupDataParallel):
+    """One trained Megatron-Core model per rank (the actor's policy, the critic's value model). A subclass builds
+    ``layout``, ``chunks`` and ``model``, then calls ``_setup_training``."""
+
+    layout: build.Layout
+    chunks: list[Any]  # this rank's model chunks in Megatron's DDP (one pipeline stage; no virtual pipelining)
+    model: Any  # the GPTModel inside chunks[0]
+
+    def _setup_training(self, optim: Any, *, max_steps: int, gradient_clip_val: float, use_distributed_optimizer: bool,
+                        role: str, lr_key: str) -> None:
+        """Megatron's optimiser for ``optim`` (an ``OptimConfig``) with clipping, and every backend's LR schedule;
+        a non-finite gradient's error names the ``role`` ("policy", "critic") and its ``lr_key``."""
+        self.use_distributed_optimizer, self._role, self._lr_key = use_distributed_optimizer, role, lr_key
+        self.optimizer = build.build_optimizer(self.chunks, optim, clip_grad=gradient_clip_val,
+                                               use_distributed_optimizer=use_distributed_optimizer)
+        self.schedule = build.LearningRateSchedule(self.optimizer, optim, max_steps)
+
+    # ---- parallel layout (the data-parallel hooks: ``collectives.ProcessGroupDataParallel``) ---------------------
+    def _data_parallel_group(self) -> Any:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def _model_parallel_group(self) -> Any:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_model_parallel_group()
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _from_last_pipeline_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` as the last pipeline stage holds it, on every stage of this replica."""
+        from megatron.core import parallel_state
+
+        if self.layout.pipeline == 1:
+            return tensor
+        moved = tensor.to(collective_device())
+        torch.distributed.broadcast(moved, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                    group=parallel_state.get_pipeline_model_parallel_group())
+        return moved.cpu()
+
+    # ---- forward / backward -----------------------------------------------------------------------------
+    def _run_schedule(self, micro_batches: list[dict[str, torch.Tensor]], loss_of: Callable[..., Any],
+                      forward_only: bool) -> list[dict[str, torch.Tensor]]:
+        """Megatron's forward(/backward) schedule over equal-shape micro batches; returns what ``loss_of(mb,
+        output)`` reported for each (``(loss, reported)``), on the last pipeline stage (empty elsewhere)."""
+        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+        batch, width = micro_batches[0]["tokens"].shape
+        device = self._device()
+        positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, width)
+
+        def forward_step(data_iterator: Iterator[dict], model: Any):
+            mb = next(data_iterator)
+            on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
+            output = model(input_ids=on_device["tokens"], position_ids=positions, attention_mask=None)
+
+            def loss_func(out: torch.Tensor):
+                loss, reported = loss_of(on_device, out)
+                # 3 values + calculate_per_token_loss: the schedule leaves the loss as the stage normalised it
+                return loss, torch.ones((), dtype=torch.int), reported
+
+            return output, loss_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro_batches), model=self.chunks,
+            num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=batch, forward_only=forward_only)
+
+    @torch.no_grad()
+    def _per_token(self, rollout: Rollout, size: int, per_token_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   pad_id: int) -> torch.Tensor:
+        """``[B, S-1]`` of ``per_token_of(output [b, w, …], tokens [b, w]) → [b, w-1]`` over the rollout's rows, in
+        micro batches of ``size`` rows cut to the longest sequence (rows of ``pad_id`` fill the last one: pipeline
+        stages exchange fixed shapes); the same on every rank of the replica."""
+        rows, width = len(rollout), int(rollout.response_lengths.max())
+        size = min(size, rows)
+        padded_rows = -(-rows // size) * size
+        tokens = torch.full((padded_rows, width), pad_id, dtype=torch.long)
+        tokens[:rows] = rollout.tokens[:, :width]
+        self.model.eval()
+
+        def report(mb: dict, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            values = per_token_of(output, mb["tokens"])
+            return torch.zeros((), device=values.device), {"per_token": values.float().cpu()}
+
+        reported = self._run_schedule([{"tokens": t} for t in tokens.split(size)], report, forward_only=True)
+        out = torch.zeros(padded_rows, width - 1)
+        if reported:
+            out = torch.cat([r["per_token"] for r in reported])
+        out = self._from_last_pipeline_stage(out)
+        full = torch.zeros(rows, rollout.tokens.shape[1] - 1)
+        full[:, : width - 1] = out[:rows]
+        return full
+
+    def _train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, micro_batch_size: int,
+                    outputs_of: OutputsOf) -> dict[str, float]:
+        """One optimiser step over ``batch`` (``loss_fn`` on ``outputs_of(output, micro batch)``): the step's metrics
+        (module docstring)."""
+        size = check_train_batch(batch, micro_batch_size)
+        trimmed = _trim_to_longest(batch)
+        micro = [{k: v[i : i + micro_batch_size] if _per_row(v, size) else v for k, v in trimmed.items()}
+                 for i in range(0, size, micro_batch_size)]
+
+        def loss_of(mb: dict, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            loss, metrics = loss_fn(outputs_of(output, mb), mb)
+            reported = {k: torch.as_tensor(float(v)) for k, v in metrics.items()}
+            reported["loss"] = loss.detach().float().cpu()  # this micro batch's share of the step's loss
+            return loss, reported
+
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reduced = self._run_schedule(micro, loss_of, forward_only=False)
+        grad_norm = self._reduce_gradients()
+        lr = self.schedule.current_lr()
+        stepped, _, _ = self.optimizer.step()
+        if not stepped:
+            raise RuntimeError("Megatron's optimizer skipped the step (a non-finite gradient)")
+        self.schedule.step()
+        return {**self._step_metrics(reduced), "grad_norm": grad_norm, "lr": lr}
+
+    def _reduce_gradients(self) -> float:
+        """Sum the gradients over data-parallel ranks (and the layer norms / embeddings Megatron keeps in sync), then
+        their global norm — refusing to step on a non-finite one."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        finalize_model_grads(self.chunks, num_tokens=None)
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer.zero_grad()
+            raise FloatingPointError(f"non-finite gradient norm {grad_norm} in the {self._role} update; "
+                                     f"lower {self._lr_key} or check the reward for inf values")
+        return grad_norm
+
+    def _step_metrics(self, reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The loss functions' metrics averaged over micro batches and data-parallel ranks; ``loss`` summed over both
+        (each share is normalised by the global count). Computed on the last pipeline stage, then sent everywhere."""
+        metrics: dict[str, float] = {}
+        if reduced:
+            keys = sorted(k for k in reduced[0] if k != "loss")
+            values = torch.tensor([sum(float(r[k]) for r in reduced) / len(reduced) for k in keys]
+                                  + [sum(float(r["loss"]) for r in reduced)], dtype=torch.float64)
+            total = self.all_reduce_sum(values) if self.data_parallel_size > 1 else values
+            metrics = {k: float(v) / self.data_parallel_size for k, v in zip(keys, total[:-1].tolist(), strict=True)}
+            metrics["loss"] = float(total[-1])
+        shared = [metrics]
+        torch.distributed.broadcast_object_list(shared, src=torch.distributed.get_world_size() - 1)
+        return shared[0]
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
+        model = self.model.sharded_state_dict()
+        optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_OPTIMIZER_FORMAT)
+        return {"model": model, "optimizer": optimizer}
+
+    def _make_dirs(self, where: Path) -> None:
+        if self.global_rank == 0:
+            where.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+
+    def save_model(self, where: Path) -> None:
+        """Weights + optimiser (``where/megatron/``) and the LR schedule (``where/megatron_schedule.json``, global rank
+        0). Collective; the caller's barrier ends it."""
+        from megatron.core import dist_checkpointing
+
+        where = Path(where)
+        self._make_dirs(where / "megatron")
+        dist_checkpointing.save(self._sharded_state(loading=False), str(where / "megatron"))
+        if self.global_rank == 0:
+            state = {**self.schedule.state_dict(), "use_distributed_optimizer": self.use_distributed_optimizer}
+            (where / SCHEDULE_FILE).write_text(json.dumps(state), encoding="utf-8")
+
+    def load_model(self, where: Path) -> None:
+        """What ``save_model`` wrote, at this run's layout (any TP/PP/DP)."""
+        where = Path(where)
+        if not (where / SCHEDULE_FILE).is_file():
+            raise FileNotFoundError(f"{where} has no {SCHEDULE_FILE}: not written by the megatron backend")
+        state = json.loads((where / SCHEDULE_FILE).read_text(encoding="utf-8"))
+        written = state.pop("use_distributed_optimizer")
+        if written != self.use_distributed_optimizer:  # the two optimizers' states are stored differently
+            raise FactualityInputError(f"{where} was written with model.megatron.use_distributed_optimizer={written}; "
+                                       "resume with the same setting (the TP/PP/DP layout may change)")
+        self.load_model_weights(where, with_optimizer=True)
+        self.schedule.load_state_dict(state)
+
+    def load_model_weights(self, where: Path, *, with_optimizer: bool = False) -> None:
+        """The weights ``save_model`` wrote under ``where``, and with ``with_optimizer`` the optimiser state too."""
+        from megatron.core import dist_checkpointing
+
+        checkpoint = Path(where) / "megatron"
+        if not (checkpoint / "metadata.json").is_file():
+            raise FileNotFoundError(f"{checkpoint} holds no distributed checkpoint: not written by the megatron backend")
+        if with_optimizer and self.use_distributed_optimizer:
+            build.initialize_adam_state(self.optimizer)  # a fresh process: the template needs Adam's state
+        state = self._sharded_state(loading=True)
+        if not with_optimizer:
+            state.pop("optimizer")
+        loaded = dist_checkpointing.load(state, str(checkpoint))
+        self.model.load_state_dict(loaded["model"], strict=False)
+        if with_optimizer:
+            build.load_optimizer_state(self.optimizer, loaded["optimizer"])
+        self.barrier()
+
+
+def _per_row(value: Any, rows: int) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows
+
+
+def _trim_to_longest(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The batch cut to its longest sequence (every micro batch then has one shape, as pipeline stages need):
+    ``tokens`` to that width, per-token ``[B, S-1]`` tensors to one less."""
+    width = int(batch["response_lengths"].max())
+    full = batch["tokens"].shape[1]
+    out: dict[str, Any] = {}
+    for key, value in batch.items():
+        if key == "tokens":
+            out[key] = value[:, :width]
+        elif torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == full - 1:
+            out[key] = value[:, : width - 1]
+        else:
+            out[key] = value
+    return out
