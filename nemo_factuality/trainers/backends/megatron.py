@@ -4,8 +4,12 @@
 * Build (``megatron_build.py``): ``AutoBridge`` turns ``model.path`` (an HF folder) into Megatron-Core's ``GPTModel``
   for this rank's TP/PP shard, wrapped in Megatron's DDP, with ``get_megatron_optimizer`` (Megatron's distributed
   optimizer with ``model.megatron.use_distributed_optimizer``) and every backend's LR schedule.
+* Settings (``megatron_build.Settings``): ``model.dtype=bfloat16`` (bf16 weights and activations, fp32 main weights and
+  gradient reduction), ``model.megatron.sequence_parallel`` (the batch right-padded to a multiple of TP for it),
+  ``model.megatron.recompute``, ``model.megatron.transformer_engine`` (the TE layer spec or the local one).
 * Rollouts (``megatron_generate.py``): Megatron-Core's static inference engine with a KV cache, sampling from the
-  distribution the log-probs here are of (temperature, top-k, top-p as transformers applies them).
+  distribution the log-probs here are of (temperature, top-k, top-p as transformers applies them); sequence
+  parallelism is off while it runs (the engine has none for dense models).
 * Log-probs and training: Megatron's forward/backward schedule (pipelined at PP > 1). The stage's losses are
   normalised by the global token/sequence counts, so the step's gradient must be the plain sum over micro batches and
   data-parallel ranks: the model is built with ``calculate_per_token_loss`` (the schedule does not divide each micro
@@ -40,7 +44,7 @@ from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.backends import megatron_build as build
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device, on_group_source
 from nemo_factuality.trainers.backends.hf import SampledDistribution, token_logprobs
-from nemo_factuality.trainers.backends.megatron_generate import generate_static_batch
+from nemo_factuality.trainers.backends.megatron_generate import generate_static_batch, sequence_parallel_off
 from nemo_factuality.trainers.interfaces import (
     LossFn,
     Rollout,
@@ -74,10 +78,11 @@ class MegatronActor(ProcessGroupDataParallel):
         self.layout = build.init_process_groups(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                                 device, seed)
         self.on_gpu = device.startswith("cuda")
-        dist_opt = cfg.megatron.use_distributed_optimizer
-        self.bridge, self.chunks = build.build_policy(cfg.path, self.layout, on_gpu=self.on_gpu,
-                                                      use_distributed_optimizer=dist_opt)
-        self.model = self.chunks[0].module  # this rank's GPTModel (one pipeline stage; no virtual pipelining)
+        self.settings = build.Settings.of(cfg)
+        self.bridge, self.chunks = build.build_policy(cfg.path, self.layout, self.settings, on_gpu=self.on_gpu)
+        # this rank's GPTModel (one pipeline stage; no virtual pipelining), inside DDP (and Float16Module with bf16):
+        # its parameter names and state dict are the checkpoints' and the reference's whatever the wrappers
+        self.model = build.bare_model(self.chunks[0])
         torch.manual_seed(sampling_seed + self.data_parallel_rank)  # replicas sample different rollouts
         self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, cfg.path, "model.path")
         self.eos_id = self.tokenizer.eos_token_id
@@ -85,8 +90,7 @@ class MegatronActor(ProcessGroupDataParallel):
             raise ValueError(f"the tokenizer at {cfg.path} has no eos_token; set one so responses can end")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.distribution = SampledDistribution.of(cfg.sampling_params)
-        self.optimizer = build.build_optimizer(self.chunks, cfg.optim, clip_grad=gradient_clip_val,
-                                               use_distributed_optimizer=dist_opt)
+        self.optimizer = build.build_optimizer(self.chunks, cfg.optim, self.settings, clip_grad=gradient_clip_val)
         self.schedule = build.LearningRateSchedule(self.optimizer, cfg.optim, max_steps)
         self._reference: dict[str, torch.Tensor] = {}
         self.reset_reference()
@@ -136,7 +140,7 @@ class MegatronActor(ProcessGroupDataParallel):
         for start in range(0, len(order), size):
             rows = order[start : start + size]
             self.model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), sequence_parallel_off(self.model):
                 rollout = generate_static_batch(self.model, self.tokenizer, self.eos_id, self.pad_id,
                                                 [prompt_ids[i] for i in rows], sampling, asked)
             yield RolloutChunk(rows, rollout)
@@ -165,16 +169,21 @@ class MegatronActor(ProcessGroupDataParallel):
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
         batch, width = micro_batches[0]["tokens"].shape
+        # sequence parallelism splits the sequence over TP: the model sees it right-padded to a multiple of TP (causal
+        # attention: the padding changes no earlier position), the losses see the logits of the real positions
+        multiple = self.layout.tensor if self.settings.sequence_parallel else 1
+        padded = -(-width // multiple) * multiple
         device = self._device()
-        positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, width)
+        positions = torch.arange(padded, device=device).unsqueeze(0).expand(batch, padded)
 
         def forward_step(data_iterator: Iterator[dict], model: Any):
             mb = next(data_iterator)
             on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
-            logits = model(input_ids=on_device["tokens"], position_ids=positions, attention_mask=None)
+            tokens = torch.nn.functional.pad(on_device["tokens"], (0, padded - width), value=self.pad_id)
+            logits = model(input_ids=tokens, position_ids=positions, attention_mask=None)
 
-            def loss_func(output: torch.Tensor):
-                loss, reported = loss_of(on_device, output)
+            def loss_func(output: torch.Tensor):  # [b, padded, V/TP] logits (last pipeline stage only)
+                loss, reported = loss_of(on_device, output[:, :width])
                 # 3 values + calculate_per_token_loss: the schedule leaves the loss as the stage normalised it
                 return loss, torch.ones((), dtype=torch.int), reported
 
@@ -182,7 +191,7 @@ class MegatronActor(ProcessGroupDataParallel):
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=self.chunks,
-            num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=batch, forward_only=forward_only)
+            num_microbatches=len(micro_batches), seq_length=padded, micro_batch_size=batch, forward_only=forward_only)
 
     @torch.no_grad()
     def _logprobs_of_current_weights(self, rollout: Rollout) -> torch.Tensor:
@@ -309,6 +318,10 @@ class MegatronActor(ProcessGroupDataParallel):
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
+        if self.settings.distributed_optimizer:
+            # before the first step (a fresh process loading, a save at step 0) Adam has no state, and Megatron's
+            # distributed optimizer cannot describe (AssertionError) nor load (KeyError) a state without it
+            build.initialize_adam_state(self.optimizer)
         model = self.model.sharded_state_dict()
         optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_OPTIMIZER_FORMAT)
         return {"model": model, "optimizer": optimizer}
@@ -394,8 +407,6 @@ class MegatronActor(ProcessGroupDataParallel):
         where = Path(path) / "megatron"
         if not (where / "metadata.json").is_file():
             raise FileNotFoundError(f"{where} holds no distributed checkpoint: not written by MegatronActor.save")
-        if with_optimizer and self.cfg.megatron.use_distributed_optimizer:
-            build.initialize_adam_state(self.optimizer)  # a fresh process: the template needs Adam's state
         state = self._sharded_state(loading=True)
         if not with_optimizer:
             state.pop("optimizer")
@@ -403,6 +414,8 @@ class MegatronActor(ProcessGroupDataParallel):
         self.model.load_state_dict(loaded["model"], strict=False)
         if with_optimizer:
             build.load_optimizer_state(self.optimizer, loaded["optimizer"])
+        else:  # bf16: the optimizer's fp32 main weights would otherwise overwrite these at the next step
+            self.optimizer.reload_model_params()
         self.barrier()
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
