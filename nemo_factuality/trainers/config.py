@@ -14,7 +14,7 @@ and signs).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from nemo_factuality.config import ConfigError, load_config
@@ -60,9 +60,15 @@ class MegatronModelConfig:
 
     # Megatron's distributed optimizer: Adam states and fp32 main weights sharded over the data-parallel ranks
     use_distributed_optimizer: bool = False
-    sequence_parallel: bool = False  # Megatron's sequence parallelism (TP > 1): activations split over the TP ranks
-    recompute: str = "none"  # activation recompute: none | full (every layer, uniform) | selective (attention core)
-    transformer_engine: bool = False  # Transformer Engine's layer spec (the NGC container); false: Megatron's local spec
+    # shard the activations outside attention/MLP (norms, dropout, residuals) along the sequence over the TP group;
+    # needs model.tensor_model_parallel_size > 1. Rollouts generate with it off (Megatron's static engine has none)
+    sequence_parallel: bool = False
+    # activation recompute (Megatron's recompute_granularity): none | full (every layer's input kept, the layer rerun
+    # in the backward: uniform method, one layer per chunk) | selective (only core attention rerun)
+    recompute: str = "none"
+    # true: Megatron-Core's Transformer Engine layer spec (TE's fused kernels; the NGC container has TE); false: the
+    # local spec (Megatron-Core's own layers, no fusions), which runs anywhere
+    transformer_engine: bool = False
 
 
 @dataclass
@@ -73,7 +79,9 @@ class PolicyModelConfig:
     restore_from_path: str | None = None  # .nemo checkpoint (aligner backend)
     tensor_model_parallel_size: int = 1  # TP (aligner and megatron backends)
     pipeline_model_parallel_size: int = 1  # PP (aligner and megatron backends)
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    # float32 | bfloat16 | float16. megatron backend: bfloat16 = bf16 mixed precision (bf16 weights and activations,
+    # fp32 main weights in the optimizer, gradients accumulated and reduced in fp32); float16 is refused there
+    dtype: str = "float32"
     micro_batch_size: int = 4  # sequences per forward/backward
     global_batch_size: int = 32  # sequences per optimiser step
     forward_micro_batch_size: int = 8  # sequences per no-grad forward (log-probs, values)
@@ -355,6 +363,7 @@ _CHOICES = {
     "data.format": ("jsonl", "klcf", "rlfh", "fspo", "knowrl", "factalign"),
     "rollout.engine": ("megatron", "vllm", "trtllm"),
     "rollout.vllm.placement": ("colocated", "separate"),
+    "model.megatron.recompute": ("none", "full", "selective"),
 }
 
 
@@ -435,6 +444,11 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         problems.append(f"model.path must point at a Hugging Face model directory (trainer.backend={cfg.trainer.backend})")
     if cfg.trainer.backend == "megatron":
         problems += _megatron_problems(cfg)
+    elif m.megatron != MegatronModelConfig():
+        changed = [f"model.megatron.{f.name}" for f in fields(MegatronModelConfig)
+                   if getattr(m.megatron, f.name) != getattr(MegatronModelConfig(), f.name)]
+        problems.append(f"{', '.join(changed)}: settings of trainer.backend=megatron only, ignored on "
+                        f"trainer.backend={cfg.trainer.backend}; remove them or use trainer.backend=megatron")
     if cfg.rollout.engine == "vllm" and cfg.trainer.backend == "aligner":
         problems.append("rollout.engine=vllm needs trainer.backend=hf or megatron (NeMo-Aligner's actor generates with "
                         "NeMo's engine or TensorRT-LLM: rollout.engine=megatron or trtllm)")
@@ -452,16 +466,16 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
 def _megatron_problems(cfg: Any) -> list[str]:
     """What the megatron backend cannot do yet (each a setting to change, never a silent fallback)."""
     problems = []
-    if cfg.model.dtype != "float32":
-        problems.append(f"model.dtype={cfg.model.dtype}: trainer.backend=megatron trains in float32 only so far "
-                        "(bf16 mixed precision is not checked yet); use model.dtype=float32")
-    mc = cfg.model.megatron
-    for key, value, default, what in (("sequence_parallel", mc.sequence_parallel, False, "sequence parallelism"),
-                                      ("recompute", mc.recompute, "none", "activation recompute"),
-                                      ("transformer_engine", mc.transformer_engine, False, "Transformer Engine's layer spec")):
-        if value != default:
-            problems.append(f"model.megatron.{key}={value}: trainer.backend=megatron builds without {what} so far (it "
-                            f"is not checked yet); use model.megatron.{key}={str(default).lower()}")
+    m = cfg.model
+    if m.dtype == "float16":
+        problems.append("model.dtype=float16: trainer.backend=megatron has bf16 mixed precision, not fp16 (no loss "
+                        "scaling); use model.dtype=bfloat16 or float32")
+    if m.megatron.sequence_parallel and m.tensor_model_parallel_size < 2:
+        problems.append("model.megatron.sequence_parallel=true needs model.tensor_model_parallel_size > 1 (it shards "
+                        "the sequence over the tensor-parallel group); set it false at TP=1")
+    if m.megatron.use_distributed_optimizer and m.optim.name != "adamw":
+        problems.append(f"model.megatron.use_distributed_optimizer=true with model.optim.name={m.optim.name}: "
+                        "Megatron's distributed optimizer is Adam's only; use adamw or set it false")
     if isinstance(cfg, PPOConfig):  # the critic is a second model in the PPO process, on the actor's process groups
         c, m = cfg.critic, cfg.model
         for key, size, policy in (("tensor", c.tensor_model_parallel_size, m.tensor_model_parallel_size),

@@ -237,11 +237,8 @@ def test_trainer_command_is_a_complete_valid_stage_config(stage_name, monkeypatc
     if "trainer.backend=megatron" in words:
         from nemo_factuality.trainers.presets import load_preset as load_any_preset
 
-        # the schema only, not validate_train_config: until the bf16 / SP / recompute / TE branch of issue 31 (and, for
-        # PPO, the megatron critic's) merges, validation refuses the presets' settings on this backend (follow-up:
-        # validate here too after those merges)
         preset_overrides = load_any_preset("megatron", words[words.index("--preset") + 1], method)[0]
-        cfg = load_config(schema, config_name, [*preset_overrides, *overrides], group="train")
+        cfg = schemas.load_train_config(schema, config_name, [*preset_overrides, *overrides])
         assert (cfg.trainer.backend, cfg.trainer.device, cfg.model.path) == ("megatron", "cuda", site_value("policy_model"))
         assert cfg.model.dtype == "bfloat16" and cfg.rollout.engine == "vllm" and cfg.model.restore_from_path is None
     else:

@@ -68,7 +68,8 @@ def config(args, *extra: str) -> PPOConfig:
     return load_train_config(PPOConfig, None, [
         f"model.path={args.hf}", "trainer.backend=megatron", f"model.tensor_model_parallel_size={args.tp}",
         f"model.pipeline_model_parallel_size={args.pp}", "model.global_batch_size=8", "ppo.num_prompts_per_step=8",
-        "critic.micro_batch_size=2", "remote_rm.url=http://127.0.0.1:9", *extra])
+        "critic.micro_batch_size=2", "remote_rm.url=http://127.0.0.1:9",
+        f"model.megatron.sequence_parallel={args.sequence_parallel}", *extra])
 
 
 def critic_batch() -> tuple[dict[str, torch.Tensor], float]:
@@ -175,8 +176,10 @@ def checkpoints(args, cfg, critic_cls, mine, tokens, batch) -> dict:
     checkpoint first; step, save, step, load, step again."""
     adam = config(args, "critic.optim.name=adamw", "critic.optim.lr=0.01", "trainer.gradient_clip_val=1.0",
                   f"model.megatron.use_distributed_optimizer={args.distributed_optimizer}")
+    from nemo_factuality.trainers.backends import megatron_build as build
+
     critic = critic_cls(adam.critic, adam.model.path, tensor=args.tp, pipeline=args.pp, max_steps=10,
-                        gradient_clip_val=1.0, seed=adam.trainer.seed, use_distributed_optimizer=args.distributed_optimizer)
+                        gradient_clip_val=1.0, seed=adam.trainer.seed, settings=build.Settings.of(adam.model))
     out: dict = {}
     values = lambda: critic.values(as_rollout(batch)).tolist()  # noqa: E731
     step = lambda: critic.train_step(mine, value_loss_fn(tokens), micro_batch_size=2)  # noqa: E731
@@ -202,6 +205,7 @@ def main() -> int:
     ap.add_argument("--tag", default="run")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism (TP > 1): the head gathers")
     ap.add_argument("--distributed-optimizer", action="store_true", help="the AdamW critic: Megatron's distributed optimizer")
     ap.add_argument("--resume", help="the AdamW critic: load this checkpoint (saved at another layout) first")
     ap.add_argument("--bug", choices=["tp-sharded-head", "summed-head-grad", "doubled-grad", "tied"])

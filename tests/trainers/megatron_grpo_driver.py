@@ -4,8 +4,10 @@ HF folder ``final/``:
 
     torchrun --nproc_per_node 2 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2
     torchrun --nproc_per_node 2 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR
+    torchrun --nproc_per_node 4 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2 --preset
 
-Runs, each from the initial weights and the same seed (SGD without momentum: the weights are the whole state):
+Runs, each from the initial state (weights and optimiser, saved before the first) and the same seed (SGD without
+momentum; ``--preset``: the GPU presets' settings, AdamW):
 ``straight`` (3 steps, a checkpoint every step) and ``interrupted`` (2 steps, then the same command with
 ``trainer.max_steps=3`` resumes from the step-2 checkpoint). Each rank writes ``<out>/rank<r>.json``: per run the exit
 code, the metrics logged, the checkpoints, the log-probs of fixed sequences afterwards, and (global rank 0) the
@@ -43,9 +45,16 @@ def overrides(args, run_dir: Path, max_steps: int) -> list[str]:
             f"trainer.max_steps={max_steps}", "trainer.save_interval=1", "trainer.progress_bar=false",
             "grpo.num_prompts_per_step=4", "grpo.num_rollouts_per_prompt=2", "grpo.truncated=keep",
             "model.micro_batch_size=2", "model.global_batch_size=8", "model.forward_micro_batch_size=2",
-            "model.rollout_micro_batch_size=4", "model.length_params.max_length=5", "model.optim.name=sgd",
-            "model.optim.lr=0.05", "model.optim.sched.name=constant", "remote_rm.url=http://127.0.0.1:9",
-            f"exp_manager.explicit_log_dir={run_dir}", "exp_manager.create_tensorboard_logger=false"]
+            "model.rollout_micro_batch_size=4", "model.length_params.max_length=5", "model.optim.sched.name=constant",
+            "remote_rm.url=http://127.0.0.1:9", f"exp_manager.explicit_log_dir={run_dir}",
+            "exp_manager.create_tensorboard_logger=false",
+            *(PRESET if args.preset else ["model.optim.name=sgd", "model.optim.lr=0.05"])]
+
+
+# the GPU presets' settings (at TP > 1): bf16 mixed precision, sequence parallelism, Megatron's distributed optimizer
+# (which is Adam's only), full activation recompute
+PRESET = ["model.dtype=bfloat16", "model.megatron.sequence_parallel=true", "model.megatron.use_distributed_optimizer=true",
+          "model.megatron.recompute=full", "model.optim.name=adamw", "model.optim.lr=0.01"]
 
 
 def fixed_logprobs(actor) -> list:
@@ -62,8 +71,9 @@ def final_logits_diff(actor, final: Path) -> float:
     if actor.global_rank != 0:
         return 0.0
     hf = AutoModelForCausalLM.from_pretrained(str(final), torch_dtype=torch.float32, attn_implementation="eager")
-    with torch.no_grad():
-        return float((hf.eval()(FIXED).logits - ours).abs().max())
+    with torch.no_grad():  # with bf16 weights: in bf16, as the Megatron model computes
+        hf = hf.to(actor.settings.dtype)
+        return float((hf.eval()(FIXED).logits.float() - ours).abs().max())
 
 
 def run(actor, args, name: str, run_dir: Path, max_steps: int) -> dict:
@@ -82,13 +92,14 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--preset", action="store_true", help="the GPU presets' settings (PRESET)")
     args = ap.parse_args()
     out = Path(args.out)
     actor, _ = BACKENDS.get("megatron")(load_train_config(GRPOConfig, None, overrides(args, out / "init", 3)))
-    initial = {k: v.clone() for k, v in actor._reference.items()}  # the reference is the initial policy
+    actor.save(out / "initial")  # weights, fp32 main weights and Adam's (empty) state: each run starts from it
     runs = {}
     for name, steps in (("straight", (3,)), ("interrupted", (2, 3))):
-        actor._swap_weights(initial)
+        actor.load(out / "initial")
         seed_everything(args.seed)
         for max_steps in steps:  # the second is the requeued job: the same command, the same run directory
             runs[f"{name}_{max_steps}"] = run(actor, args, name, out / name, max_steps)

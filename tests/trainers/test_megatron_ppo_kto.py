@@ -48,7 +48,9 @@ def root(megatron_venv, tmp_path_factory) -> Path:
 # tag: (processes, driver arguments); pp2_tied_from_tp2 resumes tp2's AdamW checkpoint
 LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp=2"]),
            "pp2_tied_from_tp2": (2, ["--pp=2", "--hf={root}/hf_tied", "--resume={root}/tp2_ckpt"]),
-           "dp2_distopt": (2, ["--distributed-optimizer"])}
+           "dp2_distopt": (2, ["--distributed-optimizer"]),
+           # the head's input is split along the sequence: gathered, and its gradient kept per rank, not summed over TP
+           "tp2_sp": (2, ["--tp=2", "--sequence-parallel"])}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +93,9 @@ def test_values_and_the_first_updates_equal_the_hf_critics(critics, tag):
         assert not rank["embedding_is_the_head"]
 
 
-def test_the_head_is_the_same_on_every_tensor_parallel_rank(critics):
-    heads = [r["head"] for r in critics["tp2"]]
+@pytest.mark.parametrize("tag", ["tp2", "tp2_sp"])
+def test_the_head_is_the_same_on_every_tensor_parallel_rank(critics, tag):
+    heads = [r["head"] for r in critics[tag]]
     assert heads[0] is not None and heads[0] == heads[1]
     assert any(abs(w) > 1e-3 for w in heads[0][0])  # trained away from its zero start
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from nemo_factuality import placement
-from nemo_factuality.config import REPO_ROOT, ConfigError, load_config
+from nemo_factuality.config import REPO_ROOT, ConfigError
 from nemo_factuality.trainers import config as schemas
 from nemo_factuality.trainers.backends import megatron_memory as mm
 from nemo_factuality.trainers.backends.memory import GIB, H100_BUDGET_GIB, Arch
@@ -178,13 +178,12 @@ def test_the_docs_presets_table_is_the_arithmetic():
 
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
 def test_the_preset_overrides_load_into_each_stage_schema(path):
-    """Every override is a key of the stage's schema. Loaded with the schema only (``load_config``), not
-    ``validate_train_config``: until the bf16 / SP / recompute / TE branch of issue 31 merges, validation refuses
-    those settings on this backend (follow-up: switch this to ``load_train_config`` after that merge)."""
+    """Every override is a key of the stage's schema, and the stage's validation accepts the whole preset."""
     preset = _preset(path)
     for method, (schema, config_name) in STAGES.items():
         overrides, runtime = load_preset("megatron", path.stem, method)
-        cfg = load_config(getattr(schemas, schema), config_name, [*overrides, "model.path=/models/policy"], group="train")
+        site = ["model.path=/models/policy", "reward=null", "remote_rm.url=http://r:5555"]
+        cfg = schemas.load_train_config(getattr(schemas, schema), config_name, [*overrides, *site])
         merged = _merged(preset, method)
         assert runtime == {} and cfg.trainer.backend == "megatron" and cfg.trainer.device == "cuda"
         assert cfg.model.dtype == "bfloat16" and cfg.model.reference == "cpu_weight_swap"
@@ -201,10 +200,10 @@ def test_train_preset_reaches_the_megatron_stage_and_another_backends_is_refused
 
     base = ["--config-name", "klcf", "--preset", "qwen2.5-7b", "model.path=/models/policy", "reward=null",
             "remote_rm.url=http://r:5555"]
-    # the preset's settings reach validation, which refuses them on this backend until the GPU-settings branch merges
-    with pytest.raises(ConfigError, match=r"model\.dtype=bfloat16.*model\.megatron\.sequence_parallel=True.*"
-                                          r"model\.megatron\.recompute=full.*model\.megatron\.transformer_engine=True"):
-        parse_stage_config("grpo", [*base, "trainer.backend=megatron"])
+    cfg, _ = parse_stage_config("grpo", [*base, "trainer.backend=megatron"])  # the preset's GPU settings, validated
+    mc = cfg.model.megatron
+    assert cfg.model.dtype == "bfloat16" and (mc.sequence_parallel, mc.recompute, mc.transformer_engine) == \
+        (True, "full", True)
     cpu = ["model.dtype=float32", "model.megatron.sequence_parallel=false", "model.megatron.recompute=none",
            "model.megatron.transformer_engine=false"]
     cfg, runtime = parse_stage_config("grpo", [*base, "trainer.backend=megatron", *cpu, "model.micro_batch_size=1"])

@@ -4,8 +4,12 @@
 * Build (``megatron_build.py``): ``AutoBridge`` turns ``model.path`` (an HF folder) into Megatron-Core's ``GPTModel``
   for this rank's TP/PP shard, wrapped in Megatron's DDP, with ``get_megatron_optimizer`` (Megatron's distributed
   optimizer with ``model.megatron.use_distributed_optimizer``) and every backend's LR schedule.
+* Settings (``megatron_build.Settings``): ``model.dtype=bfloat16`` (bf16 weights and activations, fp32 main weights and
+  gradient reduction), ``model.megatron.sequence_parallel`` (the batch right-padded to a multiple of TP for it),
+  ``model.megatron.recompute``, ``model.megatron.transformer_engine`` (the TE layer spec or the local one).
 * Rollouts (``megatron_generate.py``): Megatron-Core's static inference engine with a KV cache, sampling from the
-  distribution the log-probs here are of (temperature, top-k, top-p as transformers applies them).
+  distribution the log-probs here are of (temperature, top-k, top-p as transformers applies them); sequence
+  parallelism is off while it runs (the engine has none for dense models).
 * Log-probs and training (``megatron_model.py``, shared with the critic, ``megatron_critic.py``): Megatron's
   forward/backward schedule (pipelined at PP > 1), the gradient the plain sum over micro batches and data-parallel
   ranks (the stages' losses are normalised by the global counts); metrics as the aligner backend reports them.
@@ -35,7 +39,7 @@ from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.backends import megatron_build as build
 from nemo_factuality.trainers.backends.collectives import on_group_source
 from nemo_factuality.trainers.backends.hf import SampledDistribution, token_logprobs
-from nemo_factuality.trainers.backends.megatron_generate import generate_static_batch
+from nemo_factuality.trainers.backends.megatron_generate import generate_static_batch, sequence_parallel_off
 from nemo_factuality.trainers.backends.megatron_model import MegatronModel
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.types import FactualityInputError
@@ -59,10 +63,11 @@ class MegatronActor(MegatronModel):
         self.layout = build.init_process_groups(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                                 device, seed)
         self.on_gpu = device.startswith("cuda")
-        dist_opt = cfg.megatron.use_distributed_optimizer
-        self.bridge, self.chunks = build.build_model(cfg.path, self.layout, on_gpu=self.on_gpu,
-                                                      use_distributed_optimizer=dist_opt)
-        self.model = self.chunks[0].module  # this rank's GPTModel (one pipeline stage; no virtual pipelining)
+        self.settings = build.Settings.of(cfg)
+        self.bridge, self.chunks = build.build_model(cfg.path, self.layout, self.settings, on_gpu=self.on_gpu)
+        # this rank's GPTModel (one pipeline stage; no virtual pipelining), inside DDP (and Float16Module with bf16):
+        # its parameter names and state dict are the checkpoints' and the reference's whatever the wrappers
+        self.model = build.bare_model(self.chunks[0])
         torch.manual_seed(sampling_seed + self.data_parallel_rank)  # replicas sample different rollouts
         self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, cfg.path, "model.path")
         self.eos_id = self.tokenizer.eos_token_id
@@ -70,8 +75,8 @@ class MegatronActor(MegatronModel):
             raise ValueError(f"the tokenizer at {cfg.path} has no eos_token; set one so responses can end")
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.distribution = SampledDistribution.of(cfg.sampling_params)
-        self._setup_training(cfg.optim, max_steps=max_steps, gradient_clip_val=gradient_clip_val,
-                             use_distributed_optimizer=dist_opt, role="policy", lr_key="model.optim.lr")
+        self._setup_training(cfg.optim, max_steps=max_steps, gradient_clip_val=gradient_clip_val, role="policy",
+                             lr_key="model.optim.lr")
         self._reference: dict[str, torch.Tensor] = {}
         self.reset_reference()
         # the reference is the checkpoint at model.path until reset_reference(): checkpoints record it, not copy it
@@ -107,7 +112,7 @@ class MegatronActor(MegatronModel):
         for start in range(0, len(order), size):
             rows = order[start : start + size]
             self.model.eval()
-            with torch.no_grad():
+            with torch.no_grad(), sequence_parallel_off(self.model):
                 rollout = generate_static_batch(self.model, self.tokenizer, self.eos_id, self.pad_id,
                                                 [prompt_ids[i] for i in rows], sampling, asked)
             yield RolloutChunk(rows, rollout)
@@ -268,5 +273,5 @@ def build_megatron(cfg: Any, *, critic: bool = False, max_steps: int) -> tuple[M
     value_model = MegatronCritic(cfg.critic, m.path, tensor=m.tensor_model_parallel_size,
                                  pipeline=m.pipeline_model_parallel_size, max_steps=max_steps,
                                  gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device,
-                                 use_distributed_optimizer=m.megatron.use_distributed_optimizer)
+                                 settings=actor.settings)
     return actor, value_model

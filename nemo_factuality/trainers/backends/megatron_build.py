@@ -20,6 +20,10 @@ Fixes for what Megatron-Bridge 0.3.1 gets silently wrong, on any device (each ha
   after the resume, silently wrong; here the update after a save/load moved weights by 3.5e-3 more than without the
   save/load), and it cannot load its own checkpoint's parameter state without ``step`` (KeyError):
   ``load_optimizer_state``.
+* **Norms under sequence parallelism** (the local spec): Megatron-Core 0.16.1 builds every norm of an RMSNorm model as
+  ``WrappedTorchNorm``, which asserts SP off, because its weights are not marked ``sequence_parallel`` and their
+  gradients would stay partial sums over each rank's part of the sequence (2.1% gradient error, the norms' 60%, with
+  the gradient norm 3e-4 off). ``local_block_spec`` builds the layers and the final norm with ``SequenceParallelTorchNorm``.
 * **The fused cross-entropy** rounds the logits' gradient to bf16 (~0.1% gradient error): off
   (``cross_entropy_loss_fusion``); this backend computes its log-probs itself anyway.
 
@@ -59,6 +63,29 @@ def import_auto_bridge() -> Any:
         raise ImportError(f"trainer.backend=megatron needs megatron-core 0.16 and megatron-bridge 0.3 "
                           f"(requirements/megatron.txt): {err}") from err
     return AutoBridge
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The ``model.*`` settings that reach Megatron's configs (the provider's ``TransformerConfig``, the DDP config and
+    the ``OptimizerConfig``)."""
+
+    bf16: bool = False  # model.dtype=bfloat16: bf16 weights/activations, fp32 main weights, fp32 gradient reduction
+    sequence_parallel: bool = False
+    recompute: str = "none"  # none | full | selective
+    transformer_engine: bool = False  # Megatron-Core's TE layer spec instead of the local one
+    distributed_optimizer: bool = False
+
+    @classmethod
+    def of(cls, model: Any) -> Settings:
+        """From a stage's ``model`` config (``PolicyModelConfig``)."""
+        m = model.megatron
+        return cls(bf16=model.dtype == "bfloat16", sequence_parallel=m.sequence_parallel, recompute=m.recompute,
+                   transformer_engine=m.transformer_engine, distributed_optimizer=m.use_distributed_optimizer)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -154,24 +181,90 @@ def transformer_engine_available() -> bool:
     return bool(getattr(transformer_engine, "HAVE_TE", False))
 
 
-def configure_provider(provider: Any, layout: Layout, *, on_gpu: bool) -> Any:
-    """Bridge's ``GPTModelProvider`` at ``layout``, fp32, with this backend's loss accounting; Megatron-Core's local
-    layer spec (and fusions off) without Transformer Engine."""
+class SequenceParallelTorchNorm:
+    """torch's ``LayerNorm`` / ``RMSNorm`` (``config.normalization``), built as Megatron-Core's ``WrappedTorchNorm``
+    builds them, with every parameter marked ``sequence_parallel`` as TE's and Apex's norms mark theirs.
+
+    Megatron-Core 0.16.1's local spec always takes ``WrappedTorchNorm`` for RMSNorm models (and for LayerNorm ones
+    without Apex), which asserts ``not config.sequence_parallel``: under SP a norm sees only this rank's part of the
+    sequence, so its weight's gradient is a partial sum that ``finalize_model_grads`` must all-reduce over TP — which
+    it does only for parameters marked ``sequence_parallel``. An unmarked norm would give silently wrong gradients."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_spec_arguments: Any) -> torch.nn.Module:
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms or config.layernorm_zero_centered_gamma or config.persist_layer_norm:
+            raise ConfigError(f"normalization {config.normalization!r} (zero-centred or persistent) has no local "
+                              "implementation here: set model.megatron.transformer_engine=true")
+        norm = norms[config.normalization](hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _replace_module(spec: Any, old: type, new: type) -> Any:
+    """``spec`` (a ``ModuleSpec`` tree of submodule dataclasses) with every ``old`` module class replaced by ``new``."""
+    import dataclasses
+
+    if spec is old:
+        return new
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: _replace_module(getattr(spec, f.name), old, new)
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
+
+
+def local_block_spec(config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron-Core's local layer spec (Bridge's ``local_layer_spec``) as a whole decoder block whose norms — the
+    layers' and the final one, which Megatron would otherwise pick from what is installed — are
+    ``SequenceParallelTorchNorm``. Numerically the same norms as the local spec's; a Bridge layer-spec callable."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = _replace_module(local_layer_spec(config), WrappedTorchNorm, SequenceParallelTorchNorm)
+    block = TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                       layer_norm=SequenceParallelTorchNorm)
+    # Bridge's provider sets the local attention class through ``spec.submodules.self_attention`` (it assumes a layer
+    # spec): give it the layers' own (it sets the class they already have)
+    block.self_attention = layer.submodules.self_attention
+    return ModuleSpec(module=TransformerBlock, submodules=block)
+
+
+# model.megatron.recompute → Megatron's (recompute_granularity, recompute_method, recompute_num_layers)
+_RECOMPUTE = {"none": (None, None, None), "full": ("full", "uniform", 1), "selective": ("selective", None, None)}
+
+
+def configure_provider(provider: Any, layout: Layout, settings: Settings) -> Any:
+    """Bridge's ``GPTModelProvider`` at ``layout`` with ``settings`` and this backend's loss accounting: the TE layer
+    spec, or Megatron-Core's local one (``local_block_spec``) with the fusions that need Apex/TE/CUDA kernels off."""
     provider.tensor_model_parallel_size = layout.tensor
     provider.pipeline_model_parallel_size = layout.pipeline
-    provider.sequence_parallel = False
-    provider.params_dtype, provider.autocast_dtype = torch.float32, torch.float32
-    provider.bf16 = provider.fp16 = False
+    provider.sequence_parallel = settings.sequence_parallel
+    provider.params_dtype = provider.autocast_dtype = provider.pipeline_dtype = settings.dtype
+    provider.bf16, provider.fp16 = settings.bf16, False
+    granularity, method, layers = _RECOMPUTE[settings.recompute]
+    provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = granularity, method, layers
     # the stage's losses are normalised by the global counts: the schedule must neither divide a micro batch's loss by
     # the number of micro batches nor DDP average over data-parallel ranks (both skip that with this flag, and this
     # backend never hands the schedule a token count to divide by)
     provider.calculate_per_token_loss = True
     provider.cross_entropy_loss_fusion = False  # rounds the logits' gradient to bf16; unused by the log-probs anyway
-    if not (on_gpu and transformer_engine_available()):
-        from megatron.bridge.models.gpt_provider import local_layer_spec
+    if settings.transformer_engine:
+        if not transformer_engine_available():
+            raise ConfigError("model.megatron.transformer_engine=true but Transformer Engine is not importable here "
+                              "(the NGC PyTorch container has it): install it or set model.megatron.transformer_engine=false")
+        from megatron.bridge.models.gpt_provider import transformer_engine_layer_spec
+
+        provider.transformer_layer_spec = transformer_engine_layer_spec
+    else:
         from megatron.core.transformer.enums import AttnBackend
 
-        provider.transformer_layer_spec = local_layer_spec
+        provider.transformer_layer_spec = local_block_spec
         provider.attention_backend = AttnBackend.local
         # each needs Apex/TE or CUDA kernels (or torch.compile's C++ toolchain on CPU)
         for fusion in ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
@@ -220,13 +313,15 @@ def check_rope(provider: Any, path: str) -> None:
                                    f"checkpoint's config.json says {want:g}")
 
 
-def build_model(path: str, layout: Layout, *, on_gpu: bool, use_distributed_optimizer: bool,
+def build_model(path: str, layout: Layout, settings: Settings, *, on_gpu: bool,
                 after_load: Callable[[list[Any]], list[Any]] | None = None) -> tuple[Any, list[Any]]:
-    """(the ``AutoBridge`` of ``path``, this rank's model chunks wrapped in Megatron-Core's DDP) with the HF weights.
-    ``after_load(chunks)`` changes the unwrapped chunks once the weights are in, before DDP allocates the gradient
-    buffers (the critic puts its value head in place of the output layer)."""
+    """(the ``AutoBridge`` of ``path``, this rank's model chunks — Megatron's DDP around, with bf16, its
+    ``Float16Module`` around the ``GPTModel`` — with the HF weights). ``after_load(chunks)`` changes the unwrapped
+    chunks once the weights are in, before DDP allocates the gradient buffers (the critic puts its value head in place
+    of the output layer)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.module import Float16Module
 
     source = in_installed_config_layout(path)
     bridge = import_auto_bridge().from_hf_pretrained(str(source), torch_dtype=torch.float32)
@@ -236,12 +331,14 @@ def build_model(path: str, layout: Layout, *, on_gpu: bool, use_distributed_opti
     if after_load is not None:
         provider.register_pre_wrap_hook(after_load)  # after Bridge's weight loading, which is a pre-wrap hook too
     check_rope(provider, path)
-    configure_provider(provider, layout, on_gpu=on_gpu)
+    configure_provider(provider, layout, settings)
+    # gradients accumulate and are reduced over DP in fp32 buffers (``main_grad``) in bf16 too
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                        use_distributed_optimizer=use_distributed_optimizer)
+                                        use_distributed_optimizer=settings.distributed_optimizer)
     chunks = provider.provide_distributed_model(
         ddp_config=ddp, wrap_with_ddp=True, data_parallel_random_init=False, use_cpu_initialization=not on_gpu,
-        mixed_precision_wrapper=None, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        mixed_precision_wrapper=Float16Module,  # applied only with bf16: bf16 weights, inputs cast, fp32 logits out
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     config = chunks[0].config
     # this backend reduces the gradients itself (finalize_model_grads without a token count): nothing in the schedule
     config.finalize_model_grads_func = config.grad_scale_func = None
@@ -252,13 +349,22 @@ def build_model(path: str, layout: Layout, *, on_gpu: bool, use_distributed_opti
     return bridge, chunks
 
 
-def build_optimizer(chunks: list[Any], optim: Any, *, clip_grad: float, use_distributed_optimizer: bool) -> Any:
+def bare_model(chunk: Any) -> Any:
+    """The ``GPTModel`` inside a model chunk's wrappers (Megatron's DDP, and ``Float16Module`` with bf16)."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(chunk)
+
+
+def build_optimizer(chunks: list[Any], optim: Any, settings: Settings, *, clip_grad: float) -> Any:
     """Megatron's optimizer for ``model.optim`` (adamw → Megatron's Adam with decoupled weight decay; sgd without
-    momentum, as the hf backend's). Megatron leaves biases and norms out of weight decay."""
+    momentum, as the hf backend's). Megatron leaves biases and norms out of weight decay. With bf16 it keeps fp32 main
+    weights (and fp32 main gradients) and steps those, casting them back to the bf16 weights."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    common = dict(lr=optim.lr, min_lr=optim.sched.min_lr, weight_decay=optim.weight_decay, bf16=False, fp16=False,
-                  params_dtype=torch.float32, use_distributed_optimizer=use_distributed_optimizer,
+    common = dict(lr=optim.lr, min_lr=optim.sched.min_lr, weight_decay=optim.weight_decay, bf16=settings.bf16,
+                  fp16=False, params_dtype=settings.dtype, main_grads_dtype=torch.float32,
+                  main_params_dtype=torch.float32, use_distributed_optimizer=settings.distributed_optimizer,
                   clip_grad=clip_grad if clip_grad > 0 else 0.0)
     if optim.name == "adamw":
         config = OptimizerConfig(optimizer="adam", adam_beta1=optim.betas[0], adam_beta2=optim.betas[1],

@@ -42,15 +42,22 @@ class ValueHead(torch.nn.Module):
     """The critic's output layer in place of GPTModel's ``output_layer``: ``[s, b, h]`` hidden states → ``([s, b, 1]``
     values, ``None)``, the output layer's call and return shape. Replicated over TP ranks."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, *, sequence_parallel: bool) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(weight)  # [1, h]
         self.bias = torch.nn.Parameter(bias)  # [1]
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
         if weight is not None:  # GPTModel passes the word embedding when the model is still tied
             raise RuntimeError("the value head was handed a shared output weight: the critic's model is still tied")
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            # [s/TP, b, h] → [s, b, h]. Every TP rank then computes the same values and the same loss, so the backward
+            # keeps this rank's slice of the input gradient (no reduce-scatter, which would sum TP identical copies)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
@@ -76,7 +83,8 @@ def install_value_head(weight: torch.Tensor, bias: torch.Tensor) -> Callable[[li
                         delattr(embedding, attr)
             if chunk.post_process:
                 like = next(chunk.parameters())
-                chunk.output_layer = ValueHead(weight.to(like.device, like.dtype), bias.to(like.device, like.dtype))
+                chunk.output_layer = ValueHead(weight.to(like.device, like.dtype), bias.to(like.device, like.dtype),
+                                               sequence_parallel=chunk.config.sequence_parallel)
         return chunks
 
     return install
@@ -87,20 +95,21 @@ class MegatronCritic(MegatronModel):
 
     def __init__(self, cfg: Any, policy_path: str, *, tensor: int, pipeline: int, max_steps: int,
                  gradient_clip_val: float = 1.0, seed: int = 1234, device: str = "cpu",
-                 use_distributed_optimizer: bool = False) -> None:
+                 settings: build.Settings | None = None) -> None:
+        """``settings``: the policy's (``model.dtype``, ``model.megatron.*``: the critic is trained as the policy is)."""
         path = cfg.path or policy_path
         self.cfg = cfg
         self.layout = build.init_process_groups(tensor, pipeline, device, seed)
+        self.settings = settings or build.Settings()
         config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
         weight, bias = head_weights(int(config["hidden_size"]), zero=cfg.path is None,
                                     initializer_range=float(config.get("initializer_range", 0.02)), seed=seed)
         with torch.random.fork_rng(devices=[]):  # the stage's random stream (rollouts) is the actor's to draw from
-            self.bridge, self.chunks = build.build_model(path, self.layout, on_gpu=device.startswith("cuda"),
-                                                         use_distributed_optimizer=use_distributed_optimizer,
+            self.bridge, self.chunks = build.build_model(path, self.layout, self.settings, on_gpu=device.startswith("cuda"),
                                                          after_load=install_value_head(weight, bias))
-        self.model = self.chunks[0].module
-        self._setup_training(cfg.optim, max_steps=max_steps, gradient_clip_val=gradient_clip_val,
-                             use_distributed_optimizer=use_distributed_optimizer, role="critic", lr_key="critic.optim.lr")
+        self.model = build.bare_model(self.chunks[0])
+        self._setup_training(cfg.optim, max_steps=max_steps, gradient_clip_val=gradient_clip_val, role="critic",
+                             lr_key="critic.optim.lr")
 
     @staticmethod
     def _values(output: torch.Tensor) -> torch.Tensor:

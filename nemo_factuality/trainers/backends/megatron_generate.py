@@ -15,8 +15,9 @@ micro batch) over the policy's own weights, sampling from exactly the distributi
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +67,36 @@ def _controller_class() -> type:
     return StageSamplingController
 
 
+@contextlib.contextmanager
+def sequence_parallel_off(model: Any) -> Iterator[None]:
+    """``model`` (the bare ``GPTModel``) without sequence parallelism for the duration, then with it again.
+
+    Megatron-Core 0.16.1's static inference engine refuses sequence parallelism on a dense model
+    (``NotImplementedError``: its KV cache and the one-token decode steps are not split along the sequence); it
+    switches SP off itself only for MoE models. Megatron's own ``set_model_to_sequence_parallel`` turns the config
+    flag and every module's copy of it (linears, the embedding's reduce-scatter, RoPE's sequence length) off and on
+    again. The weights are the same either way; only where the activations are split changes."""
+    if not model.config.sequence_parallel:
+        yield
+        return
+    from megatron.core.transformer import utils
+
+    def switch(on: bool) -> None:
+        # Megatron caches the modules it switches under id(model) and holds them: forgotten each time, so that a model
+        # built later in the process under a freed model's id is not taken for it (and the old one is not kept alive)
+        cache = utils._sequence_parallel_attr_cache
+        if cache is not None:
+            cache.pop(id(model), None)
+        utils.set_model_to_sequence_parallel(model, on)
+        utils._sequence_parallel_attr_cache.pop(id(model), None)
+
+    switch(False)
+    try:
+        yield
+    finally:
+        switch(True)
+
+
 def generate_static_batch(model: Any, tokenizer: Any, eos_id: int, pad_id: int, prompt_ids: Sequence[Sequence[int]],
                           sampling: SamplingParams, distribution: SampledDistribution) -> Rollout:
     """One static batch of ``prompt_ids`` through Megatron-Core's ``StaticInferenceEngine`` on ``model`` (the bare
@@ -90,10 +121,26 @@ def generate_static_batch(model: Any, tokenizer: Any, eos_id: int, pad_id: int, 
     asked = MegatronSampling(num_tokens_to_generate=sampling.max_new_tokens, termination_id=eos_id)
     ids = [engine.scheduler.add_request(prompt="", prompt_tokens=list(map(int, p)), sampling_params=asked)
            for p in prompt_ids]
-    engine.run_engine()
+    try:
+        engine.run_engine()
+    finally:
+        _drop_inference_mode_buffers()
     done = [engine.scheduler.completed_request_pool[i] for i in ids]
     return _rollout(prompt_ids, [list(map(int, r.generated_tokens.tolist())) for r in done], sampling.max_new_tokens,
                     eos_id, pad_id)
+
+
+def _drop_inference_mode_buffers() -> None:
+    """Forget the tensors Megatron's global memory buffer allocated during generation. The engine runs in
+    ``torch.inference_mode``, so a buffer first allocated there is an inference tensor, and the buffer is shared by
+    name: the local attention's score buffer ("mpu") is the one sequence parallelism's all-gathers then fill in place
+    during training ("Inplace update to inference tensor outside InferenceMode": the first GRPO step at TP=2 with SP
+    failed on it). Allocated again outside inference mode when next needed."""
+    from megatron.core import parallel_state
+
+    buffers = parallel_state.get_global_memory_buffer().buffer
+    for key in [k for k, tensor in buffers.items() if tensor.is_inference()]:
+        del buffers[key]
 
 
 def _rollout(prompt_ids: Sequence[Sequence[int]], generated: list[list[int]], max_new_tokens: int, eos_id: int,

@@ -38,20 +38,24 @@ OutputsOf = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], dict[str, torch
 
 class MegatronModel(ProcessGroupDataParallel):
     """One trained Megatron-Core model per rank (the actor's policy, the critic's value model). A subclass builds
-    ``layout``, ``chunks`` and ``model``, then calls ``_setup_training``."""
+    ``layout``, ``settings``, ``chunks`` and ``model``, then calls ``_setup_training``."""
 
     layout: build.Layout
+    settings: build.Settings  # model.dtype and model.megatron.*, as they reach Megatron's configs
     chunks: list[Any]  # this rank's model chunks in Megatron's DDP (one pipeline stage; no virtual pipelining)
     model: Any  # the GPTModel inside chunks[0]
 
-    def _setup_training(self, optim: Any, *, max_steps: int, gradient_clip_val: float, use_distributed_optimizer: bool,
-                        role: str, lr_key: str) -> None:
-        """Megatron's optimiser for ``optim`` (an ``OptimConfig``) with clipping, and every backend's LR schedule;
-        a non-finite gradient's error names the ``role`` ("policy", "critic") and its ``lr_key``."""
-        self.use_distributed_optimizer, self._role, self._lr_key = use_distributed_optimizer, role, lr_key
-        self.optimizer = build.build_optimizer(self.chunks, optim, clip_grad=gradient_clip_val,
-                                               use_distributed_optimizer=use_distributed_optimizer)
+    def _setup_training(self, optim: Any, *, max_steps: int, gradient_clip_val: float, role: str, lr_key: str) -> None:
+        """Megatron's optimiser for ``optim`` (an ``OptimConfig``) with clipping and ``self.settings`` (bf16 keeps fp32
+        main weights; the distributed optimizer), and every backend's LR schedule; a non-finite gradient's error names
+        the ``role`` ("policy", "critic") and its ``lr_key``."""
+        self._role, self._lr_key = role, lr_key
+        self.optimizer = build.build_optimizer(self.chunks, optim, self.settings, clip_grad=gradient_clip_val)
         self.schedule = build.LearningRateSchedule(self.optimizer, optim, max_steps)
+
+    @property
+    def use_distributed_optimizer(self) -> bool:
+        return self.settings.distributed_optimizer
 
     # ---- parallel layout (the data-parallel hooks: ``collectives.ProcessGroupDataParallel``) ---------------------
     def _data_parallel_group(self) -> Any:
@@ -86,16 +90,21 @@ class MegatronModel(ProcessGroupDataParallel):
         from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
         batch, width = micro_batches[0]["tokens"].shape
+        # sequence parallelism splits the sequence over TP: the model sees it right-padded to a multiple of TP (causal
+        # attention: the padding changes no earlier position), the losses see the outputs of the real positions
+        multiple = self.layout.tensor if self.settings.sequence_parallel else 1
+        padded = -(-width // multiple) * multiple
         device = self._device()
-        positions = torch.arange(width, device=device).unsqueeze(0).expand(batch, width)
+        positions = torch.arange(padded, device=device).unsqueeze(0).expand(batch, padded)
 
         def forward_step(data_iterator: Iterator[dict], model: Any):
             mb = next(data_iterator)
             on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
-            output = model(input_ids=on_device["tokens"], position_ids=positions, attention_mask=None)
+            tokens = torch.nn.functional.pad(on_device["tokens"], (0, padded - width), value=0)  # any id: never seen
+            output = model(input_ids=tokens, position_ids=positions, attention_mask=None)
 
-            def loss_func(out: torch.Tensor):
-                loss, reported = loss_of(on_device, out)
+            def loss_func(out: torch.Tensor):  # [b, padded, …] (last pipeline stage only)
+                loss, reported = loss_of(on_device, out[:, :width])
                 # 3 values + calculate_per_token_loss: the schedule leaves the loss as the stage normalised it
                 return loss, torch.ones((), dtype=torch.int), reported
 
@@ -103,7 +112,7 @@ class MegatronModel(ProcessGroupDataParallel):
 
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro_batches), model=self.chunks,
-            num_microbatches=len(micro_batches), seq_length=width, micro_batch_size=batch, forward_only=forward_only)
+            num_microbatches=len(micro_batches), seq_length=padded, micro_batch_size=batch, forward_only=forward_only)
 
     @torch.no_grad()
     def _per_token(self, rollout: Rollout, size: int, per_token_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -190,6 +199,10 @@ class MegatronModel(ProcessGroupDataParallel):
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
+        if self.settings.distributed_optimizer:
+            # before the first step (a fresh process loading, a save at step 0) Adam has no state, and Megatron's
+            # distributed optimizer cannot describe (AssertionError) nor load (KeyError) a state without it
+            build.initialize_adam_state(self.optimizer)
         model = self.model.sharded_state_dict()
         optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_OPTIMIZER_FORMAT)
         return {"model": model, "optimizer": optimizer}
@@ -231,8 +244,6 @@ class MegatronModel(ProcessGroupDataParallel):
         checkpoint = Path(where) / "megatron"
         if not (checkpoint / "metadata.json").is_file():
             raise FileNotFoundError(f"{checkpoint} holds no distributed checkpoint: not written by the megatron backend")
-        if with_optimizer and self.use_distributed_optimizer:
-            build.initialize_adam_state(self.optimizer)  # a fresh process: the template needs Adam's state
         state = self._sharded_state(loading=True)
         if not with_optimizer:
             state.pop("optimizer")
@@ -240,6 +251,8 @@ class MegatronModel(ProcessGroupDataParallel):
         self.model.load_state_dict(loaded["model"], strict=False)
         if with_optimizer:
             build.load_optimizer_state(self.optimizer, loaded["optimizer"])
+        else:  # bf16: the optimizer's fp32 main weights would otherwise overwrite these at the next step
+            self.optimizer.reload_model_params()
         self.barrier()
 
 
