@@ -11,13 +11,18 @@ import yaml
 from nemo_factuality.trainers.backends.aligner_memory import (
     GIB,
     H100_BUDGET_GIB,
+    LOGPROB_BYTES_PER_LOGIT,
     ROLLOUT_BUDGET_SHARE,
     Arch,
     Layout,
+    budgeted_forward_micro_batch,
     budgeted_rollout_batch,
     checkpoint_bytes,
+    logprob_bytes,
+    max_forward_micro_batch,
     max_rollout_batch,
     rollout_bytes,
+    section_lines,
     training_bytes,
 )
 
@@ -46,10 +51,13 @@ def test_preset_memory_arithmetic_and_layout(path):
         section = preset[method]
         lay = Layout(tp=tp, pp=pp, dp=dp, **section["layout"])
         train, rollout = training_bytes(arch, lay)["total"] / GIB, rollout_bytes(arch, lay)["total"] / GIB
+        logprobs = logprob_bytes(arch, lay)["total"] / GIB
         assert section["memory_gib"]["train"] == pytest.approx(train, abs=0.06), method
         assert section["memory_gib"]["rollout"] == pytest.approx(rollout, abs=0.06), method
-        assert max(train, rollout) <= BUDGET_GIB, (method, train, rollout)
+        assert section["memory_gib"]["logprobs"] == pytest.approx(logprobs, abs=0.06), method
+        assert max(train, rollout, logprobs) <= BUDGET_GIB, (method, train, rollout, logprobs)
         o = section["overrides"]
+        assert o["model"]["forward_micro_batch_size"] == lay.forward_micro_batch
         assert o["model"]["micro_batch_size"] == lay.micro_batch
         assert o["model"]["global_batch_size"] % (lay.micro_batch * dp) == 0
         assert lay.seq_len == lay.prompt_len + o["model"]["length_params"]["max_length"]
@@ -299,20 +307,112 @@ def test_one_layers_working_set_is_within_a_factor_2_of_the_formula_and_the_pres
             assert (training_bytes(arch, lay)["total"] + (2.0 - 1.0) * working_set) / GIB <= BUDGET_GIB, (path.stem, method)
 
 
+def _comment_lines(text: str, method: str) -> list[str]:
+    section = text.split(f"\n{method}:\n", 1)[1].split("\n  layout:", 1)[0]
+    return [line.removeprefix("  # ") for line in section.splitlines() if line.startswith("  # ")]
+
+
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
-def test_each_preset_writes_its_rollout_batch_and_checkpoint_bytes_next_to_it(path):
-    """The comment lines beside each method: the budgeted rollout batch and the checkpoint the stage writes."""
+def test_each_preset_writes_its_memory_lines_verbatim(path):
+    """The comment lines beside each method are ``section_lines`` of the preset, character for character: the train,
+    rollout and log-prob peaks, how the rollout batch and the forward micro batch were sized (``min(wanted, largest
+    within the budget)``, the wanted forward micro batch read back from the comment) and the checkpoint's bytes."""
     import re
 
     text, preset = path.read_text(), yaml.safe_load(path.read_text())
-    model = preset["common"]["model"]
-    tp, pp = model["tensor_model_parallel_size"], model["pipeline_model_parallel_size"]
-    dp = preset["nodes"] * preset["gpus_per_node"] // (tp * pp)
+    arch = Arch(**preset["arch"])
     for method in ("grpo", "ppo", "kto"):
-        section = text.split(f"\n{method}:\n", 1)[1].split("\n  layout:", 1)[0]
-        batch = re.search(r"# rollout batch: min\((\d+) rollouts .* = (\d+)\) = (\d+)\n", section + "\n")
-        assert batch and int(batch.group(3)) == preset[method]["layout"]["rollout_micro_batch"], (method, section)
-        assert int(batch.group(3)) == min(int(batch.group(1)), int(batch.group(2)))
-        ckpt = re.search(r"# checkpoint \(the job's, on disk\): .* = ([0-9.]+) GB", section)
-        want = checkpoint_bytes(Arch(**preset["arch"]), method, tp=tp, pp=pp, dp=dp)["total"] / 1e9
-        assert ckpt and float(ckpt.group(1)) == pytest.approx(want, abs=0.06), (method, section)
+        lay = Layout(**_layout(preset), **preset[method]["layout"])
+        have = _comment_lines(text, method)
+        wanted = re.search(r"^forward micro batch: min\((\d+) wanted", "\n".join(have), re.M)
+        assert wanted, (method, have)
+        wanted = int(wanted.group(1))
+        assert lay.forward_micro_batch == budgeted_forward_micro_batch(arch, lay, wanted)
+        per_rank = _rollouts_per_step(method, preset[method]["overrides"]) // lay.dp
+        assert have == section_lines(arch, lay, method, rollouts_per_rank=per_rank, wanted_forward_micro_batch=wanted)
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
+def test_the_log_prob_forward_fits_the_budget_at_the_presets_forward_micro_batch(path):
+    """What ``--preset`` runs: the old/reference log-prob forward at the stage's ``model.forward_micro_batch_size``
+    (Adam offloaded, 12 B per logit) stays within the 67.1 GiB budget. Before this check R1-Distill-7B's GRPO and PPO
+    ran it at 8 sequences of 9,216 tokens: logits 12·9216·8·152064/2 B = 62.6 GiB, 87.9 GiB in all; now 5 (64.4)."""
+    preset = yaml.safe_load(path.read_text())
+    arch = Arch(**preset["arch"])
+    for method in ("grpo", "ppo", "kto"):
+        size = preset[method]["overrides"]["model"]["forward_micro_batch_size"]
+        lay = Layout(**_layout(preset), **{**preset[method]["layout"], "forward_micro_batch": size})
+        peak = logprob_bytes(arch, lay)["total"] / GIB
+        assert peak <= BUDGET_GIB, f"{path.stem} {method}: forward micro batch {size} peaks at {peak:.1f} GiB"
+
+
+def test_the_log_prob_terms_hand_computed():
+    """TP=2, 3 sequences of 64 tokens: logits 12·64·3·1000/2 = 1,152,000 B; weights and the grad buffer stay, Adam
+    only without offload; the largest forward micro batch within a budget is the last that fits."""
+    lay = Layout(tp=2, pp=1, dp=1, micro_batch=1, seq_len=64, forward_micro_batch=3)
+    got = logprob_bytes(HAND, lay)
+    p = HAND.parameters()
+    assert got["logits"] == 1_152_000
+    assert got["total"] == 2 * p / 2 + 4 * p / 2 + 0 + 1_152_000 + 4 * GIB
+    assert logprob_bytes(HAND, Layout(**{**lay.__dict__, "offload_adam": False}))["optimizer"] == 12 * p / 2
+    budget = (got["total"] - 1_152_000 / 3 * 0.5) / GIB  # fits 2.5 sequences' logits beyond the states
+    assert max_forward_micro_batch(HAND, lay, budget) == 2
+    assert budgeted_forward_micro_batch(HAND, lay, 1, budget) == 1
+
+
+def test_both_backends_charge_the_log_prob_logits_through_the_shared_formula():
+    """``memory.logprob_logits_bytes`` with each backend's bytes per logit: the megatron presets' 14 (an estimate of
+    its temperature-scaled fp32 copy and Megatron's cross-entropy buffers), the aligner presets' 12 (measured below)."""
+    from nemo_factuality.trainers.backends import megatron_memory
+    from nemo_factuality.trainers.backends.memory import logprob_logits_bytes
+
+    arch = Arch(hidden=5120, layers=64, heads=40, kv_heads=8, ffn=27648, vocab=152064)
+    lay = Layout(tp=8, pp=1, dp=2, micro_batch=1, seq_len=2048, forward_micro_batch=16)
+    want = logprob_logits_bytes(arch, seq_len=2048, batch=16, tp=8, bytes_per_logit=LOGPROB_BYTES_PER_LOGIT)
+    assert logprob_bytes(arch, lay)["logits"] == want == 12 * 2048 * 16 * 152064 / 8
+    plan = megatron_memory.Plan(arch=arch, layout=lay, engine=megatron_memory.Engine(8, 0.3, "separate", 2048),
+                                forward_micro_batch=16, reference_on_gpu=False, critic=False, nodes=2, gpus_per_node=8,
+                                tasks_per_node=8)
+    assert megatron_memory.trainer_bytes(plan)["logprobs"]["logits"] == 14 * 2048 * 16 * 152064 / 8
+
+
+@pytest.mark.slow
+def test_the_aligner_log_prob_forward_allocates_the_bytes_per_logit_the_formula_charges(venv):
+    """In the Aligner venv, on CPU: Megatron-Core's ``Float16Module`` output conversion and Aligner's
+    ``from_parallel_logits_to_logprobs`` (as ``get_inference_log_probs`` runs them) on [3, 96, 2048] bf16 logits peak
+    at 12.01 B per logit (measured; the rest is the [b, s] outputs and reductions). Tolerance: within [12, 12.1) and
+    ``LOGPROB_BYTES_PER_LOGIT`` is its rounding, so a formula of 8 (two copies) or 14 fails; the measure itself reads
+    8.0 on two fp32 copies alive at once."""
+    import json
+
+    from nemo_factuality.testing.aligner_env import run_in_aligner_venv
+
+    res = run_in_aligner_venv(venv, ["tests/trainers/aligner_logprob_memory_driver.py", "--b=3", "--s=96", "--v=2048"],
+                              timeout=240)
+    assert res.returncode == 0, res.stdout[-4000:]
+    got = json.loads([line for line in res.stdout.splitlines() if line.startswith("{")][-1])
+    assert 8.0 <= got["calibration_bytes_per_element"] < 8.05, got
+    assert 12.0 <= got["bytes_per_logit"] < 12.1, got
+    assert round(got["bytes_per_logit"]) == LOGPROB_BYTES_PER_LOGIT
+
+
+def test_the_docs_log_prob_table_is_the_arithmetic():
+    """The cluster guide's log-prob table (docs/cluster/aligner.md): for every preset and method, the forward micro
+    batch the preset wanted and its peak (before), and the one it runs and its peak (after), recomputed."""
+    import re
+
+    readme = (PRESETS[0].parents[3] / "docs" / "cluster" / "aligner.md").read_text()
+    rows = {(r[0].strip("`"), r[1]): r[2:] for r in ([c.strip() for c in line.strip("|").split("|")]
+                                                     for line in readme.splitlines() if line.startswith("| `"))
+            if len(r) == 8 and r[2].isdigit()}  # the checkpoint table's rows have 8 cells too, no TP column
+    assert len(rows) == 3 * len(PRESETS)
+    for path in PRESETS:
+        text, preset = path.read_text(), yaml.safe_load(path.read_text())
+        arch = Arch(**preset["arch"])
+        for method in ("grpo", "ppo", "kto"):
+            lay = Layout(**_layout(preset), **preset[method]["layout"])
+            wanted = int(re.search(r"forward micro batch: min\((\d+) wanted", "\n".join(_comment_lines(text, method))).group(1))
+            before = logprob_bytes(arch, Layout(**{**lay.__dict__, "forward_micro_batch": wanted}))["total"] / GIB
+            after = logprob_bytes(arch, lay)["total"] / GIB
+            want = [str(lay.tp), str(lay.seq_len), str(wanted), f"{before:.1f}", str(lay.forward_micro_batch), f"{after:.1f}"]
+            assert rows[(path.stem, method)] == want, (path.stem, method)

@@ -6,9 +6,10 @@ distributed optimizer), recomputed activations and ``3 × fp32`` loss logits, pl
 
 * **No rollouts in the trainer**: a vLLM engine generates (``rollout.engine=vllm``). The trainer's second peak is the
   log-prob forward (old and reference log-probs, ``model.forward_micro_batch_size`` sequences): no activations kept,
-  its logits ``14 B`` each (``s·b·V/TP``: the bf16 output, the fp32 copy divided by the temperature, the fp32
-  temporary of ``.float()`` and Megatron's vocab-parallel cross-entropy's buffer — the path without top-k/top-p
-  truncation, as every stage config samples; truncation gathers the whole vocabulary on each TP rank).
+  its logits ``14 B`` each over ``s·b·V/TP`` (``memory.logprob_logits_bytes``, shared with the aligner presets at
+  their measured 12): the bf16 output, the fp32 copy divided by the temperature, the fp32 temporary of ``.float()``
+  and Megatron's vocab-parallel cross-entropy's buffer — the path without top-k/top-p truncation, as every stage
+  config samples; truncation gathers the whole vocabulary on each TP rank. An estimate, not measured.
 * **The reference** is a copy of the initial weights: on the GPU (``2P/M``) with ``model.reference=copy``, in host
   memory with ``cpu_weight_swap`` (the presets).
 * **PPO's critic** is a second model of the policy's layout in the same process (Megatron-Core with a value head
@@ -35,6 +36,7 @@ from nemo_factuality.trainers.backends.memory import (
     H100_GIB,
     Arch,
     Layout,
+    logprob_logits_bytes,
     parameter_states,
     training_bytes,
 )
@@ -122,7 +124,8 @@ def trainer_bytes(p: Plan) -> dict[str, dict[str, float]]:
     resident = _resident(p)
     step = training_bytes(p.arch, p.layout)
     train = {**resident, "activations": step["activations"], "logits": step["logits"], "overhead": step["overhead"]}
-    logits = LOGPROB_BYTES_PER_LOGIT * p.layout.seq_len * p.forward_micro_batch * p.arch.vocab / p.layout.tp
+    logits = logprob_logits_bytes(p.arch, seq_len=p.layout.seq_len, batch=p.forward_micro_batch, tp=p.layout.tp,
+                                  bytes_per_logit=LOGPROB_BYTES_PER_LOGIT)
     logprobs = {**resident, "logits": logits, "overhead": step["overhead"]}
     return {phase: {**parts, "total": sum(parts.values())} for phase, parts in (("train", train), ("logprobs", logprobs))}
 

@@ -15,6 +15,10 @@ the 1F1B in-flight micro batches (≤ PP), plus one layer's working set while it
 with sequence parallelism, ``(10 + 24/TP)·s·b·h`` without (the norms' tensors and dropout masks are not split).
 The loss needs ``s·b·V/TP`` fp32 logits about three times (logits, log-softmax, gradient). Every total adds
 ``overhead_gib`` (CUDA context, NCCL buffers, allocator fragmentation).
+
+The no-grad log-prob forward (old and reference log-probs, ``model.forward_micro_batch_size`` sequences at once) keeps
+no activations; its peak is the logits' ``B·s·b·V/TP`` bytes (``logprob_logits_bytes``), ``B`` the bytes per logit the
+backend's log-prob path holds at once: each backend states its own (``aligner_memory``, ``megatron_memory``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class Layout:
     micro_batch: int  # sequences per training micro batch
     seq_len: int  # prompt + response tokens in training
     rollout_micro_batch: int = 0  # sequences generated together (the aligner backend's own generation)
+    forward_micro_batch: int = 0  # sequences per no-grad log-prob forward (model.forward_micro_batch_size)
     prompt_len: int = 0
     # full | selective | none. Selective recompute (Megatron's attention core) keeps what none keeps here: with flash
     # attention the core stores no s² scores, the only term selective recompute drops (Korthikanti et al.)
@@ -106,6 +111,12 @@ def training_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
     out["overhead"] = lay.overhead_gib * GIB
     out["total"] = sum(out.values())
     return out
+
+
+def logprob_logits_bytes(arch: Arch, *, seq_len: int, batch: int, tp: int, bytes_per_logit: int) -> float:
+    """Peak bytes per GPU of the log-prob forward's logits: ``bytes_per_logit · s · b · V / TP`` (each TP rank holds
+    its ``[b, s, V/TP]`` vocabulary shard; the log-softmax's reductions over V are ``[b, s, 1]``, negligible)."""
+    return bytes_per_logit * seq_len * batch * arch.vocab / tp
 
 
 def gib(table: dict[str, float]) -> dict[str, float]:
