@@ -164,6 +164,22 @@ def measure_generation(actor, ids: list[list[int]], batch: int, new_tokens: int,
     return {"batch": batch, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": _peak_gib()}
 
 
+def fit_toy_grpo(cfg, actor, texts: list[str], run_dir: Path) -> list[dict]:
+    """The real GRPO stage on ``actor`` with the toy reward over ``texts`` (one user turn each), peak memory counted
+    from its start; the stage's per-step metrics."""
+    from nemo_factuality.trainers.data import PromptRecord
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+    from nemo_factuality.types import RewardBatch
+
+    def reward(prompts_, completions, **_):
+        return RewardBatch(toy_reward_scores(completions))
+
+    records = [PromptRecord(t, [{"role": "user", "content": t}]) for t in texts]
+    trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=run_dir)
+    _reset_peak()
+    return trainer.fit()
+
+
 def step_split(history: list[dict]) -> dict[str, float]:
     """The stage's per-step times (``time/*`` metrics), averaged over the steps after the first (step 1 pays one-time
     costs: optimizer state allocation, kernel selection)."""
@@ -192,9 +208,6 @@ def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
         training_bytes,
     )
     from nemo_factuality.trainers.config import GRPOConfig, load_train_config
-    from nemo_factuality.trainers.data import PromptRecord
-    from nemo_factuality.trainers.grpo import GRPOTrainer
-    from nemo_factuality.types import RewardBatch
 
     s = shape(args)
     rollouts = s["prompts_per_step"] * s["group"]
@@ -234,13 +247,7 @@ def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
             largest //= 2
     actor.runtime.rollout_micro_batch_size = 16
 
-    def reward(prompts_, completions, **_):
-        return RewardBatch(toy_reward_scores(completions))
-
-    records = [PromptRecord(t, [{"role": "user", "content": t}]) for t in texts[: 4 * s["prompts_per_step"]]]
-    trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=run_dir)
-    _reset_peak()
-    history = trainer.fit()
+    history = fit_toy_grpo(cfg, actor, texts[: 4 * s["prompts_per_step"]], run_dir)
     train_peak = _peak_gib()
     split = step_split(history)
     return {

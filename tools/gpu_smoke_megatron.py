@@ -85,20 +85,16 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
     from gpu_smoke import (
         MODELS,
         _peak_gib,
-        _reset_peak,
+        fit_toy_grpo,
         measure_generation,
         prompts,
         shape,
         step_split,
-        toy_reward_scores,
     )
 
     from nemo_factuality.trainers.backends import megatron_build
     from nemo_factuality.trainers.backends.aligner_memory import GIB, Arch
     from nemo_factuality.trainers.backends.megatron import build_megatron
-    from nemo_factuality.trainers.data import PromptRecord
-    from nemo_factuality.trainers.grpo import GRPOTrainer
-    from nemo_factuality.types import RewardBatch
 
     s = shape(args)
     cfg, dtype, refused = config_with_dtype(args, hf, run_dir, s)
@@ -124,13 +120,7 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
     gen_max, tried = largest_generation(actor, ids, args.max_batch_cap, s["new_tokens"], measure)
     set_batch(16)
 
-    def reward(prompts_, completions, **_):
-        return RewardBatch(toy_reward_scores(completions))
-
-    records = [PromptRecord(t, [{"role": "user", "content": t}]) for t in texts[: 4 * s["prompts_per_step"]]]
-    trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=run_dir)
-    _reset_peak()
-    history = trainer.fit()
+    history = fit_toy_grpo(cfg, actor, texts[: 4 * s["prompts_per_step"]], run_dir)
     per_parameter = STATE_BYTES_PER_PARAMETER.get(dtype)
     return {
         "backend": "megatron", "dtype": dtype, "bf16_refused": refused, "setup_s": setup_s,
