@@ -331,13 +331,12 @@ def report(result: dict) -> str:
     if backend == "megatron":
         from gpu_smoke_megatron import report_rows
 
-        refused = f" (bf16 refused: {a['bf16_refused']})" if a["bf16_refused"] else ""
         trl_dtype = "float32" if result["device"] == "cpu" else "bf16"
         lines = [title, "", f"| | megatron backend (Megatron-Core 0.16.1 + Bridge 0.3.1, {a['dtype']}, local spec) | "
                  f"TRL GRPOTrainer 0.15.2 ({trl_dtype}) |", "|---|---|---|", *report_rows(a, t), "",
                  f"{a['steps']} GRPO steps of {a['tokens_per_step']} new tokens; toy reward per step: "
                  f"{', '.join(f'{r:.3f}' for r in a['rewards'])}. Build from HF {a['setup_s']:.1f} s; steps after the "
-                 f"first are averaged; Transformer Engine in use: {a['transformer_engine']}{refused}."]
+                 f"first are averaged; Transformer Engine in use: {a['transformer_engine']}."]
         return "\n".join(lines) + "\n"
     g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
     trl_gen = f"{t['generation']['tokens_per_s']:.0f}" if t else "not run"

@@ -7,8 +7,8 @@ largest batch that fits, ``--steps`` GRPO steps of the real stage with the step-
   unconditionally. ``nemo_factuality.testing.megatron_cpu.apply()`` imports Bridge with a throw-away TE stand-in that is
   visible only while Bridge imports (on CUDA it does nothing else); production code never imports it and, without TE,
   stops with ``megatron_build._BRIDGE_HINT``. Megatron-Core then reports no TE, so the backend builds its local spec.
-* dtype: float32 on CPU (the backend's CI setting). On a GPU the kit asks for ``model.dtype=bfloat16`` and, if the
-  backend refuses it (a ``ConfigError``: bf16 is not checked on this backend yet), prints why and runs float32.
+* dtype: float32 on CPU (the backend's CI setting); ``model.dtype=bfloat16`` on a GPU (bf16 mixed precision with fp32
+  main weights, the presets' setting), as the TRL peer runs.
 * Largest batch: no memory formula covers this backend's rollouts yet (fp32 or bf16 weights, Megatron's static engine
   and its logits), so the kit tries ``--max-batch-cap`` and halves on an out-of-memory error.
 * Memory: the resident training states of the fp32 layout (weights 4·P, DDP's fp32 gradient buffer 4·P, torch Adam's
@@ -44,17 +44,9 @@ def _config(args, hf: Path, run_dir: Path, s: dict, dtype: str):
 
 
 def config_with_dtype(args, hf: Path, run_dir: Path, s: dict):
-    """(config, dtype, why float32 where bf16 was asked): bf16 on a GPU when the backend accepts it."""
-    from nemo_factuality.config import ConfigError
-
-    if args.cpu:
-        return _config(args, hf, run_dir, s, "float32"), "float32", None
-    try:
-        return _config(args, hf, run_dir, s, "bfloat16"), "bfloat16", None
-    except ConfigError as err:
-        why = str(err)
-        print(f"gpu_smoke: the megatron backend refuses model.dtype=bfloat16, so this run is float32: {why}", flush=True)
-        return _config(args, hf, run_dir, s, "float32"), "float32", why
+    """(config, dtype): float32 on CPU, bf16 mixed precision on a GPU."""
+    dtype = "float32" if args.cpu else "bfloat16"
+    return _config(args, hf, run_dir, s, dtype), dtype
 
 
 def largest_generation(actor, ids, cap: int, new_tokens: int, measure) -> tuple[dict | None, list[int]]:
@@ -97,7 +89,7 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
     from nemo_factuality.trainers.backends.megatron import build_megatron
 
     s = shape(args)
-    cfg, dtype, refused = config_with_dtype(args, hf, run_dir, s)
+    cfg, dtype = config_with_dtype(args, hf, run_dir, s)
     t0 = time.perf_counter()
     actor, _ = build_megatron(cfg, max_steps=args.steps)
     setup_s = time.perf_counter() - t0
@@ -123,7 +115,7 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
     history = fit_toy_grpo(cfg, actor, texts[: 4 * s["prompts_per_step"]], run_dir)
     per_parameter = STATE_BYTES_PER_PARAMETER.get(dtype)
     return {
-        "backend": "megatron", "dtype": dtype, "bf16_refused": refused, "setup_s": setup_s,
+        "backend": "megatron", "dtype": dtype, "setup_s": setup_s,
         "transformer_engine": megatron_build.transformer_engine_available(), "device": str(actor._device()),
         # the stand-in must be gone once Bridge has imported: nothing later may take it for Transformer Engine
         "te_stand_in_left": any(name.split(".")[0] == "transformer_engine" for name in sys.modules),
