@@ -371,7 +371,7 @@ def test_both_backends_charge_the_log_prob_logits_through_the_shared_formula():
     want = logprob_logits_bytes(arch, seq_len=2048, batch=16, tp=8, bytes_per_logit=LOGPROB_BYTES_PER_LOGIT)
     assert logprob_bytes(arch, lay)["logits"] == want == 12 * 2048 * 16 * 152064 / 8
     plan = megatron_memory.Plan(arch=arch, layout=lay, engine=megatron_memory.Engine(8, 0.3, "separate", 2048),
-                                forward_micro_batch=16, reference_on_gpu=False, critic=False, nodes=2, gpus_per_node=8,
+                                reference_on_gpu=False, critic=False, nodes=2, gpus_per_node=8,
                                 tasks_per_node=8)
     assert megatron_memory.trainer_bytes(plan)["logprobs"]["logits"] == 14 * 2048 * 16 * 152064 / 8
 

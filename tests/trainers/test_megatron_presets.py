@@ -57,7 +57,7 @@ def test_each_method_fits_an_h100_and_megatron_accepts_its_layout(path):
         lay, eng = p.layout, p.engine
         peaks = mm.gpu_peaks(p)
         assert max(peaks.values()) / GIB <= H100_BUDGET_GIB, (method, peaks)
-        assert p.forward_micro_batch <= mm.largest_forward_micro_batch(p), method  # the forward batch was sized to fit
+        assert p.layout.forward_micro_batch <= mm.largest_forward_micro_batch(p), method  # the forward batch was sized to fit
         engine = mm.engine_bytes(arch, eng)
         assert engine["kv_cache"] > 0 and engine["sequences"] >= mm.MIN_ENGINE_SEQUENCES, (method, engine)
         # Megatron: heads and KV heads split over TP, the vocabulary too; vLLM the same over its TP

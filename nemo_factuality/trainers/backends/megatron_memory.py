@@ -67,7 +67,6 @@ class Plan:
     arch: Arch
     layout: Layout
     engine: Engine
-    forward_micro_batch: int
     reference_on_gpu: bool
     critic: bool
     nodes: int
@@ -101,9 +100,10 @@ def plan(preset: dict[str, Any], method: str) -> Plan:
     nodes = method_nodes(preset, method)
     layout = Layout(tp=tp, pp=pp, dp=nodes * tasks // (tp * pp), micro_batch=m["micro_batch_size"],
                     seq_len=seq, recompute=mc["recompute"], sequence_parallel=mc["sequence_parallel"],
-                    distributed_optimizer=mc["use_distributed_optimizer"])
+                    distributed_optimizer=mc["use_distributed_optimizer"],
+                    forward_micro_batch=m["forward_micro_batch_size"])
     engine = Engine(v["tensor_parallel_size"], v["gpu_memory_utilization"], v["placement"], v.get("max_model_len") or seq)
-    return Plan(arch=Arch(**preset["arch"]), layout=layout, engine=engine, forward_micro_batch=m["forward_micro_batch_size"],
+    return Plan(arch=Arch(**preset["arch"]), layout=layout, engine=engine,
                 reference_on_gpu=m.get("reference", "copy") == "copy", critic=method == "ppo", nodes=nodes,
                 gpus_per_node=preset["gpus_per_node"], tasks_per_node=tasks)
 
@@ -124,7 +124,7 @@ def trainer_bytes(p: Plan) -> dict[str, dict[str, float]]:
     resident = _resident(p)
     step = training_bytes(p.arch, p.layout)
     train = {**resident, "activations": step["activations"], "logits": step["logits"], "overhead": step["overhead"]}
-    logits = logprob_logits_bytes(p.arch, seq_len=p.layout.seq_len, batch=p.forward_micro_batch, tp=p.layout.tp,
+    logits = logprob_logits_bytes(p.arch, seq_len=p.layout.seq_len, batch=p.layout.forward_micro_batch, tp=p.layout.tp,
                                   bytes_per_logit=LOGPROB_BYTES_PER_LOGIT)
     logprobs = {**resident, "logits": logits, "overhead": step["overhead"]}
     return {phase: {**parts, "total": sum(parts.values())} for phase, parts in (("train", train), ("logprobs", logprobs))}
@@ -155,7 +155,10 @@ def gpu_peaks(p: Plan) -> dict[str, float]:
 
 def largest_forward_micro_batch(p: Plan, cap: int = 16) -> int:
     """The largest log-prob forward micro batch (≤ ``cap``) whose GPU peak stays within the budget (0: none does)."""
-    fits = [b for b in range(1, cap + 1) if max(gpu_peaks(replace(p, forward_micro_batch=b)).values()) / GIB <= H100_BUDGET_GIB]
+    def peak_gib(batch: int) -> float:
+        return max(gpu_peaks(replace(p, layout=replace(p.layout, forward_micro_batch=batch))).values()) / GIB
+
+    fits = [b for b in range(1, cap + 1) if peak_gib(b) <= H100_BUDGET_GIB]
     return max(fits, default=0)
 
 
@@ -188,7 +191,7 @@ def section_lines(p: Plan, method: str) -> list[str]:
     trainer = max(phases["train"]["total"], phases["logprobs"]["total"])
     lines = [
         f"train: {_sum_line(phases['train'])}",
-        f"logprobs (forward micro batch {p.forward_micro_batch}): {_sum_line(phases['logprobs'])}",
+        f"logprobs (forward micro batch {p.layout.forward_micro_batch}): {_sum_line(phases['logprobs'])}",
         f"engine ({e.placement}, TP={e.tp}): {e.gpu_memory_utilization} × {H100_GIB:g} = {eng['total'] / GIB:.1f} per GPU = "
         f"weights {eng['weights'] / GIB:.1f} + overhead {eng['overhead'] / GIB:.1f} + KV cache {eng['kv_cache'] / GIB:.1f}",
         f"  KV cache: {eng['sequences']} sequences of {e.seq_len} tokens at once",
