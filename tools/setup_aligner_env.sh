@@ -40,15 +40,17 @@ start=$(date +%s)
 step() { echo "[$1/4 after $(( $(date +%s) - start )) s] $2" >&2; }
 echo "building the NeMo-Aligner venv in $venv (about 8 min)" >&2
 "$PY" -m venv "$build"
+# Low priority on a shared machine; the test command raises it when the build runs beside the tests it gates.
+niceness=${NEMO_FACTUALITY_BUILD_NICE:-19}
 pip=("$build/bin/python" -m pip install -q --progress-bar off)
 # The CPU torch first; the constraints keep it (nemo's extras would pull a CUDA torch 2.14 otherwise).
 step 1 "torch 2.13.0 (CPU)"
-nice -n 19 "${pip[@]}" torch==2.13.0
+nice -n "$niceness" "${pip[@]}" torch==2.13.0
 step 2 "nemo-toolkit, nemo-aligner, megatron-core and their pins (the long step)"
-nice -n 19 "${pip[@]}" -c requirements/aligner-constraints.txt -r requirements/aligner.txt -r requirements/aligner-test.txt
+nice -n "$niceness" "${pip[@]}" -c requirements/aligner-constraints.txt -r requirements/aligner.txt -r requirements/aligner-test.txt
 # Whatever the resolver did, the CPU torch is what runs (a no-op when it was kept).
 step 3 "keeping the CPU torch"
-nice -n 19 "${pip[@]}" --no-deps torch==2.13.0
+nice -n "$niceness" "${pip[@]}" --no-deps torch==2.13.0
 # torchvision (pulled by nvidia-modelopt) is a CUDA build whose ops do not register on the CPU torch, and
 # torchmetrics imports it when present; nothing NeMo's GPT/Aligner path uses needs it.
 "$build/bin/python" -m pip uninstall -q -y torchvision

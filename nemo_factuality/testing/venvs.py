@@ -5,22 +5,70 @@ its requirements and shared by every checkout; a venv counts only once the scrip
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 from nemo_factuality.testing.paths import REPO_ROOT
 
+log = logging.getLogger(__name__)
+
+
+class StackBuildFailed(RuntimeError):
+    """The build of a stack's venv that the test command started beside the tests failed: its tests error, never skip."""
+
+
+#: How long a test waits for a venv that the test command is building beside the run (the aligner build is ~8 min on
+#: 2 busy cores; past this, something is wrong with the build, not slow).
+BUILD_WAIT_S = 45 * 60
+
 
 def built_venv(env_var: str, setup_script: Path) -> Path | None:
-    """``$env_var`` or the setup script's ``--path``; None unless it holds a complete build."""
+    """``$env_var`` or the setup script's ``--path``; None unless it holds a complete build.
+
+    When the test command (``tools/run_tests.sh``) is building it beside the tests, it sets ``$env_var`` and
+    ``$<env_var>_BUILD_LOG`` (the build's log; the exit status lands in ``<log>.rc``): wait for the build to end (the
+    run orders these tests last, so it has had the rest of the suite's time); then the venv is complete, or the build
+    failed and ``StackBuildFailed`` is raised with its log's end."""
     if os.environ.get(env_var):
         venv = Path(os.environ[env_var])
     else:
         out = subprocess.run(["bash", str(setup_script), "--path"], capture_output=True, text=True, timeout=30, check=True)
         venv = Path(out.stdout.strip().splitlines()[-1])
-    return venv if (venv / "bin" / "python").is_file() and (venv / ".complete").is_file() else None
+    if not _complete(venv) and os.environ.get(env_var) and os.environ.get(f"{env_var}_BUILD_LOG"):
+        _wait_for_build(venv, Path(os.environ[f"{env_var}_BUILD_LOG"]))
+    return venv if _complete(venv) else None
+
+
+def _complete(venv: Path) -> bool:
+    return (venv / "bin" / "python").is_file() and (venv / ".complete").is_file()
+
+
+def _wait_for_build(venv: Path, build_log: Path, wait_s: float = BUILD_WAIT_S) -> None:
+    """Block until the build logging to ``build_log`` ends; a failed (or overlong) build raises."""
+    status = build_log.with_name(build_log.name + ".rc")
+    if not status.exists():
+        log.warning("waiting for %s, which the test command is building beside the tests (log: %s)", venv, build_log)
+    deadline = time.monotonic() + wait_s
+    while not status.exists():
+        if time.monotonic() > deadline:
+            raise StackBuildFailed(f"the build of {venv} did not end within {wait_s:.0f} s; its log ({build_log}) "
+                                   f"ends:\n{_tail(build_log)}")
+        time.sleep(2)
+    code = status.read_text().strip()
+    if code != "0" or not _complete(venv):
+        raise StackBuildFailed(f"the build of {venv} failed (exit {code}); its log ({build_log}) ends:\n"
+                               f"{_tail(build_log)}")
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
 
 
 def venv_env(**extra: str) -> dict[str, str]:
