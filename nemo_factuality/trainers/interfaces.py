@@ -127,6 +127,28 @@ def check_train_batch(batch: Mapping[str, torch.Tensor], micro_batch_size: int) 
     return size
 
 
+#: ``train_step`` batch entries that are per example, not per token, whatever their width: FactAlign's sentence
+#: tensors ``[B, K]`` (``kto.pack_examples``), K sentences, which may equal S-1 and must never be cut with the tokens.
+PER_EXAMPLE_KEYS = frozenset({"sent_start", "sent_end", "sent_label", "sent_valid"})
+
+
+def trim_to_longest(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``batch`` cut to its longest sequence (no compute on trailing padding): ``tokens [B, S]`` to ``[B, W]`` and
+    every per-token ``[B, S-1]`` tensor to ``[B, W-1]``, W the longest ``response_lengths``; the rest as it is."""
+    width = int(batch["response_lengths"].max())
+    full = batch["tokens"].shape[1]
+    out: dict[str, torch.Tensor] = {}
+    for key, value in batch.items():
+        if key == "tokens":
+            out[key] = value[:, :width]
+        elif (key not in PER_EXAMPLE_KEYS and torch.is_tensor(value) and value.dim() == 2
+              and value.shape[1] == full - 1):
+            out[key] = value[:, : width - 1]
+        else:
+            out[key] = value
+    return out
+
+
 @runtime_checkable
 class PolicyActor(Protocol):
     """The trained policy plus its frozen reference (initial policy) for KL.

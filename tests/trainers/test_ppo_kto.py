@@ -219,3 +219,23 @@ def test_a_kto_sample_whose_sentences_cannot_be_placed_is_dropped_alone(tiny_pol
     assert logged[0]["kto/labelled"] == 31 and logged[0]["kto/dropped_unlabelled"] == 1
     assert all(math.isfinite(m["loss/kto"]) for m in logged)
     assert any("sample 0 dropped" in r.getMessage() and "offsets out of order" in r.getMessage() for r in caplog.records)
+
+
+def test_trimming_a_kto_batch_keeps_every_sentence_when_there_are_s_minus_1_of_them():
+    """The actors cut a batch to its longest sequence (tokens to W, per-token ``[B, S-1]`` tensors to W-1). FactAlign's
+    sentence tensors are ``[B, K]``: with K == S-1 sentences, a cut by shape alone dropped the last S-W sentences
+    (here 4 of 6) without a word. They are per example and stay whole."""
+    from nemo_factuality.trainers.interfaces import trim_to_longest
+    from nemo_factuality.trainers.kto import pack_examples
+
+    # two rows padded to S = 7 (a third, longer row left the batch in an earlier micro batch), 6 one-token sentences
+    sentences = [[(j, j + 1, j % 2 == 0) for j in range(6)], [(0, 1, True)]]
+    batch = pack_examples([[5, 6, 7], [5, 6]], [1, 1], [True, False], sentences, pad_id=0)
+    batch = {k: (torch.nn.functional.pad(v, (0, 4)) if k == "tokens" else v) for k, v in batch.items()}
+    batch["mask"] = torch.ones(2, 6)  # a per-token [B, S-1] tensor, which is cut
+    assert batch["tokens"].shape == (2, 7) and batch["sent_start"].shape == (2, 6)
+    out = trim_to_longest(batch)
+    assert out["tokens"].shape == (2, 3) and out["mask"].shape == (2, 2)
+    for key in ("sent_start", "sent_end", "sent_label", "sent_valid"):
+        assert torch.equal(out[key], batch[key]), key
+    assert int(out["sent_valid"].sum()) == 7

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, sum_gradients
 from nemo_factuality.trainers.config import CriticModelConfig, OptimConfig, PolicyModelConfig
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, trim_to_longest
 
 log = logging.getLogger(__name__)
 
@@ -173,27 +173,13 @@ def _micro_batches(batch: Mapping[str, torch.Tensor], size: int):
         yield {k: v[start : start + size] for k, v in batch.items()}
 
 
-def _trim(mb: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Cut a micro batch to its longest sequence (no compute on trailing padding)."""
-    width = int(mb["response_lengths"].max())
-    out = {}
-    for k, v in mb.items():
-        if v.dim() == 2 and k == "tokens":
-            out[k] = v[:, :width]
-        elif v.dim() == 2 and v.shape[1] == mb["tokens"].shape[1] - 1:
-            out[k] = v[:, : width - 1]
-        else:
-            out[k] = v
-    return out
-
-
 def _backward_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device: torch.device, loss_fn: LossFn,
                             forward: Any) -> dict[str, float]:
     """Forward + ``loss_fn`` + backward per micro batch (gradients add up); the loss metrics averaged over them."""
     sums: dict[str, float] = {}
     n_micro = 0
     for mb in _micro_batches(batch, size):
-        mb = _trim(mb)
+        mb = trim_to_longest(mb)
         loss, metrics = loss_fn(forward(mb), {k: v.to(device) for k, v in mb.items()})
         loss.backward()
         n_micro += 1

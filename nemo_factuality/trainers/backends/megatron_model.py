@@ -25,7 +25,7 @@ import torch
 
 from nemo_factuality.trainers.backends import megatron_build as build
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device
-from nemo_factuality.trainers.interfaces import LossFn, Rollout, check_train_batch
+from nemo_factuality.trainers.interfaces import LossFn, Rollout, check_train_batch, trim_to_longest
 from nemo_factuality.types import FactualityInputError
 
 SCHEDULE_FILE = "megatron_schedule.json"
@@ -145,7 +145,7 @@ class MegatronModel(ProcessGroupDataParallel):
         """One optimiser step over ``batch`` (``loss_fn`` on ``outputs_of(output, micro batch)``): the step's metrics
         (module docstring)."""
         size = check_train_batch(batch, micro_batch_size)
-        trimmed = _trim_to_longest(batch)
+        trimmed = trim_to_longest(batch)
         micro = [{k: v[i : i + micro_batch_size] if _per_row(v, size) else v for k, v in trimmed.items()}
                  for i in range(0, size, micro_batch_size)]
 
@@ -258,19 +258,3 @@ class MegatronModel(ProcessGroupDataParallel):
 
 def _per_row(value: Any, rows: int) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows
-
-
-def _trim_to_longest(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The batch cut to its longest sequence (every micro batch then has one shape, as pipeline stages need):
-    ``tokens`` to that width, per-token ``[B, S-1]`` tensors to one less."""
-    width = int(batch["response_lengths"].max())
-    full = batch["tokens"].shape[1]
-    out: dict[str, Any] = {}
-    for key, value in batch.items():
-        if key == "tokens":
-            out[key] = value[:, :width]
-        elif torch.is_tensor(value) and value.dim() == 2 and value.shape[1] == full - 1:
-            out[key] = value[:, : width - 1]
-        else:
-            out[key] = value
-    return out
