@@ -98,7 +98,8 @@ class GRPOTrainer:
         self.sampler = PromptSampler(len(self.data), cfg.trainer.seed)  # the same global draw on every rank
         self.parallel = DataParallel(actor)
         problems = data_parallel_problems(self.parallel.size, f"{self.stage}.num_prompts_per_step", self._prompts_per_step(),
-                                          self._samples_per_prompt(), cfg.model.global_batch_size, cfg.model.micro_batch_size)
+                                          self._samples_per_prompt(), cfg.model.global_batch_size, cfg.model.micro_batch_size,
+                                          other_micro_batch_sizes=self._other_micro_batch_sizes())
         if problems:
             raise ConfigError("invalid training config for data parallelism: " + "; ".join(problems))
         self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k, self.parallel)
@@ -201,6 +202,10 @@ class GRPOTrainer:
 
     def _prompts_per_step(self) -> int:
         return self.cfg.grpo.num_prompts_per_step
+
+    def _other_micro_batch_sizes(self) -> dict[str, int]:
+        """Other models trained on the actor's minibatches, by config key (none here; PPO's critic)."""
+        return {}
 
     def _samples_per_prompt(self) -> int:
         return self.cfg.grpo.num_rollouts_per_prompt

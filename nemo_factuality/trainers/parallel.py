@@ -36,11 +36,14 @@ def shard(items: Sequence[T], rank: int, size: int) -> list[T]:
 
 
 def data_parallel_problems(dp: int, prompts_key: str, prompts: int, rollouts_per_prompt: int | None,
-                           global_batch_size: int, micro_batch_size: int) -> list[str]:
+                           global_batch_size: int, micro_batch_size: int, *,
+                           other_micro_batch_sizes: Mapping[str, int] | None = None) -> list[str]:
     """What makes a step's batch arithmetic impossible at data-parallel size ``dp`` (empty when fine).
 
     ``rollouts_per_prompt=None``: the rollout is not a fixed number of sequences (KTO drops what its
-    labeller cannot judge, and pads minibatches instead), so it is not checked against the minibatch."""
+    labeller cannot judge, and pads minibatches instead), so it is not checked against the minibatch.
+    ``other_micro_batch_sizes``: other models that train on the same minibatches, by their config key (PPO's
+    ``critic.micro_batch_size``): each rank's share must split into them too."""
     if dp <= 1:
         return []
     problems = []
@@ -54,6 +57,10 @@ def data_parallel_problems(dp: int, prompts_key: str, prompts: int, rollouts_per
         problems.append(f"model.global_batch_size / data-parallel size ({global_batch_size} / {dp} = "
                         f"{global_batch_size // dp} sequences per rank) must be a multiple of model.micro_batch_size "
                         f"({micro_batch_size})")
+    elif bad := {k: v for k, v in (other_micro_batch_sizes or {}).items() if (global_batch_size // dp) % v}:
+        problems += [f"model.global_batch_size / data-parallel size ({global_batch_size} / {dp} = "
+                     f"{global_batch_size // dp} sequences per rank) must be a multiple of {k} ({v})"
+                     for k, v in bad.items()]
     elif rollouts_per_prompt is not None and prompts % dp == 0 and (prompts // dp * rollouts_per_prompt) % (global_batch_size // dp):
         problems.append(f"each rank's rollout ({prompts // dp} prompts × {rollouts_per_prompt}) must split into "
                         f"minibatches of model.global_batch_size / dp = {global_batch_size // dp} sequences")

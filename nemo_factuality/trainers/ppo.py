@@ -162,6 +162,10 @@ class PPOTrainer(GRPOTrainer):
                           global_tokens=global_tokens)
         return loss, {"loss/value": loss.item()}
 
+    def _other_micro_batch_sizes(self) -> dict[str, int]:
+        # each rank's minibatch share trains the critic too, in micro batches of its own size
+        return {"critic.micro_batch_size": self.cfg.critic.micro_batch_size}
+
     def update_ppo(self, exp: Mapping[str, torch.Tensor]) -> dict[str, float]:
         m = self.cfg.model
         b, size = exp["tokens"].shape[0], m.global_batch_size // self.parallel.size  # this rank's share of a minibatch

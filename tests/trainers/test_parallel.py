@@ -40,6 +40,13 @@ def test_batches_that_do_not_split_over_ranks_are_named():
     assert "model.global_batch_size (6" in msg
     (msg,) = data_parallel_problems(2, "grpo.num_prompts_per_step", 4, 8, 16, 16)
     assert "model.micro_batch_size (16)" in msg
+    # PPO's critic trains on the same per-rank share (8 sequences here): a critic micro batch of 3 was refused only at
+    # the first update, by a message naming no key
+    other = {"critic.micro_batch_size": 3}
+    (msg,) = data_parallel_problems(2, "ppo.num_prompts_per_step", 4, 4, 16, 4, other_micro_batch_sizes=other)
+    assert "critic.micro_batch_size (3)" in msg and "16 / 2 = 8 sequences per rank" in msg
+    assert data_parallel_problems(2, "ppo.num_prompts_per_step", 4, 4, 16, 4,
+                                  other_micro_batch_sizes={"critic.micro_batch_size": 4}) == []
 
 
 class _Layout:
