@@ -10,6 +10,20 @@ fi
 . .venv/bin/activate
 # pip runs quietly (-q); each long step says what it is doing first, so minutes without output are not a hang
 step() { echo "[setup_env] $*" >&2; }
+# System packages: Slurm (controller + slurmd + client), munge, shellcheck. Skipped if present. Installed while pip
+# works (they share nothing), then waited for.
+need=()
+for bin in slurmctld slurmd sbatch shellcheck; do command -v "$bin" >/dev/null 2>&1 || need+=("$bin"); done
+apt_pid=""
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "installing Debian packages for the Slurm and lint tests beside pip: slurmctld slurmd slurm-client munge shellcheck"
+    ( apt-get update -qq && apt-get install -y -qq slurmctld slurmd slurm-client munge shellcheck >/dev/null ) &
+    apt_pid=$!
+  else
+    echo "warning: missing ${need[*]} and cannot apt-get install; Slurm/shellcheck tests will fail" >&2
+  fi
+fi
 step "upgrading pip"
 python -m pip install -q -U pip
 step "installing torch 2.13.0 (the CPU wheel)"
@@ -17,20 +31,11 @@ python -m pip install -q torch==2.13.0           # CPU wheel; must come before a
 step "installing nemo-factuality with every extra, .[all,dev]: Megatron-Core, PyTriton, transformers, sentence-transformers, FAISS, ... (the longest step)"
 python -m pip install -q -e ".[all,dev]"
 
-# System packages: Slurm (controller + slurmd + client), munge, shellcheck. Skipped if present.
-need=()
-for bin in slurmctld slurmd sbatch shellcheck; do command -v "$bin" >/dev/null 2>&1 || need+=("$bin"); done
-if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    step "installing Debian packages for the Slurm and lint tests: slurmctld slurmd slurm-client munge shellcheck"
-    apt-get update -qq
-    apt-get install -y -qq slurmctld slurmd slurm-client munge shellcheck >/dev/null
-  else
-    echo "warning: missing ${need[*]} and cannot apt-get install; Slurm/shellcheck tests will fail" >&2
-  fi
-fi
-
 # The docs site's toolchain (Sphinx + MyST; tests/docs builds the site with warnings as errors).
 step "installing the docs toolchain (Sphinx + MyST)"
 python -m pip install -q -e ".[docs]"
+if [ -n "$apt_pid" ]; then
+  step "waiting for the Debian packages"
+  wait "$apt_pid" || { echo "error: installing the Debian packages failed (apt-get above)" >&2; exit 1; }
+fi
 step "done: activate with . .venv/bin/activate"
