@@ -44,6 +44,8 @@ from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noq
 from nemo_factuality.trainers.interfaces import Rollout, SamplingParams  # noqa: E402
 
 ROWS, WIDTH, PROMPT = 8, 11, 3
+# longer than the dynamic engine's step of 64 tokens the driver sets: its prefill is chunked
+LONG_PROMPT = torch.randint(5, 390, (75,), generator=torch.Generator().manual_seed(11)).tolist()
 
 
 def make_model(out: Path, hidden: int = 64) -> None:
@@ -170,7 +172,8 @@ def generations(args, actor) -> dict:
     from nemo_factuality.trainers.backends.hf import HFActor
 
     cfg = load_train_config(GRPOConfig, None, [f"model.path={args.reference_hf or args.hf}", "remote_rm.url=http://127.0.0.1:9"])
-    prompts = [[5, 17, 33, 8], [9, 60], [120, 7, 7, 41, 300, 12], [2, 44, 31], [77, 3, 250, 18, 9, 61, 140, 2, 33]]
+    prompts = [[5, 17, 33, 8], [9, 60], [120, 7, 7, 41, 300, 12], [2, 44, 31], [77, 3, 250, 18, 9, 61, 140, 2, 33],
+               LONG_PROMPT]
     greedy = SamplingParams(max_new_tokens=8, use_greedy=True)
     ours = actor.generate(prompts, greedy)
     ref = HFActor(cfg.model, max_steps=1).generate(prompts, greedy)
@@ -201,21 +204,25 @@ def _as_lists(rollout: Rollout) -> list:
 
 def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams) -> dict:
     """The same actor with ``model.megatron.inference_engine=dynamic`` (the flash-attn stand-in's kernels): pages of 4
-    tokens, so each prompt and response spans several pages of the paged KV cache; 2 requests in flight for 5 prompts
-    of different lengths (packed varlen prefill; the rest wait for a slot: continuous batching). Greedy rollouts (the
-    test compares them with transformers'), greedy with an EOS the responses reach mid-way against the static engine
-    (the dynamic engine keeps that EOS among its tokens), 400 sampled first tokens with 64 requests in flight, and a
-    KV buffer too small for one sequence."""
+    tokens, so each prompt and response spans several pages of the paged KV cache; steps of 64 tokens, so the 75-token
+    prompt's prefill is chunked; 2 requests in flight for 6 prompts of 2–75 tokens (packed varlen prefill; the rest
+    wait for a slot: continuous batching). Greedy rollouts (the test compares them with transformers'), greedy with an
+    EOS the responses reach mid-way against the static engine (the dynamic engine keeps that EOS among its tokens), 400
+    sampled first tokens with 64 requests in flight, a KV buffer too small for one sequence, and greedy rollouts in
+    the buffer its refusal names (one whole sequence's pages, shared by the 2 requests in flight)."""
     from megatron.core.inference.contexts import dynamic_context
 
     from nemo_factuality.config import ConfigError
     from nemo_factuality.trainers.backends import megatron_generate
 
-    calls = {"varlen": 0, "kvcache": 0}
+    calls = {"varlen": 0, "kvcache": 0, "chunk": 0}
 
     def counted(name, fn):
         def call(*args, **kwargs):
             calls[name] += 1
+            if name == "varlen":  # a later chunk of a prompt: several queries, fewer than its keys
+                q_len, k_len = args[3].diff(), args[4].diff()
+                calls["chunk"] += int(((q_len > 1) & (q_len < k_len)).any())
             return fn(*args, **kwargs)
         return call
 
@@ -224,18 +231,20 @@ def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams)
     attention.flash_attn_varlen_func = counted("varlen", flash_attn_cpu.flash_attn_varlen_func)
     attention.flash_attn_with_kvcache = counted("kvcache", flash_attn_cpu.flash_attn_with_kvcache)
     m = actor.cfg
-    megatron_generate.KV_BLOCK_TOKENS, m.megatron.inference_buffer_gb = 4, 0.01
+    megatron_generate.KV_BLOCK_TOKENS, megatron_generate.MAX_STEP_TOKENS, m.megatron.inference_buffer_gb = 4, 64, 0.01
     m.megatron.inference_engine, m.rollout_micro_batch_size = "dynamic", 2
-    out = {"dynamic_greedy": _as_lists(actor.generate(prompts, greedy))}
+    out = {"dynamic_greedy": _as_lists(actor.generate(prompts, greedy)), "greedy_chunks": calls["chunk"]}
     eos, actor.eos_id = actor.eos_id, 354  # reached at the second token of prompt 3 (and later by others)
     out["dynamic_eos_greedy"] = _as_lists(actor.generate(prompts, greedy))
     m.megatron.inference_engine = "static"
     out["static_eos_greedy"] = _as_lists(actor.generate(prompts, greedy))
     actor.eos_id = eos
     m.megatron.inference_engine, m.rollout_micro_batch_size = "dynamic", 64
+    megatron_generate.MAX_STEP_TOKENS = None  # Megatron's 16384: 64 prompts' prefill in one step
     one = [[5, 17, 33, 8, 90]]
     sampled = actor.generate(one * 400, SamplingParams(max_new_tokens=1, temperature=0.7, top_k=8, top_p=0.9))
     out["dynamic_sampled"] = _first_token_counts(actor, sampled, len(one[0]))
+    megatron_generate.MAX_STEP_TOKENS = 64
     m.megatron.inference_buffer_gb = 1e-6  # Megatron's least: 2 pages, one of them its dummy page
     try:
         actor.generate(prompts, greedy)

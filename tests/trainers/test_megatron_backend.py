@@ -87,17 +87,18 @@ def test_sampled_tokens_follow_the_probabilities_of_the_logprobs(parity):
 
 def test_the_dynamic_engine_generates_transformers_greedy_tokens(parity):
     """``model.megatron.inference_engine=dynamic`` on CPU (flash-attn's paged kernels from the reference stand-in
-    ``testing/flash_attn_cpu.py``, installed by the driver only): 5 prompts of 2–9 tokens, 2 requests in flight, pages
-    of 4 tokens — packed varlen prefill, paged decode, continuous batching. Greedy tokens equal transformers'
-    ``generate`` and the static engine's; with an EOS a response reaches after 2 tokens, the rollouts (tokens, lengths,
-    ``is_end``) equal the static engine's. Both kernels ran, and the KV cache was written by Megatron's torch path
-    (no triton)."""
+    ``testing/flash_attn_cpu.py``, installed by the driver only): 6 prompts of 2–75 tokens, 2 requests in flight, pages
+    of 4 tokens, steps of 64 tokens — packed varlen prefill, chunked prefill of the 75-token prompt, paged decode,
+    continuous batching. Greedy tokens equal transformers' ``generate`` and the static engine's; with an EOS a response
+    reaches after 2 tokens, the rollouts (tokens, lengths, ``is_end``) equal the static engine's. Both kernels ran, a
+    prompt was prefilled in chunks, and the KV cache was written by Megatron's torch path (no triton)."""
     for rank in parity:
         assert rank["dynamic_greedy"] == rank["hf_greedy"] == rank["greedy"]
         assert rank["dynamic_eos_greedy"] == rank["static_eos_greedy"]
         tokens, lengths, ended = rank["dynamic_eos_greedy"]
-        assert lengths[3] == 5 and ended == [False, False, False, True, False]  # 354 ended prompt 3's response
+        assert lengths[3] == 5 and ended == [False, False, False, True, False, False]  # 354 ended prompt 3's response
         assert rank["flash_attn_calls"]["varlen"] > 0 and rank["flash_attn_calls"]["kvcache"] > 0
+        assert rank["greedy_chunks"] > 0
         assert rank["triton_kv_append"] is False
 
 
@@ -111,10 +112,10 @@ def test_the_dynamic_engine_samples_from_the_stages_distribution(parity):
 
 def test_the_dynamic_engine_without_flash_attn_or_room_is_refused_naming_the_key(parity):
     """At start-up without flash-attn's kernels (or with an older one); at generation with a KV buffer smaller than
-    one sequence (17 tokens = 5 pages of 4; Megatron's least buffer holds 1 besides its dummy page)."""
+    one sequence (83 tokens = 21 pages of 4; Megatron's least buffer holds 1 besides its dummy page)."""
     line = parity[0]["small_buffer"]
     assert re.fullmatch(r"model\.megatron\.inference_buffer_gb=1e-06 holds 1 KV pages of 4 tokens; one sequence of "
-                        r"17 tokens needs 5: set it to at least [0-9.e-]+", line), line
+                        r"83 tokens needs 21: set it to at least [0-9.e-]+", line), line
     assert parity[0]["named_buffer_greedy"] == parity[0]["hf_greedy"]  # the size it names is enough
     refusals = parity[0]["refusals"]
     assert refusals["stand_in"] is None

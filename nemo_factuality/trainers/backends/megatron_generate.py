@@ -161,6 +161,9 @@ def generate_static_batch(model: Any, tokenizer: Any, eos_id: int, pad_id: int, 
 
 # tokens per page of the dynamic engine's KV cache: flash-attn 2's paged kernels need a multiple of 256
 KV_BLOCK_TOKENS = 256
+# tokens one forward step of the dynamic engine takes (prefill beyond it is chunked); None: Megatron's default, 16384.
+# A multiple of 64: the context pads each step's tokens to one
+MAX_STEP_TOKENS: int | None = None
 
 
 def check_inference_engine(engine: str) -> None:
@@ -194,7 +197,7 @@ def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, bu
         num_attention_heads=config.num_query_groups or config.num_attention_heads,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size, max_sequence_length=max_sequence_length,
-        buffer_size_gb=buffer_gb, max_requests=max_requests, block_size_tokens=KV_BLOCK_TOKENS,
+        buffer_size_gb=buffer_gb, max_requests=max_requests, max_tokens=MAX_STEP_TOKENS, block_size_tokens=KV_BLOCK_TOKENS,
         use_flashinfer_fused_rope=False, unified_memory_level=0)
     pages = -(-max_sequence_length // KV_BLOCK_TOKENS)
     if context.block_allocator.total_count - 1 < pages:  # one page is Megatron's dummy block
