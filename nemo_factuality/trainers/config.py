@@ -484,8 +484,8 @@ def _megatron_problems(cfg: Any) -> list[str]:
         problems.append("model.megatron.sequence_parallel=true needs model.tensor_model_parallel_size > 1 (it shards "
                         "the sequence over the tensor-parallel group); set it false at TP=1")
     if m.megatron.inference_engine == "dynamic" and cfg.rollout.engine != "megatron":
-        problems.append(f"model.megatron.inference_engine=dynamic with rollout.engine={cfg.rollout.engine}: the rollouts "
-                        "come from that engine, not Megatron's; set rollout.engine=megatron or leave it static")
+        problems.append(f"model.megatron.inference_engine=dynamic with rollout.engine={cfg.rollout.engine}: the "
+                        "rollouts come from that engine, not Megatron's; set rollout.engine=megatron or leave it static")
     if m.megatron.use_distributed_optimizer and m.optim.name != "adamw":
         problems.append(f"model.megatron.use_distributed_optimizer=true with model.optim.name={m.optim.name}: "
                         "Megatron's distributed optimizer is Adam's only; use adamw or set it false")

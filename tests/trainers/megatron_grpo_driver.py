@@ -5,7 +5,7 @@ HF folder ``final/``:
     torchrun --nproc_per_node 2 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2
     torchrun --nproc_per_node 2 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR
     torchrun --nproc_per_node 4 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2 --preset
-    torchrun --nproc_per_node 2 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2 --dynamic
+    torchrun --nproc_per_node 4 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2 --dynamic
 
 Runs, each from the initial state (weights and optimiser, saved before the first) and the same seed (SGD without
 momentum; ``--preset``: the GPU presets' settings, AdamW; ``--dynamic``: rollouts on Megatron's dynamic inference
@@ -61,9 +61,9 @@ PRESET = ["model.dtype=bfloat16", "model.megatron.sequence_parallel=true", "mode
           "model.megatron.recompute=full", "model.optim.name=adamw", "model.optim.lr=0.01"]
 
 
-# rollouts on the dynamic engine (4 requests in flight for each replica's 8 prompts), SP on around them
+# rollouts on the dynamic engine (2 requests in flight: each replica's 4 prompts at TP=2×DP=2 wait for slots), SP on
 DYNAMIC = ["model.megatron.inference_engine=dynamic", "model.megatron.inference_buffer_gb=0.01",
-           "model.megatron.sequence_parallel=true"]
+           "model.megatron.sequence_parallel=true", "model.rollout_micro_batch_size=2"]
 
 
 def fixed_logprobs(actor) -> list:

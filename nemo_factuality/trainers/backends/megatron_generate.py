@@ -182,7 +182,8 @@ def check_inference_engine(engine: str) -> None:
     if found is None or Version(found) < Version(FLASH_ATTN_MIN_VERSION):
         raise ConfigError(f"model.megatron.inference_engine=dynamic needs flash-attn >= {FLASH_ATTN_MIN_VERSION} "
                           "(Megatron-Core's dynamic engine attends only through its paged-KV kernels), found "
-                          f"{found or 'none importable'}: install flash-attn or set model.megatron.inference_engine=static")
+                          f"{found or 'none importable'}: install flash-attn or set "
+                          "model.megatron.inference_engine=static")
 
 
 def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, buffer_gb: float) -> Any:
@@ -197,14 +198,15 @@ def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, bu
         num_attention_heads=config.num_query_groups or config.num_attention_heads,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size, max_sequence_length=max_sequence_length,
-        buffer_size_gb=buffer_gb, max_requests=max_requests, max_tokens=MAX_STEP_TOKENS, block_size_tokens=KV_BLOCK_TOKENS,
-        use_flashinfer_fused_rope=False, unified_memory_level=0)
+        buffer_size_gb=buffer_gb, max_requests=max_requests, max_tokens=MAX_STEP_TOKENS,
+        block_size_tokens=KV_BLOCK_TOKENS, use_flashinfer_fused_rope=False, unified_memory_level=0)
     pages = -(-max_sequence_length // KV_BLOCK_TOKENS)
     if context.block_allocator.total_count - 1 < pages:  # one page is Megatron's dummy block
         need = _round_up((pages + 1) * context.block_size_bytes / 1024**3)  # Megatron's GB are GiB
-        raise ConfigError(f"model.megatron.inference_buffer_gb={buffer_gb} holds "
-                          f"{context.block_allocator.total_count - 1} KV pages of {KV_BLOCK_TOKENS} tokens; one sequence "
-                          f"of {max_sequence_length} tokens needs {pages}: set it to at least {need:g}")
+        held = context.block_allocator.total_count - 1
+        raise ConfigError(f"model.megatron.inference_buffer_gb={buffer_gb} holds {held} KV pages of {KV_BLOCK_TOKENS} "
+                          f"tokens; one sequence of {max_sequence_length} tokens needs {pages}: set it to at least "
+                          f"{need:g}")
     return context
 
 
