@@ -73,8 +73,8 @@ class MegatronModelConfig:
     # of model.rollout_micro_batch_size prompts at a time; runs anywhere) | dynamic = its dynamic engine (paged KV
     # cache, continuous batching of model.rollout_micro_batch_size requests in flight); needs flash-attn >= 2.7.3
     inference_engine: str = "static"
-    # inference_engine=dynamic: GB of the paged KV cache allocated on each GPU for the length of a generate call (freed
-    # after it); requests beyond what it holds wait
+    # inference_engine=dynamic: GiB (Megatron's buffer_size_gb, 1024³ bytes) of the paged KV cache allocated on each GPU
+    # for the length of a generate call (freed after it); requests beyond what it holds wait
     inference_buffer_gb: float = 4.0
 
 
