@@ -69,6 +69,13 @@ class MegatronModelConfig:
     # true: Megatron-Core's Transformer Engine layer spec (TE's fused kernels; the NGC container has TE); false: the
     # local spec (Megatron-Core's own layers, no fusions), which runs anywhere
     transformer_engine: bool = False
+    # rollouts (rollout.engine=megatron): static = Megatron-Core's static inference engine (one KV-cached static batch
+    # of model.rollout_micro_batch_size prompts at a time; runs anywhere) | dynamic = its dynamic engine (paged KV
+    # cache, continuous batching of model.rollout_micro_batch_size requests in flight); needs flash-attn >= 2.7.3
+    inference_engine: str = "static"
+    # inference_engine=dynamic: GiB (Megatron's buffer_size_gb, 1024³ bytes) of the paged KV cache allocated on each GPU
+    # for the length of a generate call (freed after it); requests beyond what it holds wait
+    inference_buffer_gb: float = 4.0
 
 
 @dataclass
@@ -364,6 +371,7 @@ _CHOICES = {
     "rollout.engine": ("megatron", "vllm", "trtllm"),
     "rollout.vllm.placement": ("colocated", "separate"),
     "model.megatron.recompute": ("none", "full", "selective"),
+    "model.megatron.inference_engine": ("static", "dynamic"),
 }
 
 
@@ -409,6 +417,8 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
     if m.micro_batch_size >= 1 and m.global_batch_size % m.micro_batch_size:
         problems.append(f"model.global_batch_size ({m.global_batch_size}) must be a multiple of "
                         f"model.micro_batch_size ({m.micro_batch_size})")
+    if m.megatron.inference_buffer_gb <= 0:
+        problems.append(f"model.megatron.inference_buffer_gb must be > 0, got {m.megatron.inference_buffer_gb}")
     if m.clip_ratio_c is not None and m.clip_ratio_c <= 1:
         problems.append(f"model.clip_ratio_c must be > 1 (dual clip) or null, got {m.clip_ratio_c}")
     rollout = _rollout_size(cfg)
@@ -473,6 +483,9 @@ def _megatron_problems(cfg: Any) -> list[str]:
     if m.megatron.sequence_parallel and m.tensor_model_parallel_size < 2:
         problems.append("model.megatron.sequence_parallel=true needs model.tensor_model_parallel_size > 1 (it shards "
                         "the sequence over the tensor-parallel group); set it false at TP=1")
+    if m.megatron.inference_engine == "dynamic" and cfg.rollout.engine != "megatron":
+        problems.append(f"model.megatron.inference_engine=dynamic with rollout.engine={cfg.rollout.engine}: the "
+                        "rollouts come from that engine, not Megatron's; set rollout.engine=megatron or leave it static")
     if m.megatron.use_distributed_optimizer and m.optim.name != "adamw":
         problems.append(f"model.megatron.use_distributed_optimizer=true with model.optim.name={m.optim.name}: "
                         "Megatron's distributed optimizer is Adam's only; use adamw or set it false")

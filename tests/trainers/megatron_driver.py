@@ -11,7 +11,8 @@ against transformers on the same tiny HF checkpoint. Each command writes ``<out>
 * ``parity``: logits and log-probs against transformers after loading; the gradient norm of one step of a fixed loss
   against transformers' (clipping off, SGD at lr 0: the step changes nothing); greedy rollouts against the hf backend's
   ``generate`` (transformers' ``generate``); 400 sampled first tokens against the probabilities the actor's log-probs
-  give them (temperature 0.7, top-k 8, top-p 0.9).
+  give them (temperature 0.7, top-k 8, top-p 0.9); the same with ``model.megatron.inference_engine=dynamic`` (the
+  flash-attn stand-in of ``testing/flash_attn_cpu.py``), and its start-up refusals where flash-attn is missing or old.
 * ``parity --unfixed scatter|tp-attributes``: the same with one of the backend's fixes undone (``megatron_build``), to
   show the checks above catch what it fixes.
 * ``train``: a fixed batch of 8 sequences, each rank its contiguous 8/DP rows, the loss normalised by the global token
@@ -25,12 +26,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nemo_factuality.testing import megatron_cpu  # noqa: E402
+from nemo_factuality.testing import flash_attn_cpu, megatron_cpu  # noqa: E402
 
+# before Megatron's attention binds flash-attn's kernels at import: the dynamic engine's attention on CPU (a reference
+# implementation; nothing else here calls flash-attn, and transformers' probe still finds none installed)
+FLASH_ATTN = flash_attn_cpu.install()
 megatron_cpu.apply()
 
 import torch  # noqa: E402
@@ -39,6 +44,8 @@ from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noq
 from nemo_factuality.trainers.interfaces import Rollout, SamplingParams  # noqa: E402
 
 ROWS, WIDTH, PROMPT = 8, 11, 3
+# longer than the dynamic engine's step of 64 tokens the driver sets: its prefill is chunked
+LONG_PROMPT = torch.randint(5, 390, (75,), generator=torch.Generator().manual_seed(11)).tolist()
 
 
 def make_model(out: Path, hidden: int = 64) -> None:
@@ -165,18 +172,114 @@ def generations(args, actor) -> dict:
     from nemo_factuality.trainers.backends.hf import HFActor
 
     cfg = load_train_config(GRPOConfig, None, [f"model.path={args.reference_hf or args.hf}", "remote_rm.url=http://127.0.0.1:9"])
-    prompts = [[5, 17, 33, 8], [9, 60], [120, 7, 7, 41, 300, 12], [2, 44, 31]]
+    prompts = [[5, 17, 33, 8], [9, 60], [120, 7, 7, 41, 300, 12], [2, 44, 31], [77, 3, 250, 18, 9, 61, 140, 2, 33],
+               LONG_PROMPT]
     greedy = SamplingParams(max_new_tokens=8, use_greedy=True)
     ours = actor.generate(prompts, greedy)
     ref = HFActor(cfg.model, max_steps=1).generate(prompts, greedy)
     one = [[5, 17, 33, 8, 90]]
     sampled = actor.generate(one * 400, SamplingParams(max_new_tokens=1, temperature=0.7, top_k=8, top_p=0.9))
-    lp = actor.logprobs(sampled)[:, len(one[0]) - 1]
-    first = sampled.tokens[:, len(one[0])]
-    tokens = sorted(set(first.tolist()))
     return {"greedy": [ours.tokens.tolist(), ours.response_lengths.tolist(), ours.is_end.tolist()],
             "hf_greedy": [ref.tokens.tolist(), ref.response_lengths.tolist(), ref.is_end.tolist()],
-            "sampled": {str(t): [int((first == t).sum()), float(lp[first == t][0].exp())] for t in tokens}}
+            "sampled": _first_token_counts(actor, sampled, len(one[0])),
+            **({} if args.unfixed or args.reference_hf else _timed(dynamic_generations, actor, prompts, greedy))}
+
+
+def _timed(fn, *args) -> dict:
+    start = time.perf_counter()
+    out = fn(*args)
+    return {**out, "dynamic_seconds": time.perf_counter() - start}
+
+
+def _first_token_counts(actor, sampled: Rollout, prompt_length: int) -> dict[str, list]:
+    """{token: [how often it came first, the probability the actor's log-probs give it]}."""
+    lp = actor.logprobs(sampled)[:, prompt_length - 1]
+    first = sampled.tokens[:, prompt_length]
+    return {str(t): [int((first == t).sum()), float(lp[first == t][0].exp())] for t in sorted(set(first.tolist()))}
+
+
+def _as_lists(rollout: Rollout) -> list:
+    return [rollout.tokens.tolist(), rollout.response_lengths.tolist(), rollout.is_end.tolist()]
+
+
+def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams) -> dict:
+    """The same actor with ``model.megatron.inference_engine=dynamic`` (the flash-attn stand-in's kernels): pages of 4
+    tokens, so each prompt and response spans several pages of the paged KV cache; steps of 64 tokens, so the 75-token
+    prompt's prefill is chunked; 2 requests in flight for 6 prompts of 2–75 tokens (packed varlen prefill; the rest
+    wait for a slot: continuous batching). Greedy rollouts (the test compares them with transformers'), greedy with an
+    EOS the responses reach mid-way against the static engine (the dynamic engine keeps that EOS among its tokens), 400
+    sampled first tokens with 64 requests in flight, a KV buffer too small for one sequence, and greedy rollouts in
+    the buffer its refusal names (one whole sequence's pages, shared by the 2 requests in flight)."""
+    from megatron.core.inference.contexts import dynamic_context
+
+    from nemo_factuality.config import ConfigError
+    from nemo_factuality.trainers.backends import megatron_generate
+
+    calls = {"varlen": 0, "kvcache": 0, "chunk": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            if name == "varlen":  # a later chunk of a prompt: several queries, fewer than its keys
+                q_len, k_len = args[3].diff(), args[4].diff()
+                calls["chunk"] += int(((q_len > 1) & (q_len < k_len)).any())
+            return fn(*args, **kwargs)
+        return call
+
+    from megatron.core.transformer import attention
+
+    attention.flash_attn_varlen_func = counted("varlen", flash_attn_cpu.flash_attn_varlen_func)
+    attention.flash_attn_with_kvcache = counted("kvcache", flash_attn_cpu.flash_attn_with_kvcache)
+    m = actor.cfg
+    megatron_generate.KV_BLOCK_TOKENS, megatron_generate.MAX_STEP_TOKENS, m.megatron.inference_buffer_gb = 4, 64, 0.01
+    m.megatron.inference_engine, m.rollout_micro_batch_size = "dynamic", 2
+    out = {"dynamic_greedy": _as_lists(actor.generate(prompts, greedy)), "greedy_chunks": calls["chunk"]}
+    eos, actor.eos_id = actor.eos_id, 354  # reached at the second token of prompt 3 (and later by others)
+    out["dynamic_eos_greedy"] = _as_lists(actor.generate(prompts, greedy))
+    m.megatron.inference_engine = "static"
+    out["static_eos_greedy"] = _as_lists(actor.generate(prompts, greedy))
+    actor.eos_id = eos
+    m.megatron.inference_engine, m.rollout_micro_batch_size = "dynamic", 64
+    megatron_generate.MAX_STEP_TOKENS = None  # Megatron's 16384: 64 prompts' prefill in one step
+    one = [[5, 17, 33, 8, 90]]
+    sampled = actor.generate(one * 400, SamplingParams(max_new_tokens=1, temperature=0.7, top_k=8, top_p=0.9))
+    out["dynamic_sampled"] = _first_token_counts(actor, sampled, len(one[0]))
+    megatron_generate.MAX_STEP_TOKENS = 64
+    m.megatron.inference_buffer_gb = 1e-6  # Megatron's least: 2 pages, one of them its dummy page
+    try:
+        actor.generate(prompts, greedy)
+        out["small_buffer"] = None
+    except ConfigError as err:
+        out["small_buffer"] = str(err)
+        m.megatron.inference_buffer_gb = float(str(err).rsplit(" ", 1)[-1])  # the size it names is enough
+        out["named_buffer_greedy"] = _as_lists(actor.generate(prompts, greedy))
+    out["flash_attn_calls"] = calls
+    out["triton_kv_append"] = dynamic_context.triton_append_key_value_cache is not None
+    m.megatron.inference_engine = "static"
+    out["refusals"] = _refusals(attention)
+    return out
+
+
+def _refusals(attention) -> dict:
+    """``check_inference_engine("dynamic")`` (the actor's start-up check) where Megatron found no flash-attn kernels and
+    where their version is below Megatron's minimum: each a one-line ``ConfigError``."""
+    from nemo_factuality.config import ConfigError
+    from nemo_factuality.trainers.backends.megatron_generate import check_inference_engine
+
+    def refusal() -> str | None:
+        try:
+            check_inference_engine("dynamic")
+        except ConfigError as err:
+            return str(err)
+        return None
+
+    out = {"stand_in": refusal()}
+    kernel, attention.flash_attn_varlen_func = attention.flash_attn_varlen_func, None
+    out["missing"] = refusal()
+    attention.flash_attn_varlen_func, FLASH_ATTN.__version__ = kernel, "2.6.3"
+    out["too_old"] = refusal()
+    FLASH_ATTN.__version__ = flash_attn_cpu.VERSION
+    return out
 
 
 def train(args) -> dict:

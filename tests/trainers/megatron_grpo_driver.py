@@ -5,9 +5,11 @@ HF folder ``final/``:
     torchrun --nproc_per_node 2 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2
     torchrun --nproc_per_node 2 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR
     torchrun --nproc_per_node 4 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2 --preset
+    torchrun --nproc_per_node 4 tests/trainers/megatron_grpo_driver.py --hf DIR --out DIR --tp 2 --dynamic
 
 Runs, each from the initial state (weights and optimiser, saved before the first) and the same seed (SGD without
-momentum; ``--preset``: the GPU presets' settings, AdamW):
+momentum; ``--preset``: the GPU presets' settings, AdamW; ``--dynamic``: rollouts on Megatron's dynamic inference
+engine — flash-attn's kernels from the CPU stand-in, pages of 4 tokens — with sequence parallelism on):
 ``straight`` (3 steps, a checkpoint every step) and ``interrupted`` (2 steps, then the same command with
 ``trainer.max_steps=3`` resumes from the step-2 checkpoint). Each rank writes ``<out>/rank<r>.json``: per run the exit
 code, the metrics logged, the checkpoints, the log-probs of fixed sequences afterwards, and (global rank 0) the
@@ -23,8 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nemo_factuality.testing import megatron_cpu  # noqa: E402
+from nemo_factuality.testing import flash_attn_cpu, megatron_cpu  # noqa: E402
 
+flash_attn_cpu.install()  # before Megatron binds flash-attn's kernels (only --dynamic calls them)
 megatron_cpu.apply()
 
 import torch  # noqa: E402
@@ -48,13 +51,19 @@ def overrides(args, run_dir: Path, max_steps: int) -> list[str]:
             "model.rollout_micro_batch_size=4", "model.length_params.max_length=5", "model.optim.sched.name=constant",
             "remote_rm.url=http://127.0.0.1:9", f"exp_manager.explicit_log_dir={run_dir}",
             "exp_manager.create_tensorboard_logger=false",
-            *(PRESET if args.preset else ["model.optim.name=sgd", "model.optim.lr=0.05"])]
+            *(PRESET if args.preset else ["model.optim.name=sgd", "model.optim.lr=0.05"]),
+            *(DYNAMIC if args.dynamic else [])]
 
 
 # the GPU presets' settings (at TP > 1): bf16 mixed precision, sequence parallelism, Megatron's distributed optimizer
 # (which is Adam's only), full activation recompute
 PRESET = ["model.dtype=bfloat16", "model.megatron.sequence_parallel=true", "model.megatron.use_distributed_optimizer=true",
           "model.megatron.recompute=full", "model.optim.name=adamw", "model.optim.lr=0.01"]
+
+
+# rollouts on the dynamic engine (2 requests in flight: each replica's 4 prompts at TP=2×DP=2 wait for slots), SP on
+DYNAMIC = ["model.megatron.inference_engine=dynamic", "model.megatron.inference_buffer_gb=0.01",
+           "model.megatron.sequence_parallel=true", "model.rollout_micro_batch_size=2"]
 
 
 def fixed_logprobs(actor) -> list:
@@ -86,6 +95,20 @@ def run(actor, args, name: str, run_dir: Path, max_steps: int) -> dict:
             "logprobs": fixed_logprobs(actor)}
 
 
+def _count_decode_steps() -> list[int]:
+    """``[n]``: how often Megatron's attention calls flash-attn's paged decode kernel (the dynamic engine's only)."""
+    from megatron.core.transformer import attention
+
+    count, kernel = [0], attention.flash_attn_with_kvcache
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return kernel(*args, **kwargs)
+
+    attention.flash_attn_with_kvcache = counted
+    return count
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hf", required=True)
@@ -93,7 +116,14 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--preset", action="store_true", help="the GPU presets' settings (PRESET)")
+    ap.add_argument("--dynamic", action="store_true", help="rollouts on the dynamic inference engine (DYNAMIC)")
     args = ap.parse_args()
+    if args.dynamic:
+        from nemo_factuality.trainers.backends import megatron_generate
+
+        # several pages per sequence (flash-attn's kernels need 256 tokens a page; the stand-in takes any)
+        megatron_generate.KV_BLOCK_TOKENS = 4
+    decodes = _count_decode_steps()
     out = Path(args.out)
     actor, _ = BACKENDS.get("megatron")(load_train_config(GRPOConfig, None, overrides(args, out / "init", 3)))
     actor.save(out / "initial")  # weights, fp32 main weights and Adam's (empty) state: each run starts from it
@@ -108,7 +138,8 @@ def main() -> int:
     runs["final_files"] = sorted(p.name for p in (out / "interrupted" / "final").iterdir())
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "dp_rank": actor.data_parallel_rank,
-                                                      "dp": actor.data_parallel_size, "runs": runs}))
+                                                      "dp": actor.data_parallel_size, "runs": runs,
+                                                      "paged_decode_calls": decodes[0]}))
     return 0
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -80,14 +81,58 @@ def test_sampled_tokens_follow_the_probabilities_of_the_logprobs(parity):
     of the probability the actor's log-probs give it, and the tokens drawn carry all the probability mass (none is
     drawn that the truncated distribution excludes, none it keeps is missing)."""
     for rank in parity:
-        counts = {t: c for t, (c, _) in rank["sampled"].items()}
-        probs = {t: p for t, (_, p) in rank["sampled"].items()}
-        n = sum(counts.values())
-        assert n == 400 and 1 < len(counts) <= 8
-        assert sum(probs.values()) == pytest.approx(1.0, abs=1e-3)
-        for t, p in probs.items():
-            assert abs(counts[t] / n - p) <= 4.5 * math.sqrt(p * (1 - p) / n), (t, counts[t], p)
+        _assert_follows_logprobs(rank["sampled"])
     assert len({json.dumps(r["sampled"], sort_keys=True) for r in parity}) == 1  # one set of tokens per replica
+
+
+def test_the_dynamic_engine_generates_transformers_greedy_tokens(parity):
+    """``model.megatron.inference_engine=dynamic`` on CPU (flash-attn's paged kernels from the reference stand-in
+    ``testing/flash_attn_cpu.py``, installed by the driver only): 6 prompts of 2–75 tokens, 2 requests in flight, pages
+    of 4 tokens, steps of 64 tokens — packed varlen prefill, chunked prefill of the 75-token prompt, paged decode,
+    continuous batching. Greedy tokens equal transformers' ``generate`` and the static engine's; with an EOS a response
+    reaches after 2 tokens, the rollouts (tokens, lengths, ``is_end``) equal the static engine's. Both kernels ran, a
+    prompt was prefilled in chunks, and the KV cache was written by Megatron's torch path (no triton)."""
+    for rank in parity:
+        assert rank["dynamic_greedy"] == rank["hf_greedy"] == rank["greedy"]
+        assert rank["dynamic_eos_greedy"] == rank["static_eos_greedy"]
+        tokens, lengths, ended = rank["dynamic_eos_greedy"]
+        assert lengths[3] == 5 and ended == [False, False, False, True, False, False]  # 354 ended prompt 3's response
+        assert rank["flash_attn_calls"]["varlen"] > 0 and rank["flash_attn_calls"]["kvcache"] > 0
+        assert rank["greedy_chunks"] > 0
+        assert rank["triton_kv_append"] is False
+
+
+def test_the_dynamic_engine_samples_from_the_stages_distribution(parity):
+    """The dynamic controller's sampling step is the stage's (``StageSamplingController._dynamic_step_sample_logits``):
+    400 first tokens with 64 requests in flight follow the actor's log-probs as the static engine's do."""
+    for rank in parity:
+        _assert_follows_logprobs(rank["dynamic_sampled"])
+    assert len({json.dumps(r["dynamic_sampled"], sort_keys=True) for r in parity}) == 1
+
+
+def test_the_dynamic_engine_without_flash_attn_or_room_is_refused_naming_the_key(parity):
+    """At start-up without flash-attn's kernels (or with an older one); at generation with a KV buffer smaller than
+    one sequence (83 tokens = 21 pages of 4; Megatron's least buffer holds 1 besides its dummy page)."""
+    line = parity[0]["small_buffer"]
+    assert re.fullmatch(r"model\.megatron\.inference_buffer_gb=1e-06 holds 1 KV pages of 4 tokens; one sequence of "
+                        r"83 tokens needs 21: set it to at least [0-9.e-]+", line), line
+    assert parity[0]["named_buffer_greedy"] == parity[0]["hf_greedy"]  # the size it names is enough
+    refusals = parity[0]["refusals"]
+    assert refusals["stand_in"] is None
+    for found in ("none importable", "found 2.6.3"):
+        line = refusals["missing" if found == "none importable" else "too_old"]
+        assert line.startswith("model.megatron.inference_engine=dynamic needs flash-attn >= 2.7.3") and found in line
+        assert "\n" not in line and "set model.megatron.inference_engine=static" in line
+
+
+def _assert_follows_logprobs(sampled: dict[str, list]) -> None:
+    counts = {t: c for t, (c, _) in sampled.items()}
+    probs = {t: p for t, (_, p) in sampled.items()}
+    n = sum(counts.values())
+    assert n == 400 and 1 < len(counts) <= 8
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-3)
+    for t, p in probs.items():
+        assert abs(counts[t] / n - p) <= 4.5 * math.sqrt(p * (1 - p) / n), (t, counts[t], p)
 
 
 @pytest.mark.parametrize("fix", ["scatter", "tp-attributes"])

@@ -4,7 +4,10 @@ megatron venv under torchrun on gloo (``megatron_grpo_driver.py``), and at TP=2Ã
 (bf16 mixed precision, sequence parallelism, the distributed optimizer, full recompute; AdamW). A run interrupted after
 step 2 and rerun with the same command resumes from its checkpoint and ends exactly where the uninterrupted run ends;
 ``final/`` reloads in transformers with the trained Megatron model's logits (in bf16 for the preset run: the two
-compute in different orders, measured 0.025 on logits of size ~4)."""
+compute in different orders, measured 0.025 on logits of size ~4). ``tp2dp2_dynamic``: the same at TP=2Ã—DP=2 with
+rollouts on Megatron's dynamic inference engine (the flash-attn stand-in's kernels) and sequence parallelism on: the stage takes
+its chunks as requests finish, each replica steps its own engine (2 of its 4 prompts in flight), and the rerun's
+rollouts are the straight run's (the stage's sampling streams)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ DRIVER = "tests/trainers/megatron_grpo_driver.py"
 
 
 # layout: (processes, driver arguments, the largest difference of final/'s logits in transformers)
-LAYOUTS = {"tp2": (2, ["--tp=2"], 1e-5), "dp2": (2, [], 1e-5), "tp2dp2_preset": (4, ["--tp=2", "--preset"], 0.1)}
+LAYOUTS = {"tp2": (2, ["--tp=2"], 1e-5), "dp2": (2, [], 1e-5), "tp2dp2_preset": (4, ["--tp=2", "--preset"], 0.1),
+           "tp2dp2_dynamic": (4, ["--tp=2", "--dynamic"], 1e-5)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -43,13 +47,16 @@ def _layout(request) -> str:
 
 
 def test_the_layout(ranks, request):
-    want = {"tp2": [0, 0], "dp2": [0, 1], "tp2dp2_preset": [0, 0, 1, 1]}[_layout(request)]
+    want = {"tp2": [0, 0], "dp2": [0, 1], "tp2dp2_preset": [0, 0, 1, 1],
+            "tp2dp2_dynamic": [0, 0, 1, 1]}[_layout(request)]
     assert [r["dp"] for r in ranks] == [max(want) + 1] * len(want)
     assert sorted(r["dp_rank"] for r in ranks) == want
 
 
-def test_the_stage_trains_three_steps_with_a_checkpoint_each(ranks):
+def test_the_stage_trains_three_steps_with_a_checkpoint_each(ranks, request):
     for r in ranks:
+        # the rollouts came from the engine the layout names: the dynamic engine's paged decode, or none of it
+        assert (r["paged_decode_calls"] > 0) == (_layout(request) == "tp2dp2_dynamic"), r["paged_decode_calls"]
         run = r["runs"]["straight"]
         assert run["exit"] == 0 and run["checkpoints"][-1] == "step_000003" and "latest" in run["checkpoints"]
         assert [m["step"] for m in run["metrics"]] == [1, 2, 3]

@@ -36,6 +36,11 @@ def test_every_stage_accepts_the_megatron_backend():
     (["model.megatron.sequence_parallel=true"], "model.megatron.sequence_parallel=true needs model.tensor_model"),
     (["model.megatron.recompute=uniform"], "model.megatron.recompute='uniform' (choose one of none, full, selective)"),
     (["model.megatron.use_distributed_optimizer=true", "model.optim.name=sgd"], "model.optim.name=sgd"),
+    (["model.megatron.inference_engine=paged"],
+     "model.megatron.inference_engine='paged' (choose one of static, dynamic)"),
+    (["model.megatron.inference_buffer_gb=0"], "model.megatron.inference_buffer_gb must be > 0"),
+    (["model.megatron.inference_engine=dynamic", "rollout.engine=vllm"],
+     "model.megatron.inference_engine=dynamic with rollout.engine=vllm"),
     (["rollout.engine=vllm", "rollout.vllm.placement=nearby"],
      "rollout.vllm.placement='nearby' (choose one of colocated, separate)"),
 ])
@@ -74,6 +79,7 @@ def test_the_schema_carries_the_gpu_settings_with_their_defaults():
     m = cfg.model.megatron
     assert (m.use_distributed_optimizer, m.sequence_parallel, m.recompute, m.transformer_engine) == \
         (False, False, "none", False)
+    assert (m.inference_engine, m.inference_buffer_gb) == ("static", 4.0)  # the static engine runs anywhere
     assert cfg.rollout.vllm.placement == "separate"
 
 

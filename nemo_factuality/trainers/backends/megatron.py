@@ -39,7 +39,12 @@ from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.backends import megatron_build as build
 from nemo_factuality.trainers.backends.collectives import on_group_source
 from nemo_factuality.trainers.backends.hf import SampledDistribution, token_logprobs
-from nemo_factuality.trainers.backends.megatron_generate import generate_static_batch, sequence_parallel_off
+from nemo_factuality.trainers.backends.megatron_generate import (
+    check_inference_engine,
+    generate_dynamic_chunks,
+    generate_static_batch,
+    sequence_parallel_off,
+)
 from nemo_factuality.trainers.backends.megatron_model import MegatronModel
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.types import FactualityInputError
@@ -59,6 +64,7 @@ class MegatronActor(MegatronModel):
         if not cfg.path:
             raise FactualityInputError("model.path must be an HF checkpoint folder (trainer.backend=megatron)")
         self.cfg = cfg
+        check_inference_engine(cfg.megatron.inference_engine)
         sampling_seed = torch.initial_seed()  # the stage's seed: Megatron's own seeding must not replace it
         self.layout = build.init_process_groups(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                                 device, seed)
@@ -99,14 +105,37 @@ class MegatronActor(MegatronModel):
         return assemble_rollout(list(self.generate_chunks(prompt_ids, sampling)), self.pad_id)
 
     def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
-        """Static batches of ``model.rollout_micro_batch_size`` prompts, bucketed by length (a stable sort: a prompt's
-        samples stay together), each yielded as soon as it is generated."""
+        """Chunks of ``model.rollout_micro_batch_size`` rows from ``model.megatron.inference_engine``'s engine, each
+        yielded as soon as it is generated."""
         if not prompt_ids:
             raise ValueError("generate: no prompts")
         asked = SampledDistribution.of(sampling)
         if not sampling.use_greedy and asked != self.distribution:
             raise ValueError(f"generate: sampling from {asked} but the log-probs are of {self.distribution} "
                              "(model.sampling_params: temperature, top_k, top_p)")
+        if self.cfg.megatron.inference_engine == "dynamic":
+            return self._dynamic_chunks(prompt_ids, sampling, asked)
+        return self._static_chunks(prompt_ids, sampling, asked)
+
+    def _dynamic_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                        asked: SampledDistribution) -> Iterator[RolloutChunk]:
+        """All prompts through one dynamic engine (``model.rollout_micro_batch_size`` in flight); the model is in
+        generation mode (eval, no grad, no SP) only while the engine steps, not while the stage holds a chunk."""
+        steps = generate_dynamic_chunks(self.model, self.tokenizer, self.eos_id, self.pad_id, prompt_ids, sampling,
+                                        asked, max_requests=max(1, self.cfg.rollout_micro_batch_size),
+                                        buffer_gb=self.cfg.megatron.inference_buffer_gb)
+        while True:
+            self.model.eval()
+            with torch.no_grad(), sequence_parallel_off(self.model):
+                chunk = next(steps, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    def _static_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                       asked: SampledDistribution) -> Iterator[RolloutChunk]:
+        """Static batches of ``model.rollout_micro_batch_size`` prompts, bucketed by length (a stable sort: a prompt's
+        samples stay together)."""
         order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         size = max(1, self.cfg.rollout_micro_batch_size)
         for start in range(0, len(order), size):

@@ -11,19 +11,34 @@ micro batch) over the policy's own weights, sampling from exactly the distributi
   instead, which do not.
 * Layout: prompts right-padded with EOS (Megatron's static batch continues each prompt in place); the generated tokens
   exclude the EOS, so a response that ended is the tokens plus EOS (``is_end``), as the hf backend returns it.
+
+``model.megatron.inference_engine=dynamic`` generates with Megatron-Core's ``DynamicInferenceEngine`` instead
+(``generate_dynamic_chunks``): a paged KV cache (``model.megatron.inference_buffer_gb``, blocks handed to requests as
+they grow), prefill of prompts of different lengths packed into one varlen forward (chunked when longer than the
+engine's token budget) and continuous batching (``model.rollout_micro_batch_size`` requests in flight, the rest wait
+for a finished one's slot). Its attention is flash-attn 2's paged kernels only, so it needs flash-attn >= 2.7.3
+(``check_inference_engine``, at start-up). Its controller samples in ``_dynamic_step_sample_logits`` (per bucket of
+requests with equal temperature/top-k/top-p, from its own generator): ``StageSamplingController`` replaces that step
+with the same stage distribution and source-rank broadcast as the static path's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
+from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.backends.hf import SampledDistribution
-from nemo_factuality.trainers.interfaces import Rollout, SamplingParams
+from nemo_factuality.trainers.interfaces import Rollout, RolloutChunk, SamplingParams
+
+# Megatron-Core 0.16.1's attention asserts this flash-attn version for dynamic batching (core/transformer/attention.py)
+FLASH_ATTN_MIN_VERSION = "2.7.3"
 
 
 class _TokenizerAdapter:
@@ -50,19 +65,33 @@ def _controller_class() -> type:
     )
 
     class StageSamplingController(TextGenerationController):
-        """Megatron's static-batch controller, sampling with the stage's distribution (module docstring)."""
+        """Megatron's controller (static and dynamic batching), sampling with the stage's distribution (module
+        docstring)."""
 
         distribution: SampledDistribution = SampledDistribution()
         greedy: bool = False
 
         def sample_from_logits(self, last_token_logits: torch.Tensor, sampling_params: Any = None,
                                vocab_size: int | None = None, **kwargs: Any) -> torch.Tensor:
+            """Static batching: ``[b, V]`` logits of each row's last token → ``[b]`` tokens."""
             logits = last_token_logits.float()  # [b, V]: the wrapper gathered the vocabulary over TP
             tokens = logits.argmax(dim=-1) if self.greedy else self.distribution.sample(logits)
             group = parallel_state.get_model_parallel_group()
             if torch.distributed.get_world_size(group) > 1:  # one replica, one set of tokens
                 torch.distributed.broadcast(tokens, src=torch.distributed.get_process_group_ranks(group)[0], group=group)
             return tokens
+
+        def _dynamic_step_sample_logits(self, logits: torch.Tensor) -> None:
+            """Dynamic batching: ``logits`` of this step's forward (``[1, n, V]`` with only each active request's last
+            token materialised, else ``[1, tokens, V]``) → the ``n`` active requests' tokens into
+            ``_sampled_tokens_cuda[:n]``, where Megatron's bookkeeping reads them."""
+            context = self.inference_wrapped_model.inference_context
+            if context.materialize_only_last_token_logits:
+                last = logits.squeeze(0)
+            else:
+                last = context.last_token_logits(logits)
+            active = context.total_request_count - context.paused_request_count
+            self._sampled_tokens_cuda[:active] = self.sample_from_logits(last[:active])
 
     return StageSamplingController
 
@@ -128,6 +157,122 @@ def generate_static_batch(model: Any, tokenizer: Any, eos_id: int, pad_id: int, 
     done = [engine.scheduler.completed_request_pool[i] for i in ids]
     return _rollout(prompt_ids, [list(map(int, r.generated_tokens.tolist())) for r in done], sampling.max_new_tokens,
                     eos_id, pad_id)
+
+
+# tokens per page of the dynamic engine's KV cache: flash-attn 2's paged kernels need a multiple of 256
+KV_BLOCK_TOKENS = 256
+# tokens one forward step of the dynamic engine takes (prefill beyond it is chunked); None: Megatron's default, 16384.
+# A multiple of 64: the context pads each step's tokens to one
+MAX_STEP_TOKENS: int | None = None
+
+
+def check_inference_engine(engine: str) -> None:
+    """Start-up check of ``model.megatron.inference_engine``: ``dynamic`` needs the flash-attn kernels Megatron-Core's
+    attention bound at import (flash-attn >= 2.7.3, or flash-attn 3). Refuses in one line naming the key."""
+    if engine != "dynamic":
+        return
+    from megatron.core.transformer import attention
+    from packaging.version import Version
+
+    if attention.HAVE_FA3:
+        return
+    found = None
+    if attention.flash_attn_varlen_func is not None and attention.flash_attn_with_kvcache is not None:
+        found = str(getattr(importlib.import_module("flash_attn"), "__version__", "0"))
+    if found is None or Version(found) < Version(FLASH_ATTN_MIN_VERSION):
+        raise ConfigError(f"model.megatron.inference_engine=dynamic needs flash-attn >= {FLASH_ATTN_MIN_VERSION} "
+                          "(Megatron-Core's dynamic engine attends only through its paged-KV kernels), found "
+                          f"{found or 'none importable'}: install flash-attn or set "
+                          "model.megatron.inference_engine=static")
+
+
+def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, buffer_gb: float) -> Any:
+    """A ``DynamicInferenceContext`` for this rank's stage of ``model``: its KV cache ``buffer_gb`` of pages of
+    ``KV_BLOCK_TOKENS`` tokens; CUDA graphs, unified memory and flashinfer's fused RoPE off (none is needed to
+    generate, and each is a CUDA-only path). Refuses a buffer too small for one sequence of ``max_sequence_length``."""
+    from megatron.core.inference.contexts import DynamicInferenceContext
+
+    config = model.config
+    context = DynamicInferenceContext(
+        params_dtype=config.params_dtype, num_layers=len(model.decoder.layers), kv_channels=config.kv_channels,
+        num_attention_heads=config.num_query_groups or config.num_attention_heads,
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size, max_sequence_length=max_sequence_length,
+        buffer_size_gb=buffer_gb, max_requests=max_requests, max_tokens=MAX_STEP_TOKENS,
+        block_size_tokens=KV_BLOCK_TOKENS, use_flashinfer_fused_rope=False, unified_memory_level=0)
+    pages = -(-max_sequence_length // KV_BLOCK_TOKENS)
+    if context.block_allocator.total_count - 1 < pages:  # one page is Megatron's dummy block
+        need = _round_up((pages + 1) * context.block_size_bytes / 1024**3)  # Megatron's GB are GiB
+        held = context.block_allocator.total_count - 1
+        raise ConfigError(f"model.megatron.inference_buffer_gb={buffer_gb} holds {held} KV pages of {KV_BLOCK_TOKENS} "
+                          f"tokens; one sequence of {max_sequence_length} tokens needs {pages}: set it to at least "
+                          f"{need:g}")
+    return context
+
+
+def _round_up(value: float, digits: int = 4) -> float:
+    """``value`` rounded up to ``digits`` significant digits (a size printed for the user must still be enough)."""
+    scale = 10 ** (digits - 1 - math.floor(math.log10(value)))
+    return math.ceil(value * scale) / scale
+
+
+def generate_dynamic_chunks(model: Any, tokenizer: Any, eos_id: int, pad_id: int, prompt_ids: Sequence[Sequence[int]],
+                            sampling: SamplingParams, distribution: SampledDistribution, *, max_requests: int,
+                            buffer_gb: float) -> Iterator[RolloutChunk]:
+    """Every prompt of ``prompt_ids`` through one Megatron-Core ``DynamicInferenceEngine`` on ``model`` (the bare
+    ``GPTModel`` of this rank's pipeline stage), at most ``max_requests`` in flight → ``RolloutChunk`` s of
+    ``max_requests`` rows (the last one fewer) in the order the requests finish, each as soon as it is complete.
+
+    Every rank of a model replica steps the engine in lockstep (the forward's collectives) and sees the same tokens
+    (sampled on the source rank), so all of them yield the same chunks."""
+    from megatron.core.inference.engines import DynamicInferenceEngine
+    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+    from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
+
+    if not prompt_ids or min(len(p) for p in prompt_ids) < 1:
+        raise ValueError("generate: every prompt needs at least one token")
+    requests = max(1, min(max_requests, len(prompt_ids)))
+    longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
+    wrapper_config = InferenceWrapperConfig(
+        hidden_size=model.config.hidden_size, params_dtype=model.config.params_dtype,
+        inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size, inference_max_requests=requests,
+        inference_max_seq_length=longest)
+    context = _dynamic_context(model, requests, longest, buffer_gb)
+    controller = _controller_class()(inference_wrapped_model=GPTInferenceWrapper(model, wrapper_config, context),
+                                     tokenizer=_TokenizerAdapter(tokenizer, eos_id))
+    controller.distribution, controller.greedy = distribution, sampling.use_greedy
+    engine = DynamicInferenceEngine(controller, context, random_seed=0)  # unused: the controller samples with torch's
+    asked = MegatronSampling(num_tokens_to_generate=sampling.max_new_tokens, termination_id=eos_id)
+    for i, prompt in enumerate(prompt_ids):
+        engine.add_request(i, list(map(int, prompt)), asked)
+    if engine.failed_request_ids:
+        raise ValueError(f"generate: Megatron's dynamic engine refused prompt rows {engine.failed_request_ids[:8]}")
+    done: list[Any] = []
+    try:
+        while engine.has_unfinished_requests():
+            done += [record.merge() for record in engine.step_modern()["finished_request_records"]]
+            while len(done) >= requests or (done and not engine.has_unfinished_requests()):
+                _drop_inference_mode_buffers()  # the stage may train on a chunk before the next step
+                ready, done = done[:requests], done[requests:]
+                yield _dynamic_chunk(prompt_ids, ready, sampling.max_new_tokens, eos_id, pad_id)
+    finally:
+        _drop_inference_mode_buffers()
+
+
+def _dynamic_chunk(prompt_ids: Sequence[Sequence[int]], finished: list[Any], max_new_tokens: int, eos_id: int,
+                   pad_id: int) -> RolloutChunk:
+    """Finished dynamic-engine requests (their ids are prompt rows) as a chunk in ``_rollout``'s layout. The dynamic
+    engine keeps the EOS that ended a request among its generated tokens; the static engine's layout has it after."""
+    rows, generated = [], []
+    for request in finished:
+        if request.failed():
+            raise ValueError(f"generate: Megatron's dynamic engine failed prompt row {request.request_id}: "
+                             f"{[str(e) for e in request.events][-1:]}")
+        tokens = list(map(int, request.generated_tokens))
+        rows.append(int(request.request_id))
+        generated.append(tokens[:-1] if tokens and tokens[-1] == eos_id else tokens)
+    return RolloutChunk(rows, _rollout([prompt_ids[r] for r in rows], generated, max_new_tokens, eos_id, pad_id))
 
 
 def _drop_inference_mode_buffers() -> None:
