@@ -5,6 +5,7 @@ its requirements and shared by every checkout; a venv counts only once the scrip
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -81,20 +82,61 @@ def venv_env(**extra: str) -> dict[str, str]:
 
 
 def run_bounded(cmd: list[str], *, timeout: float, env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in its own process group; past ``timeout`` kill that group (and only it) and raise."""
+    """Run ``cmd`` in its own process group; past ``timeout`` kill it and every process it started, and raise.
+
+    Its process group is not enough: torchrun starts each rank in a session of its own, so killing torchrun's group
+    left hung ranks running as orphans, holding the output pipe open (the test then waited for the pipe's end until
+    pytest's own timeout, and the ranks outlived the run). The whole process tree is collected first, then killed."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        kill_tree(proc.pid)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the tree still holds the pipe: give up on its output
+            proc.kill()
+            out = ""
         raise TimeoutError(f"{' '.join(cmd[:4])}… ran past {timeout:.0f} s and was killed; last output:\n{out[-4000:]}") from None
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid``, its process group and every descendant (whatever session or group they moved to); returns the
+    descendants' pids. Linux ``/proc``."""
+    tree = descendants(pid)
+    for target in [pid, *tree]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), from each process's parent in ``/proc/<pid>/stat``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited while we looked
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (comm) state": the parent's pid
+        children.setdefault(parent, []).append(int(entry))
+    out, frontier = [], [pid]
+    while frontier:
+        nxt = [c for p in frontier for c in children.get(p, [])]
+        out += nxt
+        frontier = nxt
+    return out
 
 
 def run_in_venv(venv: Path, args: list[str], *, env: dict[str, str], nproc: int = 1, timeout: float = 300,
