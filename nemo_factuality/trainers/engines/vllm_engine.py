@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Client, Connection
 from pathlib import Path
@@ -268,15 +267,20 @@ class VLLMEngine:
         self._reply("join_group")
         self._group = group
 
+    @property
+    def streaming(self) -> bool:
+        """A stream is open (``open_stream`` sent its request; neither ``close_stream`` nor ``abort_stream`` yet)."""
+        return self._stream is not None
+
     def open_stream(self, manifest: list[tuple[str, str, list[int]]]) -> None:
         """Start a refit: the request with the manifest (``[name, dtype, shape]`` per tensor, what ``send_tensor``
         will send, in any order); joins the refit group first after each engine start."""
         start = time.perf_counter()
         if self._group is None:
             self._join()
+        self._send({"op": "refit_stream", "manifest": [list(entry) for entry in manifest]})
         self._stream = {"index": {name: i for i, (name, _, _) in enumerate(manifest)}, "manifest": manifest,
                         "sent": set(), "start": start}
-        self._send({"op": "refit_stream", "manifest": [list(entry) for entry in manifest]})
 
     def send_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Broadcast one tensor of the open stream (its header, then it, in the manifest's dtype on the group's

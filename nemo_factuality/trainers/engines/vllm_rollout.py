@@ -136,7 +136,7 @@ class VLLMRollout:
             try:
                 if failure is None:
                     engine.close_stream()
-                elif not isinstance(failure, TRANSPORT_ERRORS) and engine._stream is not None:
+                elif not isinstance(failure, TRANSPORT_ERRORS) and engine.streaming:
                     engine.abort_stream()  # the actor's error, the engine alive: stop its reload cleanly
             except Exception as err:
                 failure = failure or err
