@@ -43,6 +43,17 @@ def gap(actor, rollout) -> float:
     return float(((actor.logprobs(rollout) - rollout.logprobs).abs() * mask).max())
 
 
+def _refit_then_kill(rollout, engine) -> None:
+    """Stream the trained weights (every rank), then kill the source's engine: the next rollout request finds it
+    dead, restarts it (model.path's weights) and every rank streams again before the request is repeated."""
+    import os
+    import signal
+
+    rollout.refit()
+    if engine is not None:
+        os.killpg(engine.pid, signal.SIGKILL)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("command", choices=["make-model", "refit"])
@@ -51,6 +62,8 @@ def main() -> int:
     ap.add_argument("--vllm-python")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--refit", choices=["file", "broadcast"], default="file")
+    ap.add_argument("--kill-before-rollout", action="store_true",
+                    help="after the 3 steps, refit, then kill the engine: the rollout must restart it and stream again")
     args = ap.parse_args()
     if args.command == "make-model":
         make_model(Path(args.hf), hidden=128)  # head_dim 32 = hidden / heads: what vLLM's Qwen2 and CPU attention take
@@ -71,10 +84,12 @@ def main() -> int:
         batch = fixed_batch()
         for _ in range(3):
             rollout.train_step(batch, policy_loss(float(batch["mask"].sum())), micro_batch_size=2)
+        if args.kill_before_rollout:
+            _refit_then_kill(rollout, engine)
         after = rollout.generate(PROMPTS, GREEDY)
         result.update(step3=after.tokens.tolist(), native3=actor.generate(PROMPTS, GREEDY).tokens.tolist(),
                       gap3=gap(actor, after), refits=rollout.refits, has_engine=engine is not None,
-                      wrote_file=weights.exists())
+                      wrote_file=weights.exists(), starts=engine.starts if engine is not None else 0)
     finally:
         rollout.close()
     (out / f"vllm.rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))

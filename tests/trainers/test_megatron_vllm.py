@@ -30,9 +30,12 @@ def policy(megatron_venv, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("tp, refit", [(1, "file"), (2, "file"), (2, "broadcast")])
 def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatron_venv, vllm_python, policy, tmp_path, tp,
                                                                           refit):
-    """``refit=broadcast``: the source streams Bridge's export tensor by tensor into the engine (gloo), no file."""
+    """``refit=broadcast``: the source streams Bridge's export tensor by tensor into the engine (gloo), no file; after
+    the 3 steps it streams, then its engine is killed: the rollout request restarts it and every rank streams again
+    before the request is repeated (the step-3 rollouts are still the native engine's)."""
+    kill = ["--kill-before-rollout"] if refit == "broadcast" else []
     res = run_in_megatron_venv(megatron_venv, [DRIVER, "refit", f"--hf={policy}", f"--out={tmp_path}",
-                                               f"--vllm-python={vllm_python}", f"--tp={tp}", f"--refit={refit}"],
+                                               f"--vllm-python={vllm_python}", f"--tp={tp}", f"--refit={refit}", *kill],
                                nproc=tp, timeout=600)
     assert res.returncode == 0, res.stdout[-6000:]
     ranks = [json.loads((tmp_path / f"vllm.rank{r}.json").read_text()) for r in range(tp)]
@@ -41,5 +44,7 @@ def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatro
         assert r["step0"] == r["native0"] and r["step3"] == r["native3"]
         assert r["step3"] != r["step0"]  # the 3 steps changed what greedy decoding says: the refit carried them
         assert r["gap0"] < 1e-4 and r["gap3"] < 1e-4, (r["gap0"], r["gap3"])
-        assert r["refits"] == 2 and r["step3"] == ranks[0]["step3"]
+        # broadcast: step 0's stream, the explicit one after the steps and the one after the restart
+        assert r["refits"] == (2 if refit == "file" else 3) and r["step3"] == ranks[0]["step3"]
         assert r["wrote_file"] == (refit == "file" and r["has_engine"])
+    assert ranks[0]["starts"] == (1 if refit == "file" else 2)

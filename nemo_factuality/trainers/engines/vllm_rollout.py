@@ -5,9 +5,8 @@ Everything but generation is the wrapped actor's (log-probs, training, checkpoin
 ``rollout.vllm.refit``: ``file`` — the actor's weights in the checkpoint's tensor names (``hf_state_dict``) go to one
 safetensors file the engine reloads; ``broadcast`` — the actor's ``hf_weights`` stream, tensor by tensor as it yields
 them, into the engine's workers over a process group of their own (``vllm_worker.py``), with no file and no full
-copy. The
-trainer recomputes every log-prob; each rollout carries the engine's own (``Rollout.logprobs``), so the stage
-logs the gap (``rollout/logprob_diff``) and can correct for it (``rollout.vllm.tis_cap``).
+copy. The trainer recomputes every log-prob; each rollout carries the engine's own (``Rollout.logprobs``), so the
+stage logs the gap (``rollout/logprob_diff``) and can correct for it (``rollout.vllm.tis_cap``).
 
 With data parallelism each replica has its own engine (colocated with it) and refits it from its own weights. With
 model parallelism (the megatron backend at TP/PP > 1) the export is collective — every rank of the replica gathers,
