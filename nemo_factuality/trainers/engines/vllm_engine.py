@@ -16,6 +16,7 @@ restarted engine holds ``model.path``'s weights until the rollout wrapper stream
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -254,8 +255,6 @@ class VLLMEngine:
         ``collective_rpc``) while this process builds its rank 0; both sides wait at most ``request_timeout_s``."""
         timeout = self.cfg.request_timeout_s
         if self._store is None:
-            import datetime
-
             self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                                      timeout=datetime.timedelta(seconds=timeout))
         world = 1 + self.cfg.tensor_parallel_size
@@ -288,7 +287,8 @@ class VLLMEngine:
         st = self._stream
         index = st["index"].get(name)
         if index is None or index in st["sent"]:
-            raise FactualityInputError(f"refit: the actor's tensor {name!r} is {'sent twice' if index is not None else 'not in the manifest'}")
+            what = "sent twice" if index is not None else "not in the manifest"
+            raise FactualityInputError(f"refit: the actor's tensor {name!r} is {what}")
         _, dtype, shape = st["manifest"][index]
         if list(tensor.shape) != list(shape):
             raise FactualityInputError(f"refit: {name} has shape {list(tensor.shape)}, the manifest says {shape}")
