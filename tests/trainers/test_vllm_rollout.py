@@ -2,11 +2,11 @@
 
 * Refit works, by file and by broadcast (``rollout.vllm.refit``): with greedy sampling the engine's rollouts are
   token-identical to the actor's own ``generate`` at step 1 and again after 3 optimiser steps that changed them (and
-  the broadcast writes no file); under sampling the engine's log-prob of each sampled
-  token is the trainer's (the same temperature / top-k / top-p distribution).
+  the broadcast writes no file); under sampling the engine's log-prob of each sampled token is the trainer's (the
+  same temperature / top-k / top-p distribution).
 * A GRPO run on vLLM learns as one on the native engine does, over seeds.
-* An engine that dies is restarted and refit (under broadcast: one killed mid-stream, within its timeout); past ``rollout.vllm.restarts`` the request raises a
-  ``ServerUnavailableError`` (the stage checkpoints and exits 75).
+* An engine that dies is restarted and refit (under broadcast: one killed mid-stream, within its timeout); past
+  ``rollout.vllm.restarts`` the request raises a ``ServerUnavailableError`` (the stage checkpoints and exits 75).
 * GRPO, PPO and KTO run through the real command with ``rollout.engine=vllm``.
 """
 
@@ -226,13 +226,18 @@ def _stage_args(stage: str, judge, tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("stage", ["grpo", "ppo", "kto"])
 def test_each_stage_runs_on_vllm_through_the_real_command(stage, engine_policy, vllm_python, judge, tmp_path):
     """``nemo-factuality train <stage> … rollout.engine=vllm``: the engine starts, refits after every update, and is
-    gone when the command returns."""
+    gone when the command returns. PPO's run refits by ``broadcast`` (the config's choice reaches the engine and the
+    rollout wrapper: no weights folder), GRPO's and KTO's by ``file``."""
     from nemo_factuality.trainers.cli import main as train_main
 
     run_dir = tmp_path / "run"
+    refit = "broadcast" if stage == "ppo" else "file"
     assert train_main([stage, *_stage_args(stage, judge, tmp_path), f"model.path={engine_policy}",
                        f"exp_manager.explicit_log_dir={run_dir}", "model.length_params.max_length=8",
-                       "trainer.max_steps=2", "rollout.engine=vllm", f"rollout.vllm.python={vllm_python}"]) == 0
+                       "trainer.max_steps=2", "rollout.engine=vllm", f"rollout.vllm.python={vllm_python}",
+                       f"rollout.vllm.refit={refit}"]) == 0
+    if stage != "kto":  # step 2's rollouts follow step 1's update: one refit, by file or not
+        assert (run_dir / "vllm" / "rank0" / "weights").exists() == (refit == "file")
     metrics = read_metrics(run_dir)
     assert metrics and all(math.isfinite(v) for m in metrics for k, v in m.items() if k.startswith("loss/"))
     if stage != "kto":  # KTO's labelled samples are trained offline: no old log-probs to compare
