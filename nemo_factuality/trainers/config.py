@@ -218,6 +218,11 @@ class VLLMEngineConfig:
     # separate = on GPUs of its own on the replica's node, after the trainer ranks' (LOCAL_WORLD_SIZE) GPUs
     # (nemo_factuality/placement.py; `nemo-factuality launch` sizes the job for it)
     placement: str = "colocated"
+    # how the trainer's weights reach the engine after each optimiser step: file = one safetensors file the engine
+    # reloads (the whole state dict in the source rank's memory and on disk every step); broadcast = streamed tensor
+    # by tensor into the engine's workers over a process group of their own (gloo on CPU, NCCL on GPUs: with
+    # trainer.device=cuda it needs placement=separate, NCCL refuses two ranks on one GPU). docs/cluster/vllm.md
+    refit: str = "file"
     max_model_len: int | None = None  # null = the checkpoint's
     start_timeout_s: float = 600.0  # an engine that does not answer within this is an error naming its log
     request_timeout_s: float = 1800.0  # one generate / refit request
@@ -370,6 +375,7 @@ _CHOICES = {
     "data.format": ("jsonl", "klcf", "rlfh", "fspo", "knowrl", "factalign"),
     "rollout.engine": ("megatron", "vllm", "trtllm"),
     "rollout.vllm.placement": ("colocated", "separate"),
+    "rollout.vllm.refit": ("file", "broadcast"),
     "model.megatron.recompute": ("none", "full", "selective"),
     "model.megatron.inference_engine": ("static", "dynamic"),
 }
@@ -462,6 +468,12 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
     if cfg.rollout.engine == "vllm" and cfg.trainer.backend == "aligner":
         problems.append("rollout.engine=vllm needs trainer.backend=hf or megatron (NeMo-Aligner's actor generates with "
                         "NeMo's engine or TensorRT-LLM: rollout.engine=megatron or trtllm)")
+    v = cfg.rollout.vllm
+    if (cfg.rollout.engine == "vllm" and v.refit == "broadcast" and v.placement == "colocated"
+            and str(cfg.trainer.device).startswith("cuda")):
+        problems.append("rollout.vllm.refit=broadcast with rollout.vllm.placement=colocated on trainer.device=cuda: "
+                        "NCCL refuses two ranks on one GPU (a colocated engine would need CUDA IPC, not built); use "
+                        "rollout.vllm.placement=separate or rollout.vllm.refit=file")
     tis = cfg.rollout.vllm.tis_cap
     if tis is not None and not tis >= 1.0:
         problems.append(f"rollout.vllm.tis_cap={tis}: the truncation of π_trainer / π_engine must be >= 1 (or null: off)")

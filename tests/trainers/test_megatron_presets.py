@@ -194,6 +194,8 @@ def test_the_preset_overrides_load_into_each_stage_schema(path):
             (True, True, "full", True)
         assert cfg.model.tensor_model_parallel_size == merged["model"]["tensor_model_parallel_size"]
         assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm.placement == merged["rollout"]["vllm"]["placement"]
+        # separate engines are streamed to (NCCL); colocated ones reload a file (broadcast would need CUDA IPC)
+        assert cfg.rollout.vllm.refit == ("broadcast" if cfg.rollout.vllm.placement == "separate" else "file")
         assert cfg.rollout.vllm.max_model_len == cfg.data.max_prompt_tokens + cfg.model.length_params.max_length
 
 

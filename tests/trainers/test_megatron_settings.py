@@ -43,6 +43,9 @@ def test_every_stage_accepts_the_megatron_backend():
      "model.megatron.inference_engine=dynamic with rollout.engine=vllm"),
     (["rollout.engine=vllm", "rollout.vllm.placement=nearby"],
      "rollout.vllm.placement='nearby' (choose one of colocated, separate)"),
+    (["rollout.engine=vllm", "rollout.vllm.refit=scp"], "rollout.vllm.refit='scp' (choose one of file, broadcast)"),
+    (["rollout.engine=vllm", "rollout.vllm.refit=broadcast", "trainer.device=cuda"],
+     "rollout.vllm.refit=broadcast with rollout.vllm.placement=colocated on trainer.device=cuda: NCCL refuses"),
 ])
 def test_what_the_megatron_backend_cannot_do_is_refused_naming_the_setting(extra, named):
     with pytest.raises(ConfigError, match=re.escape(named)):

@@ -1,7 +1,7 @@
 """``rollout.engine=vllm`` on the megatron backend, at TP=1 and TP=2: refit works (real vLLM, real Megatron-Core).
 
 Every rank exports the policy (Bridge gathers each weight once); the replica's model-parallel source rank alone holds
-the engine, refits it and broadcasts the rollouts. Greedy rollouts from the engine are token-identical to the
+the engine, refits it (by file, or at TP=2 also by broadcast: streamed as Bridge yields) and broadcasts the rollouts. Greedy rollouts from the engine are token-identical to the
 backend's own static engine at step 0 and again after 3 optimiser steps that changed them, on every rank, and the
 engine's log-probs are the trainer's.
 """
@@ -27,10 +27,16 @@ def policy(megatron_venv, tmp_path_factory) -> Path:
     return hf
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatron_venv, vllm_python, policy, tmp_path, tp):
+@pytest.mark.parametrize("tp, refit", [(1, "file"), (2, "file"), (2, "broadcast")])
+def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatron_venv, vllm_python, policy, tmp_path, tp,
+                                                                          refit):
+    """``refit=broadcast``: the source streams Bridge's export tensor by tensor into the engine (gloo), no file; after
+    the 3 steps it streams, then its engine is killed: the rollout request restarts it and every rank streams again
+    before the request is repeated (the step-3 rollouts are still the native engine's)."""
+    kill = ["--kill-before-rollout"] if refit == "broadcast" else []
     res = run_in_megatron_venv(megatron_venv, [DRIVER, "refit", f"--hf={policy}", f"--out={tmp_path}",
-                                               f"--vllm-python={vllm_python}", f"--tp={tp}"], nproc=tp, timeout=600)
+                                               f"--vllm-python={vllm_python}", f"--tp={tp}", f"--refit={refit}", *kill],
+                               nproc=tp, timeout=600)
     assert res.returncode == 0, res.stdout[-6000:]
     ranks = [json.loads((tmp_path / f"vllm.rank{r}.json").read_text()) for r in range(tp)]
     assert [r["has_engine"] for r in ranks] == [True] + [False] * (tp - 1)  # one engine per replica, on its source
@@ -38,4 +44,7 @@ def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatro
         assert r["step0"] == r["native0"] and r["step3"] == r["native3"]
         assert r["step3"] != r["step0"]  # the 3 steps changed what greedy decoding says: the refit carried them
         assert r["gap0"] < 1e-4 and r["gap3"] < 1e-4, (r["gap0"], r["gap3"])
-        assert r["refits"] == 2 and r["step3"] == ranks[0]["step3"]
+        # broadcast: step 0's stream, the explicit one after the steps and the one after the restart
+        assert r["refits"] == (2 if refit == "file" else 3) and r["step3"] == ranks[0]["step3"]
+        assert r["wrote_file"] == (refit == "file" and r["has_engine"])
+    assert ranks[0]["starts"] == (1 if refit == "file" else 2)

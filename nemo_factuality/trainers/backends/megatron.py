@@ -273,11 +273,35 @@ class MegatronActor(MegatronModel):
         self.load_model_weights(path)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole policy in the HF checkpoint's tensor names, CPU copies (a rollout engine's refit). Collective: every
-        rank of the job takes part (Bridge gathers each weight over tensor and pipeline parallelism once) and every
-        rank gets every tensor; copies, because on CPU the exported tensors can alias the live parameters."""
-        return {name: tensor.detach().to("cpu", copy=True).contiguous()
-                for name, tensor in self.bridge.export_hf_weights(self.chunks, cpu=True, show_progress=False)}
+        """The whole policy in the HF checkpoint's tensor names, CPU copies (a rollout engine's refit by file).
+        Collective (``hf_weights``); copies, because on CPU the exported tensors can alias the live parameters."""
+        return {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in self.hf_weights()}
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` in the HF checkpoint's names, one at a time as Bridge exports it (on this rank's
+        device). Collective: every rank of the job iterates it to the end (Bridge gathers each weight over tensor
+        and pipeline parallelism once) and every rank gets every tensor."""
+        for name, tensor in self.bridge.export_hf_weights(self.chunks, cpu=not self.on_gpu, show_progress=False):
+            yield name, tensor.detach()
+
+    def hf_weights_manifest(self) -> list[tuple[str, str, list[int]]]:
+        """``[name, dtype, shape]`` of each tensor ``hf_weights`` yields: the checkpoint's at ``model.path`` (Bridge
+        exports its names and shapes; the engine started from it), read from the safetensors headers only."""
+        from safetensors import safe_open
+
+        dtypes = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+        manifest = []
+        for file in sorted(Path(self.cfg.path).glob("*.safetensors")):
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    if sl.get_dtype() not in dtypes:
+                        raise FactualityInputError(f"{file}: {name} is {sl.get_dtype()}, not a float the refit streams")
+                    manifest.append((name, dtypes[sl.get_dtype()], list(sl.get_shape())))
+        if not manifest:
+            raise FactualityInputError(f"model.path={self.cfg.path} holds no safetensors files: the refit's manifest "
+                                       "is read from them")
+        return manifest
 
     def export(self, path: Path) -> None:
         """An HF folder ``transformers`` loads (collective; global rank 0 writes it)."""

@@ -6,10 +6,17 @@ run kills exactly it and its workers. Requests are JSON over an HMAC-authenticat
 that dies (or stops answering within ``request_timeout_s``) is restarted and refit with the trainer's current
 weights, up to ``restarts`` times in a run; past that the request raises ``EngineUnavailable``, a
 ``ServerUnavailableError``: the stage checkpoints and exits 75, as for a reward server gone past its window.
+
+Refit (``rollout.vllm.refit``): ``file`` — the trainer writes one safetensors file, the engine reloads it (a
+restarted engine reloads the same file); ``broadcast`` — the trainer streams the tensors into the engine's workers
+over a process group of their own (``open_stream`` / ``send_tensor`` / ``close_stream``, ``vllm_worker.py``); a
+restarted engine holds ``model.path``'s weights until the rollout wrapper streams the current ones again
+(``EngineRestarted``: the export is collective under model parallelism, so only the wrapper, on every rank, can).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -24,7 +31,10 @@ from multiprocessing.connection import Client, Connection
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nemo_factuality.trainers.config import VLLMEngineConfig
+from nemo_factuality.trainers.engines import vllm_worker
 from nemo_factuality.trainers.engines.vllm_server import KEY_ENV
 from nemo_factuality.types import FactualityInputError, ServerUnavailableError
 
@@ -40,6 +50,20 @@ class EngineUnavailable(ServerUnavailableError):
 
 class EngineError(RuntimeError):
     """The engine answered with an error (a bad request, not a dead engine): not retried."""
+
+
+class EngineRestarted(RuntimeError):
+    """``refit=broadcast``: the engine died and was restarted; it holds ``model.path``'s weights until the trainer
+    streams its current ones (``VLLMRollout`` does, on every rank of the replica, then asks again)."""
+
+
+class GroupError(ConnectionError):
+    """The refit group failed (gloo / NCCL raise plain ``RuntimeError``: a peer gone, the group's timeout)."""
+
+
+# what a dead or unresponsive engine looks like from the trainer: its channel closed or silent, its side of the
+# refit group gone (gloo / NCCL errors, the group's timeout); each leads to a restart
+TRANSPORT_ERRORS = (OSError, EOFError, TimeoutError, torch.distributed.DistError)
 
 
 class VLLMEngine:
@@ -58,6 +82,11 @@ class VLLMEngine:
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
         self.starts = 0
+        self.streamed = False  # refit=broadcast: the engine was sent weights (a restarted one needs them again)
+        self.needs_weights = False  # refit=broadcast: restarted since, not streamed to yet
+        self._store: Any = None  # the refit groups' rendezvous (TCPStore on loopback), one per engine object
+        self._group: Any = None  # this engine start's refit group (rank 0: this process)
+        self._stream: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> VLLMEngine:
@@ -81,6 +110,7 @@ class VLLMEngine:
         with open(log_path, "ab") as out:
             self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.starts += 1
+        self._group = None  # a new engine's workers form a new refit group (on first use)
         self._connect(ready, log_path)
         self._ask({"op": "health"})  # loaded and serving: the stage's step 1 waits for this on every replica
         log.info("vLLM engine ready: pid %d answered its health check %.1f s after it started%s", self._proc.pid,
@@ -145,20 +175,28 @@ class VLLMEngine:
     def request(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Send ``msg``; an engine that died or stopped answering is restarted (and refit) and asked again."""
         while True:
+            if self.needs_weights:
+                raise EngineRestarted("the vLLM engine was restarted and holds model.path's weights: stream the current ones")
             try:
                 return self._ask(msg)
             except (OSError, EOFError, TimeoutError) as err:
                 self._restart(err)
 
     def _ask(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._send(msg)
+        return self._reply(msg["op"])
+
+    def _send(self, msg: dict[str, Any]) -> None:
         if self._conn is None:
             raise ConnectionError("no engine connection")
         self._conn.send_bytes(json.dumps(msg).encode())
+
+    def _reply(self, op: str) -> dict[str, Any]:
         if not self._conn.poll(self.cfg.request_timeout_s):
             raise TimeoutError(f"no answer within rollout.vllm.request_timeout_s={self.cfg.request_timeout_s:g} s")
         reply = json.loads(self._conn.recv_bytes())
         if not reply.get("ok"):
-            raise EngineError(f"the vLLM engine refused {msg['op']}: {reply.get('error')}")
+            raise EngineError(f"the vLLM engine refused {op}: {reply.get('error')}")
         return reply
 
     def _restart(self, err: BaseException) -> None:
@@ -176,7 +214,9 @@ class VLLMEngine:
             self._conn = None
         self._kill()
         self.start()
-        if self.weights_dir is not None:
+        if self.cfg.refit == "broadcast":
+            self.needs_weights = self.streamed
+        elif self.weights_dir is not None:
             self._ask({"op": "refit", "path": str(self.weights_dir)})
 
     def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
@@ -192,6 +232,114 @@ class VLLMEngine:
             raise FactualityInputError(f"refit: {weights_dir} holds no safetensors files")
         self.weights_dir = weights_dir
         return float(self.request({"op": "refit", "path": str(weights_dir)})["seconds"])
+
+
+    # ------------------------------------------------------------------ refit=broadcast (trainer = rank 0 of the group)
+    @property
+    def group_backend(self) -> str:
+        """``nccl`` when the engine's model is on CUDA (it was given GPUs), ``gloo`` on CPU: the only difference."""
+        return "gloo" if self.devices is None else "nccl"
+
+    def _group_device(self) -> torch.device:
+        return torch.device("cpu") if self.group_backend == "gloo" else torch.device("cuda", torch.cuda.current_device())
+
+    def _collective(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the refit group; its failure (a dead engine's workers) becomes a ``GroupError``."""
+        try:
+            return fn(*args)
+        except RuntimeError as err:
+            raise GroupError(f"the refit group failed ({type(err).__name__}: {str(err)[:300]})") from err
+
+    def _join(self) -> None:
+        """Form this engine start's refit group: the engine's workers join it (a request that blocks in their
+        ``collective_rpc``) while this process builds its rank 0; both sides wait at most ``request_timeout_s``."""
+        timeout = self.cfg.request_timeout_s
+        if self._store is None:
+            self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                                     timeout=datetime.timedelta(seconds=timeout))
+        world = 1 + self.cfg.tensor_parallel_size
+        prefix = f"refit{self.starts}/"  # a restarted engine forms a new group on the same store
+        self._send({"op": "join_group", "host": "127.0.0.1", "port": self._store.port, "prefix": prefix,
+                    "world": world, "backend": self.group_backend, "timeout_s": timeout})
+        group = self._collective(vllm_worker.make_group, self._store, prefix, 0, world, self.group_backend, timeout,
+                                 self._group_device())
+        self._reply("join_group")
+        self._group = group
+
+    @property
+    def streaming(self) -> bool:
+        """A stream is open (``open_stream`` sent its request; neither ``close_stream`` nor ``abort_stream`` yet)."""
+        return self._stream is not None
+
+    def open_stream(self, manifest: list[tuple[str, str, list[int]]]) -> None:
+        """Start a refit: the request with the manifest (``[name, dtype, shape]`` per tensor, what ``send_tensor``
+        will send, in any order); joins the refit group first after each engine start."""
+        start = time.perf_counter()
+        if self._group is None:
+            self._join()
+        self._send({"op": "refit_stream", "manifest": [list(entry) for entry in manifest]})
+        self._stream = {"index": {name: i for i, (name, _, _) in enumerate(manifest)}, "manifest": manifest,
+                        "sent": set(), "start": start}
+
+    def send_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        """Broadcast one tensor of the open stream (its header, then it, in the manifest's dtype on the group's
+        device); a tensor the manifest lacks, sent twice or of another shape is an error of the exporting actor."""
+        st = self._stream
+        index = st["index"].get(name)
+        if index is None or index in st["sent"]:
+            what = "sent twice" if index is not None else "not in the manifest"
+            raise FactualityInputError(f"refit: the actor's tensor {name!r} is {what}")
+        _, dtype, shape = st["manifest"][index]
+        if list(tensor.shape) != list(shape):
+            raise FactualityInputError(f"refit: {name} has shape {list(tensor.shape)}, the manifest says {shape}")
+        device = self._group_device()
+        self._collective(vllm_worker.broadcast, self._group, torch.tensor([index, 0], dtype=torch.int64, device=device))
+        self._collective(vllm_worker.broadcast, self._group,
+                         tensor.detach().to(device=device, dtype=vllm_worker.torch_dtype(dtype)).contiguous())
+        st["sent"].add(index)
+
+    def close_stream(self) -> float:
+        """End the stream and wait for the engine's reload; every manifest tensor must have been sent. Returns the
+        seconds from ``open_stream``."""
+        st, self._stream = self._stream, None
+        missing = [st["manifest"][i][0] for i in range(len(st["manifest"])) if i not in st["sent"]]
+        if missing:
+            self._abort(st)
+            raise FactualityInputError(f"refit: the actor did not send {len(missing)} manifest tensor(s): {missing[:5]}")
+        self._collective(vllm_worker.broadcast, self._group, torch.tensor([vllm_worker.END, len(st["sent"])],
+                                                                          dtype=torch.int64, device=self._group_device()))
+        received = self._reply("refit_stream")["received"]
+        if any(n != len(st["sent"]) for n in received):
+            raise EngineError(f"refit: sent {len(st['sent'])} tensors, the engine's workers took {received}")
+        self.streamed, self.needs_weights = True, False
+        return time.perf_counter() - st["start"]
+
+    def abort_stream(self) -> None:
+        """End an open stream without loading it (the actor's export failed); the engine answers with an error."""
+        st, self._stream = self._stream, None
+        if st is not None:
+            self._abort(st)
+
+    def _abort(self, st: dict[str, Any]) -> None:
+        self._collective(vllm_worker.broadcast, self._group, torch.tensor([vllm_worker.ABORT, 0], dtype=torch.int64,
+                                                                          device=self._group_device()))
+        try:
+            self._reply("refit_stream")
+        except EngineError:
+            pass  # the refusal the abort asked for
+        self.needs_weights = True  # some tensors may be loaded: the engine's weights are a mix until the next refit
+
+    def recover(self, failure: BaseException | None) -> bool:
+        """After a stream (on the replica's source rank): False when it worked; True when the engine died or stopped
+        answering and was restarted (stream again); past ``restarts``, ``EngineUnavailable``; any other failure is
+        raised as it is."""
+        if failure is None:
+            return False
+        self._stream = None
+        if not isinstance(failure, TRANSPORT_ERRORS):
+            raise failure
+        self._restart(failure)
+        return True
 
 
 def engine_python(cfg: VLLMEngineConfig) -> str:

@@ -1,15 +1,20 @@
 """``rollout.engine=vllm``: a ``PolicyActor`` whose rollouts come from a vLLM engine holding the actor's weights.
 
 Everything but generation is the wrapped actor's (log-probs, training, checkpoints). After each optimiser step
-(and a checkpoint load) the engine's weights are stale; the next ``generate`` refits them first: the actor's
-weights in the checkpoint's tensor names (``hf_state_dict``) go to one safetensors file the engine reloads. The
-trainer recomputes every log-prob; each rollout carries the engine's own (``Rollout.logprobs``), so the stage
-logs the gap (``rollout/logprob_diff``) and can correct for it (``rollout.vllm.tis_cap``).
+(and a checkpoint load) the engine's weights are stale; the next ``generate`` refits them first, by
+``rollout.vllm.refit``: ``file`` — the actor's weights in the checkpoint's tensor names (``hf_state_dict``) go to one
+safetensors file the engine reloads; ``broadcast`` — the actor's ``hf_weights`` stream, tensor by tensor as it yields
+them, into the engine's workers over a process group of their own (``vllm_worker.py``), with no file and no full
+copy. The trainer recomputes every log-prob; each rollout carries the engine's own (``Rollout.logprobs``), so the
+stage logs the gap (``rollout/logprob_diff``) and can correct for it (``rollout.vllm.tis_cap``).
 
 With data parallelism each replica has its own engine (colocated with it) and refits it from its own weights. With
 model parallelism (the megatron backend at TP/PP > 1) the export is collective — every rank of the replica gathers,
-each weight once — and the replica's model-parallel source rank alone holds the engine, writes the weights, asks for
-the rollouts and broadcasts them (its errors too: an engine gone past its restarts stops every rank alike).
+each weight once — and the replica's model-parallel source rank alone holds the engine, writes (or broadcasts) the
+weights, asks for the rollouts and broadcasts them (its errors too: an engine gone past its restarts stops every rank
+alike). Under ``broadcast`` an engine that dies is restarted by the source and streamed to again by every rank (the
+export is collective): a stream's outcome and a rollout's "restarted, stream again" are decided on the source and
+broadcast, so every rank takes the same path.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from typing import Any
 
 import torch
 
-from nemo_factuality.trainers.engines.vllm_engine import VLLMEngine
+from nemo_factuality.trainers.engines.vllm_engine import TRANSPORT_ERRORS, EngineRestarted, VLLMEngine
 from nemo_factuality.trainers.interfaces import Rollout, RolloutChunk, SamplingParams, assemble_rollout
 
 log = logging.getLogger(__name__)
@@ -33,11 +38,14 @@ class VLLMRollout:
     """The actor with ``generate`` / ``generate_chunks`` on ``engine``; every other attribute is the actor's."""
 
     def __init__(self, actor: Any, engine: VLLMEngine | None, *, weights_dir: Path, chunk_size: int,
-                 in_sync: bool = True) -> None:
+                 in_sync: bool = True, refit: str = "file") -> None:
         """``engine``: None on a model-parallel rank that is not its replica's source. ``in_sync``: the engine holds
         the actor's weights now (it started from ``model.path``, the actor's initial weights); else the first
-        ``generate`` refits it."""
+        ``generate`` refits it. ``refit``: ``rollout.vllm.refit`` (every rank of a replica passes the same)."""
         self.actor, self.engine, self.weights_dir, self.chunk_size = actor, engine, Path(weights_dir), max(1, chunk_size)
+        if engine is not None and engine.cfg.refit != refit:
+            raise ValueError(f"VLLMRollout(refit={refit!r}) on an engine configured for {engine.cfg.refit!r}")
+        self.refit_mode = refit
         self.stale = not in_sync
         self._reload_due = False  # weights written, not yet loaded by the engine (the source's next request does)
         self.refits = 0
@@ -65,9 +73,17 @@ class VLLMRollout:
             self.engine.close()
 
     # ------------------------------------------------------------------ refit and generation
+    @property
+    def broadcast(self) -> bool:
+        """``rollout.vllm.refit=broadcast`` (every rank knows it, the engine's or not)."""
+        return self.refit_mode == "broadcast"
+
     def refit(self) -> float:
         """Export the actor's current weights (collective under model parallelism) and, on the engine's rank, write
-        them for the engine, which loads them before its next rollout; returns the seconds it took."""
+        them for the engine, which loads them before its next rollout (``file``), or stream them into it now
+        (``broadcast``); returns the seconds it took."""
+        if self.broadcast:
+            return self._refit_broadcast()
         from safetensors.torch import save_file
 
         start = time.perf_counter()
@@ -82,6 +98,48 @@ class VLLMRollout:
         self.refits += 1
         self.last_refit_s = time.perf_counter() - start
         return self.last_refit_s
+
+    def _refit_broadcast(self) -> float:
+        """Stream the actor's weights into the engine; every rank of the replica iterates the export, the source
+        sends. A dead engine is restarted (on the source) and streamed to again (every rank): the source's verdict
+        is broadcast, so all ranks loop alike; past ``restarts`` every rank raises the ``EngineUnavailable``."""
+        start = time.perf_counter()
+        on_source = getattr(self.actor, "on_model_parallel_source", None) or (lambda fn: fn())
+        while True:
+            failure = self._stream_once()
+            if not on_source(lambda f=failure: self.engine.recover(f)):
+                break
+        self.stale = False
+        self.refits += 1
+        self.last_refit_s = time.perf_counter() - start
+        return self.last_refit_s
+
+    def _stream_once(self) -> BaseException | None:
+        """One pass over ``actor.hf_weights()`` (every rank: the export is collective); the source broadcasts each
+        tensor as it comes. Returns the source's failure (None elsewhere); the rest of the export still runs, so
+        the replica's ranks leave it together."""
+        failure: BaseException | None = None
+        engine = self.engine
+        if engine is not None:
+            try:
+                engine.open_stream(self.actor.hf_weights_manifest())
+            except Exception as err:  # judged by engine.recover, on the source, after the export
+                failure = err
+        for name, tensor in self.actor.hf_weights():
+            if engine is not None and failure is None:
+                try:
+                    engine.send_tensor(name, tensor)
+                except Exception as err:
+                    failure = err
+        if engine is not None:
+            try:
+                if failure is None:
+                    engine.close_stream()
+                elif not isinstance(failure, TRANSPORT_ERRORS) and engine.streaming:
+                    engine.abort_stream()  # the actor's error, the engine alive: stop its reload cleanly
+            except Exception as err:
+                failure = failure or err
+        return failure
 
     def _reload(self) -> None:
         """The engine loads the written weights (on the engine's rank, inside the broadcast call: its failure reaches
@@ -114,9 +172,21 @@ class VLLMRollout:
             # from the trainer's random stream, drawn on every rank alike: a resumed step (its RNG state restored)
             # samples the same rollouts, and the model-parallel ranks' streams stay together
             seed = int(torch.randint(0, 2**31 - 1, (1,)))
-            yield RolloutChunk(rows, on_source(lambda p=prompts, s=seed: self._engine_rollout(p, sampling, s)))
+            while True:
+                out = on_source(lambda p=prompts, s=seed: self._engine_rollout(p, sampling, s))
+                if out is not None:
+                    break
+                self.refit()  # broadcast: the engine was restarted; every rank streams the weights again
+            yield RolloutChunk(rows, out)
 
-    def _engine_rollout(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
+    def _engine_rollout(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout | None:
+        """The engine's rollout of ``prompts``; None when (``broadcast``) the engine was restarted without weights."""
+        try:
+            return self._generate_on_engine(prompts, sampling, seed)
+        except EngineRestarted:
+            return None
+
+    def _generate_on_engine(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
         self._reload()
         out = self.engine.generate(prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                    top_k=sampling.top_k, top_p=sampling.top_p, greedy=sampling.use_greedy,
@@ -157,7 +227,7 @@ def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
         engine = VLLMEngine(cfg.model.path, v, dtype=v.dtype or cfg.model.dtype, seed=cfg.trainer.seed + rank,
                             log_dir=run_dir / "vllm" / f"rank{rank}", devices=devices).start()
     return VLLMRollout(actor, engine, weights_dir=run_dir / "vllm" / f"rank{rank}" / "weights",
-                       chunk_size=cfg.model.rollout_micro_batch_size)
+                       chunk_size=cfg.model.rollout_micro_batch_size, refit=v.refit)
 
 
 def engine_devices(cfg: Any, rank: int, world: int, environ: Mapping[str, str], *, source: bool) -> list[str] | None:

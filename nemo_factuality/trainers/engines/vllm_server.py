@@ -4,8 +4,8 @@ It runs in an interpreter that has vLLM (``rollout.vllm.python``: on CPU the tes
 transformers 5 cannot share a process with Megatron-Bridge's transformers 4; on a GPU node the container's), with
 the checkout on ``PYTHONPATH``, and imports nothing of the toolkit but this file. The channel is
 ``multiprocessing.connection`` on loopback with the HMAC key from ``$NEMO_FACTUALITY_ENGINE_KEY``, and every
-message is JSON (never pickle): ``{"op": "generate" | "refit" | "health" | "shutdown", ...}`` → ``{"ok": true, ...}``
-or ``{"ok": false, "error": "..."}``.
+message is JSON (never pickle): ``{"op": "generate" | "refit" | "join_group" | "refit_stream" | "health" |
+"shutdown", ...}`` → ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
 
 * ``generate``: token-id prompts and the stage's sampling → per prompt the generated ids (EOS kept when it ended),
   the log-prob of each under the distribution sampled from (``logprobs_mode=processed_logprobs``: after the
@@ -14,6 +14,10 @@ or ``{"ok": false, "error": "..."}``.
 * ``refit``: the weights at ``path`` (a folder of safetensors files in the checkpoint's names) replace the
   engine's through the worker's ``reload_weights`` (``load_weights`` fails on CPU, whose linear weights are
   repacked), and the prefix cache is dropped.
+* ``join_group`` / ``refit_stream`` (``rollout.vllm.refit=broadcast``): every worker joins the trainer's refit group
+  (``vllm_worker.BroadcastRefit``, the worker extension), then per refit receives the manifest's tensors as the
+  trainer broadcasts them into ``reload_weights``. Both block in ``collective_rpc`` while the trainer's side of the
+  collective runs: the trainer sends the request, takes part, then reads the reply.
 
     python -m nemo_factuality.trainers.engines.vllm_server --model DIR --port 0 --ready-file F [--dtype float32]
 """
@@ -65,6 +69,19 @@ def refit(llm: Any, msg: dict) -> dict:
     return {"seconds": time.perf_counter() - start}
 
 
+def join_group(llm: Any, msg: dict) -> dict:
+    llm.collective_rpc("join_refit_group", kwargs={k: msg[k] for k in ("host", "port", "prefix", "world", "backend",
+                                                                        "timeout_s")})
+    return {}
+
+
+def refit_stream(llm: Any, msg: dict) -> dict:
+    start = time.perf_counter()
+    received = llm.collective_rpc("receive_refit", kwargs={"manifest": msg["manifest"]})
+    llm.reset_prefix_cache()
+    return {"seconds": time.perf_counter() - start, "received": [int(n) for n in received]}
+
+
 def serve(llm: Any, listener: Listener) -> None:
     """Answer one trainer connection at a time until ``shutdown``."""
     while True:
@@ -80,7 +97,9 @@ def serve(llm: Any, listener: Listener) -> None:
                     if op == "shutdown":
                         conn.send_bytes(json.dumps({"ok": True}).encode())
                         return
-                    reply = {"generate": generate, "refit": refit, "health": lambda _llm, _m: {}}[op](llm, msg)
+                    ops = {"generate": generate, "refit": refit, "join_group": join_group, "refit_stream": refit_stream,
+                           "health": lambda _llm, _m: {}}
+                    reply = ops[op](llm, msg)
                     reply["ok"] = True
                 except Exception as err:  # the trainer gets the reason; the engine keeps serving
                     reply = {"ok": False, "error": f"{type(err).__name__}: {err}"}
@@ -110,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
     kwargs: dict[str, Any] = {"model": args.model, "dtype": args.dtype, "enforce_eager": True, "seed": args.seed,
                               "generation_config": "vllm", "logprobs_mode": "processed_logprobs",
-                              "tensor_parallel_size": args.tensor_parallel_size}
+                              "tensor_parallel_size": args.tensor_parallel_size,
+                              # refit=broadcast's receiving side, on every worker (imports only torch)
+                              "worker_extension_cls": "nemo_factuality.trainers.engines.vllm_worker.BroadcastRefit"}
     if args.max_model_len:
         kwargs["max_model_len"] = args.max_model_len
     import torch

@@ -1,0 +1,106 @@
+"""``rollout.vllm.refit=broadcast``: the weight stream from the trainer into the vLLM engine's workers, both ends.
+
+Imports only torch: the engine's workers import this module (``LLM(worker_extension_cls=...)``) in the engine's
+venv, which has none of the toolkit's dependencies, and the trainer imports it for the sending side.
+
+The group is a process group of its own, built as a ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object (the trainer's
+and vLLM's default groups already exist in their processes): rank 0 is the trainer's model-parallel source rank,
+ranks 1..T the engine's T workers, rendezvous on a ``TCPStore`` the trainer hosts on loopback (the engine runs on the
+replica's node). ``gloo`` when the engine's model is on CPU, ``nccl`` on CUDA — the only difference, so the CPU tests
+execute the code the GPU runs.
+
+One refit, after the JSON request that carries the manifest (``[name, dtype, shape]`` per tensor): per tensor a
+header ``int64[2] = [manifest index, 0]`` then the tensor itself (manifest shape and dtype), both broadcast from rank 0;
+``[-1, tensors sent]`` ends the stream, ``[-2, 0]`` aborts it (the trainer's export failed: the workers raise and the
+engine keeps its previous weights only as far as nothing was loaded yet). The index lets the actor yield in its own
+order (Bridge's export order is not the checkpoint's) while every tensor's layout is known before it arrives.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+END, ABORT = -1, -2
+
+
+def make_group(store: Any, prefix: str, rank: int, world: int, backend: str, timeout_s: float, device: Any) -> Any:
+    """The refit group's ``rank`` of ``world``: its keys under ``prefix`` on ``store`` (a fresh prefix per engine
+    start: a restarted engine forms a new group on the same store); ops that wait past ``timeout_s`` raise."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    pstore = torch.distributed.PrefixStore(prefix, store)
+    if backend == "gloo":
+        opts = torch.distributed.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        return torch.distributed.ProcessGroupGloo(pstore, rank, world, opts)
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        opts = torch.distributed.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(pstore, rank, world, opts)
+    raise ValueError(f"refit group backend {backend!r}: gloo (CPU) or nccl (CUDA)")
+
+
+def broadcast(group: Any, tensor: torch.Tensor) -> None:
+    """``tensor`` from rank 0 to every rank of ``group``, in place; waits (the group's timeout bounds it)."""
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    group.broadcast([tensor], opts).wait()
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32"`` → ``torch.float32`` (the manifest's JSON spelling)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"manifest dtype {name!r} is not a torch dtype")
+    return dtype
+
+
+def receive(group: Any, manifest: Sequence[Sequence[Any]], device: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors rank 0 streams, ``(name, tensor)`` in the order sent, each allocated from its manifest entry on
+    ``device``; ends at the end header (raises if the count differs from what rank 0 says it sent)."""
+    header = torch.zeros(2, dtype=torch.int64, device=device)
+    received = 0
+    while True:
+        broadcast(group, header)
+        index, count = (int(v) for v in header.tolist())
+        if index == END:
+            if count != received:
+                raise RuntimeError(f"refit stream: rank 0 sent {count} tensors, {received} arrived")
+            return
+        if index == ABORT:
+            raise RuntimeError("refit stream aborted by the trainer (its weight export failed)")
+        name, dtype, shape = manifest[index]
+        tensor = torch.empty([int(s) for s in shape], dtype=torch_dtype(dtype), device=device)
+        broadcast(group, tensor)
+        received += 1
+        yield name, tensor
+
+
+class BroadcastRefit:
+    """vLLM worker extension (``worker_extension_cls``): its methods run on every engine worker through
+    ``collective_rpc``. ``join_refit_group`` once per engine start, ``receive_refit`` per refit."""
+
+    def join_refit_group(self, host: str, port: int, prefix: str, world: int, backend: str, timeout_s: float) -> None:
+        store = torch.distributed.TCPStore(host, int(port), is_master=False,
+                                           timeout=datetime.timedelta(seconds=timeout_s))
+        rank = 1 + int(self.rank)  # the trainer is rank 0; vLLM's workers are 0..T-1 in its own groups
+        self._refit_device = self.model_runner.device
+        self._refit_group = make_group(store, prefix, rank, int(world), backend, timeout_s, self._refit_device)
+
+    def receive_refit(self, manifest: list[list[Any]]) -> int:
+        """Feed the stream to ``reload_weights`` (checkpoint names and layout; ``load_weights`` fails on CPU, whose
+        linear weights are repacked); returns the tensors received."""
+        seen = [0]
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for item in receive(self._refit_group, manifest, self._refit_device):
+                seen[0] += 1
+                yield item
+
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        return seen[0]
