@@ -79,8 +79,9 @@ class PPOTrainer(GRPOTrainer):
 
     def __init__(self, cfg: PPOConfig, actor: PolicyActor, critic: Critic, reward: Any, train_data: Sequence[PromptRecord],
                  *, run_dir: Path, validate: Any = None, val_data: Sequence[PromptRecord] | None = None) -> None:
+        self.critic = critic  # saved and restored with the actor by the shared checkpoint code (set first: the
+        # start-up checks ask it how it splits a minibatch)
         super().__init__(cfg, actor, reward, train_data, run_dir=run_dir, validate=validate, val_data=val_data)  # type: ignore[arg-type]
-        self.critic = critic  # saved and restored with the actor by the shared checkpoint code
 
     def _prompts_per_step(self) -> int:
         return self.cfg.ppo.num_prompts_per_step
@@ -163,7 +164,10 @@ class PPOTrainer(GRPOTrainer):
         return loss, {"loss/value": loss.item()}
 
     def _other_micro_batch_sizes(self) -> dict[str, int]:
-        # each rank's minibatch share trains the critic too, in micro batches of its own size
+        # each rank's minibatch share trains an in-process critic (hf, megatron) too, in micro batches of its own size;
+        # the aligner backend's critic server trains on the minibatch gathered from every rank (config.py checks that)
+        if getattr(self.critic, "trains_on_gathered_minibatch", False):
+            return {}
         return {"critic.micro_batch_size": self.cfg.critic.micro_batch_size}
 
     def update_ppo(self, exp: Mapping[str, torch.Tensor]) -> dict[str, float]:

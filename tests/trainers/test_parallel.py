@@ -191,3 +191,18 @@ def test_only_rank_0_logs(tmp_path):
     quiet.truncate_after(0)
     quiet.close()
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_critic_servers_micro_batch_splits_the_gathered_minibatch_not_each_ranks_share():
+    """The aligner backend's critic server takes one step on the minibatch gathered from every rank, so only an
+    in-process critic (hf, megatron) must split each rank's share (its check refused the aligner PPO at DP=2)."""
+    from types import SimpleNamespace
+
+    from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic
+    from nemo_factuality.trainers.ppo import PPOTrainer
+
+    cfg = SimpleNamespace(critic=SimpleNamespace(micro_batch_size=4))
+    server = SimpleNamespace(critic=object.__new__(RemoteCritic), cfg=cfg)
+    in_process = SimpleNamespace(critic=object(), cfg=cfg)
+    assert PPOTrainer._other_micro_batch_sizes(server) == {}
+    assert PPOTrainer._other_micro_batch_sizes(in_process) == {"critic.micro_batch_size": 4}

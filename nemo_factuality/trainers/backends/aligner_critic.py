@@ -79,6 +79,9 @@ def _what_to_check(url: str) -> str:
 class RemoteCritic:
     """``Critic`` whose weights, optimiser and checkpoints live in the critic server."""
 
+    # one server step on the minibatch gathered from every data-parallel rank (critic.micro_batch_size splits that)
+    trains_on_gathered_minibatch = True
+
     def __init__(self, cfg: Any, *, check: bool = True) -> None:
         if not cfg.url:
             raise RemoteCriticError("critic.url is not set: the aligner backend's PPO critic is the critic server")
