@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from nemo_factuality.testing.venvs import run_bounded
+from nemo_factuality.testing.venvs import proc_stat, run_bounded
 
 # a parent that starts a child in a new session (as torchrun starts each rank), prints its pid, then hangs; the child
 # hangs too, holding the output pipe
@@ -23,11 +23,8 @@ time.sleep(600)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def test_a_program_past_its_time_is_killed_with_the_ranks_it_started_in_their_own_sessions(tmp_path):

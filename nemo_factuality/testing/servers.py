@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 from nemo_factuality.testing.paths import REPO_ROOT
 from nemo_factuality.testing.ports import free_ports
+from nemo_factuality.testing.venvs import proc_stat
 
 SERVE_PORT_KEYS = ("http_port", "grpc_port", "triton_metrics_port", "health_port", "metrics_port")
 
@@ -45,19 +46,11 @@ def convert_checkpoint(*args: str, timeout_s: float = 240) -> None:
         raise RuntimeError(f"convert {' '.join(args)} exited {res.returncode}:\n{res.stderr[-2000:]}")
 
 
-def _proc_stat(pid: int | str) -> list[str] | None:
-    """``/proc/<pid>/stat`` fields after the command name: [state, ppid, pgrp, ...]; None when gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def group_members(pgid: int) -> dict[int, str]:
     """Live (not zombie) processes in process group ``pgid``, with their command lines."""
     members = {}
     for entry in Path("/proc").iterdir():
-        stat = _proc_stat(entry.name) if entry.name.isdigit() else None
+        stat = proc_stat(entry.name) if entry.name.isdigit() else None
         if stat and stat[0] != "Z" and int(stat[2]) == pgid:
             try:
                 members[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]

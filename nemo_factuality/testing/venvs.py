@@ -122,21 +122,22 @@ def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (children first), from each process's parent in ``/proc/<pid>/stat``."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue  # exited while we looked
-        parent = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (comm) state": the parent's pid
-        children.setdefault(parent, []).append(int(entry))
+        stat = proc_stat(entry) if entry.isdigit() else None
+        if stat:  # else it exited while we looked
+            children.setdefault(int(stat[1]), []).append(int(entry))
     out, frontier = [], [pid]
     while frontier:
-        nxt = [c for p in frontier for c in children.get(p, [])]
-        out += nxt
-        frontier = nxt
+        frontier = [c for p in frontier for c in children.get(p, [])]
+        out += frontier
     return out
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """``/proc/<pid>/stat`` fields after the command name: [state, ppid, pgrp, ...]; None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
 def run_in_venv(venv: Path, args: list[str], *, env: dict[str, str], nproc: int = 1, timeout: float = 300,
