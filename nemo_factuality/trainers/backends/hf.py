@@ -399,7 +399,7 @@ class HFActor(ProcessGroupDataParallel):
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The policy's weights in the checkpoint's tensor names, CPU copies (a rollout engine's refit by file)."""
-        return {name: t.to("cpu", copy=True).contiguous() for name, t in self.hf_weights()}
+        return _cpu_copy(self.model)
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` in the checkpoint's tensor names, the live tensors (no copy: a streamed refit sends

@@ -287,17 +287,16 @@ class MegatronActor(MegatronModel):
     def hf_weights_manifest(self) -> list[tuple[str, str, list[int]]]:
         """``[name, dtype, shape]`` of each tensor ``hf_weights`` yields: the checkpoint's at ``model.path`` (Bridge
         exports its names and shapes; the engine started from it), read from the safetensors headers only."""
-        from safetensors import safe_open
+        from nemo_factuality.convert.safetensors_io import DTYPE_NAMES, read_header
 
-        dtypes = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+        floats = (torch.float32, torch.bfloat16, torch.float16)
         manifest = []
         for file in sorted(Path(self.cfg.path).glob("*.safetensors")):
-            with safe_open(str(file), "pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    if sl.get_dtype() not in dtypes:
-                        raise FactualityInputError(f"{file}: {name} is {sl.get_dtype()}, not a float the refit streams")
-                    manifest.append((name, dtypes[sl.get_dtype()], list(sl.get_shape())))
+            for name, entry in read_header(file).items():
+                if entry.dtype not in floats:
+                    raise FactualityInputError(f"{file}: {name} is {DTYPE_NAMES[entry.dtype]}, not a float the refit "
+                                               "streams")
+                manifest.append((name, str(entry.dtype).removeprefix("torch."), list(entry.shape)))
         if not manifest:
             raise FactualityInputError(f"model.path={self.cfg.path} holds no safetensors files: the refit's manifest "
                                        "is read from them")

@@ -293,10 +293,15 @@ class VLLMEngine:
         if list(tensor.shape) != list(shape):
             raise FactualityInputError(f"refit: {name} has shape {list(tensor.shape)}, the manifest says {shape}")
         device = self._group_device()
-        self._collective(vllm_worker.broadcast, self._group, torch.tensor([index, 0], dtype=torch.int64, device=device))
+        self._send_header(index, 0)
         self._collective(vllm_worker.broadcast, self._group,
                          tensor.detach().to(device=device, dtype=vllm_worker.torch_dtype(dtype)).contiguous())
         st["sent"].add(index)
+
+    def _send_header(self, first: int, second: int) -> None:
+        """The stream's ``int64[2]`` header (``vllm_worker``'s protocol: a tensor's manifest index, END or ABORT)."""
+        self._collective(vllm_worker.broadcast, self._group,
+                         torch.tensor([first, second], dtype=torch.int64, device=self._group_device()))
 
     def close_stream(self) -> float:
         """End the stream and wait for the engine's reload; every manifest tensor must have been sent. Returns the
@@ -306,8 +311,7 @@ class VLLMEngine:
         if missing:
             self._abort(st)
             raise FactualityInputError(f"refit: the actor did not send {len(missing)} manifest tensor(s): {missing[:5]}")
-        self._collective(vllm_worker.broadcast, self._group, torch.tensor([vllm_worker.END, len(st["sent"])],
-                                                                          dtype=torch.int64, device=self._group_device()))
+        self._send_header(vllm_worker.END, len(st["sent"]))
         received = self._reply("refit_stream")["received"]
         if any(n != len(st["sent"]) for n in received):
             raise EngineError(f"refit: sent {len(st['sent'])} tensors, the engine's workers took {received}")
@@ -321,8 +325,7 @@ class VLLMEngine:
             self._abort(st)
 
     def _abort(self, st: dict[str, Any]) -> None:
-        self._collective(vllm_worker.broadcast, self._group, torch.tensor([vllm_worker.ABORT, 0], dtype=torch.int64,
-                                                                          device=self._group_device()))
+        self._send_header(vllm_worker.ABORT, 0)
         try:
             self._reply("refit_stream")
         except EngineError:
