@@ -55,10 +55,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with every default shown in ``--help`` and errors raised (one line at the boundary), not printed."""
+    """argparse with every default shown in ``--help`` and errors raised (one line at the boundary), not printed;
+    no abbreviations (``lab --seed 3`` silently meant ``--seeds 3``): a flag is its whole name or an error."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:

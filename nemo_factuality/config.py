@@ -126,16 +126,37 @@ def _load_with_defaults(path: Path, group: str | None, chain: tuple[Path, ...]) 
 
 def _close_keys(err: ConfigKeyError) -> str:
     """``"; did you mean 'actor_nodes'?"`` when the schema at the failing level has a similar field name."""
-    import difflib
     from dataclasses import fields
 
     schema = getattr(err, "object_type", None)
     key = str(getattr(err, "key", "") or "")
     if not (is_dataclass(schema) and key):
         return ""
-    names = [f.name for f in fields(schema)]
+    return did_you_mean(key, [f.name for f in fields(schema)])
+
+
+def did_you_mean(key: str, names: Sequence[str]) -> str:
+    """``"; did you mean 'max_steps'?"`` for the names close to ``key``, else the valid names."""
+    import difflib
+
     close = difflib.get_close_matches(key, names, n=3)
     return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else f"; valid keys here: {', '.join(names)}"
+
+
+def options_for(schema: type, options: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``options`` for the dataclass ``schema`` (a free-form config block such as a reward's), checked first: an
+    unknown key is one ``ConfigError`` naming it under ``where`` with a did-you-mean, as a typo in a typed schema
+    is, never a ``TypeError`` from the constructor."""
+    from dataclasses import MISSING, fields
+
+    names = [f.name for f in fields(schema)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown config key {where}.{unknown[0]}{did_you_mean(unknown[0], names)}")
+    for f in fields(schema):  # a nested block (a reward's guards) is checked against its own schema
+        if f.default_factory is not MISSING and is_dataclass(f.default_factory) and isinstance(options.get(f.name), Mapping):
+            options_for(f.default_factory, options[f.name], f"{where}.{f.name}")
+    return dict(options)
 
 
 def to_yaml(cfg: Any) -> str:

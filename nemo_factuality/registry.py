@@ -37,11 +37,17 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, *, lazy_modules: tuple[str, ...] = ()) -> None:
         self.kind = kind
         self._items: dict[str, Callable[..., T]] = {}
+        self._options: dict[str, type] = {}
         # Modules imported on first lookup so their @register decorators have run.
         self._lazy_modules = lazy_modules
         self._loaded = False
 
-    def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    def register(self, name: str, *, options: type | None = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """``options``: the dataclass a factory taking ``**options`` builds from them (a reward's config), so an
+        unknown option is refused before anything is built, as for a factory with named parameters."""
+        if options is not None:
+            self._options[name] = options
+
         def deco(factory: Callable[..., T]) -> Callable[..., T]:
             existing = self._items.get(name)
             if existing is not None and existing is not factory:
@@ -90,6 +96,11 @@ class Registry(Generic[T]):
         factory = self.get(name)
         kwargs.update(extra)
         _check_kwargs(self.kind, name, factory, kwargs)
+        if name in self._options:
+            from nemo_factuality.config import options_for
+
+            named = set(inspect.signature(factory).parameters)
+            options_for(self._options[name], {k: v for k, v in kwargs.items() if k not in named}, self.kind)
         return factory, kwargs
 
     def names(self) -> list[str]:

@@ -110,6 +110,26 @@ CASES = {  # name: (argv, a phrase the one line must contain)
     "train_megatron_sequence_parallel_at_tp1": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "trainer.backend=megatron",
                                                  "model.megatron.sequence_parallel=true"],
                                                 "model.megatron.sequence_parallel=true needs model.tensor_model_parallel_size > 1"),
+    # issue 39: a rank's server/engine window longer than the process groups' timeout is refused, naming both keys
+    "train_retry_window_past_the_group_timeout": (
+        ["train", "grpo", "--config-name", "tiny_cpu_klcf", "reward=null", "remote_rm.url=http://127.0.0.1:9",
+         "trainer.distributed_timeout_s=600"],
+        "2 × remote_rm.timeout_s + remote_rm.retry.max_wait_s = 1800 s does not fit inside trainer.distributed_timeout_s=600 s"),
+    "train_vllm_window_past_the_group_timeout": (
+        ["train", "grpo", "--config-name", "tiny_cpu_klcf", "rollout.engine=vllm", "rollout.vllm.request_timeout_s=3000"],
+        "rollout.vllm.restarts × (rollout.vllm.start_timeout_s + 2 × rollout.vllm.request_timeout_s) = 16200 s does not "
+        "fit inside trainer.distributed_timeout_s=7200 s"),
+    # issue 43: abbreviations are off in every parser (--seed silently meant --seeds)
+    "lab_abbreviated_flag": (["lab", "--seed", "3", "--out", "out"], "unrecognized arguments: --seed"),
+    "eval_abbreviated_flag": (["eval", "--inp", "labelled.jsonl", "--output", "out"], "unrecognized arguments: --inp"),
+    "kb_abbreviated_flag": (["kb", "build", "--pass", "x.jsonl", "--out", "x.sqlite"], "--pass"),
+    # issue 43: a typo inside a free-form block (a reward's options) is the same one line as a top-level typo
+    "serve_nested_typo": (["serve", "--config-name", "demo", "reward.pipeline.verifier.store_path=kb.sqlite", "reward.kk=10"],
+                          "unknown config key reward.kk; did you mean 'k'?"),
+    "serve_nested_guard_typo": (["serve", "--config-name", "demo", "reward.pipeline.verifier.store_path=kb.sqlite",
+                                 "reward.guards.dedup_claim=true"], "unknown config key reward.guards.dedup_claim; did you mean"),
+    "train_nested_typo": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "model.path=hf_corrupt", "reward.min_claimz=2"],
+                          "unknown config key reward.min_claimz"),
     "kb_build_empty_passages": (["kb", "build", "--passages", "empty.jsonl", "--out", "x.sqlite"],
                                 "empty.jsonl has no passages"),
     "serve_same_port_twice": (["serve", "--config-name", "demo", "grpc_port=5555"], "grpc_port=5555 is also http_port"),

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_factuality.config import options_for
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import (
     GuardConfig,
@@ -132,7 +133,7 @@ class KLCFReward(RewardParts):
                                     "format": r_fmt, "n_claims": n_claims}, details=details)
 
 
-@REWARDS.register("klcf")
+@REWARDS.register("klcf", options=KLCFConfig)
 def build_klcf(pipeline: dict, judge: Any = None, checklist_judge: Any = None, general_rm: Any = None, **cfg: Any) -> KLCFReward:
     """KLCF from config: ``pipeline`` (claim extractor + truthfulness verifier, no evidence), judges, general RM.
 
@@ -154,5 +155,5 @@ def build_klcf(pipeline: dict, judge: Any = None, checklist_judge: Any = None, g
 
 
 def _klcf_config(cfg: dict) -> KLCFConfig:
-    guards = GuardConfig(**cfg.pop("guards", {}))
-    return KLCFConfig(guards=guards, **cfg)
+    guards = GuardConfig(**options_for(GuardConfig, cfg.pop("guards", {}), "reward.guards"))
+    return KLCFConfig(guards=guards, **options_for(KLCFConfig, cfg, "reward"))

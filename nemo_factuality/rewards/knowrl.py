@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_factuality.config import options_for
 from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.metrics.factscore import length_penalty
 from nemo_factuality.registry import REWARDS
@@ -171,7 +172,7 @@ class KnowRLReward(RewardParts):
                                     "refusal": np.array(refusal, dtype=np.float64)}, details=details)
 
 
-@REWARDS.register("knowrl")
+@REWARDS.register("knowrl", options=KnowRLConfig)
 def build_knowrl(pipeline: dict, judge: Any = None, grader_judge: Any = None, **cfg: Any) -> KnowRLReward:
     """KnowRL from config: ``pipeline`` (factscore extractor, kb evidence, nli ≥ 0.3) and a grading judge."""
     from nemo_factuality.verify.llm_judge import AnswerGrader
@@ -180,6 +181,6 @@ def build_knowrl(pipeline: dict, judge: Any = None, grader_judge: Any = None, **
     grader_client = role_judge(grader_judge, judge) or client
     if grader_client is None:
         raise FactualityInputError("knowrl needs a grading judge: set reward.judge (or reward.grader_judge)")
-    guards = GuardConfig(**cfg.pop("guards", {}))
+    guards = GuardConfig(**options_for(GuardConfig, cfg.pop("guards", {}), "reward.guards"))
     shared = judge if isinstance(judge, Mapping) else None
-    return KnowRLReward(pipeline_from(pipeline, client, shared), AnswerGrader(grader_client), KnowRLConfig(guards=guards, **cfg))
+    return KnowRLReward(pipeline_from(pipeline, client, shared), AnswerGrader(grader_client), KnowRLConfig(guards=guards, **options_for(KnowRLConfig, cfg, "reward")))

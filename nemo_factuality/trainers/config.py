@@ -183,6 +183,11 @@ class TrainerConfig:
     device: str = "cpu"  # hf and megatron backends: cpu | cuda
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     progress_bar: bool = True  # a progress bar per phase on rank 0
+    # every process group's timeout (torch.distributed's default group, Megatron-Core's groups): a collective that
+    # waits longer fails the job (NCCL's watchdog aborts it; torch's NCCL default is 10 min). It must exceed the
+    # longest time one rank can spend on a server or an engine while the others wait in a collective: the start-up
+    # check refuses a config whose retry or request window does not fit inside it (``wait_windows``)
+    distributed_timeout_s: float = 7200.0
     # GRPO/PPO: stop (exit 3, after writing a checkpoint) once this many consecutive rollout steps had no valid
     # sample: every reward NaN (judges failing, every response abstaining) or, with truncated=mask, every
     # response cut off. 0 = never stop for this. (KTO stops at the first iteration it could label nothing in.)
@@ -194,8 +199,10 @@ class RetryConfig:
     """Waiting for a server (reward, critic) that refuses, drops or times out a request mid-run: the same request is
     sent again after jittered exponential waits (``initial_s · 2^k``, at most ``max_s`` each, scaled by a factor in
     ``[1 − jitter, 1]``) until ``max_wait_s`` have passed since the first failure; then the stage writes a checkpoint
-    and exits 75 (EX_TEMPFAIL) for the launcher to requeue. 0 = no waiting. Keep ``max_wait_s`` below the
-    distributed timeout (30 min in torch): under model/data parallelism the other ranks wait in a collective."""
+    and exits 75 (EX_TEMPFAIL) for the launcher to requeue. 0 = no waiting. Under model/data parallelism the other
+    ranks wait in a collective meanwhile: the window (``2 × timeout_s + max_wait_s``, a first request timing out, the
+    waits, a last request started just before the window ends) must fit inside ``trainer.distributed_timeout_s``,
+    which the start-up check enforces."""
 
     max_wait_s: float = 600.0  # give up (checkpoint, exit 75) this long after the first failure; 0 = no waiting
     initial_s: float = 1.0  # the first wait
@@ -225,7 +232,9 @@ class VLLMEngineConfig:
     refit: str = "file"
     max_model_len: int | None = None  # null = the checkpoint's
     start_timeout_s: float = 600.0  # an engine that does not answer within this is an error naming its log
-    request_timeout_s: float = 1800.0  # one generate / refit request
+    # one generate / refit request; with the restarts, the window the other ranks wait in a collective is
+    # request_timeout_s + restarts × (start_timeout_s + 2 × request_timeout_s), inside trainer.distributed_timeout_s
+    request_timeout_s: float = 900.0
     restarts: int = 2  # times a dead engine is restarted (and refit) in a run before the stage checkpoints, exits 75
     # truncated importance sampling: each token's advantage × min(π_trainer / π_engine, tis_cap) corrects for the
     # engine's numerics (bf16 kernels, another attention) against the trainer's; null = off
@@ -442,15 +451,21 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
     if cfg.reward is not None and "name" not in cfg.reward:
         problems.append(f"reward needs a 'name' (klcf, rlfh, fspo, knowrl, factalign), got keys {sorted(cfg.reward)}")
     elif cfg.reward is not None:
-        from nemo_factuality.registry import REWARDS
+        from nemo_factuality.registry import REWARDS, RegistryError
 
         if cfg.reward["name"] not in REWARDS:
             problems.append(f"reward.name={cfg.reward['name']!r} is not a known reward ({', '.join(REWARDS.names())})")
+        else:
+            try:  # its options, before anything is built (an unknown one names its key)
+                REWARDS.check(cfg.reward)
+            except (RegistryError, ConfigError) as err:
+                problems.append(str(err))
     for key in ("remote_rm.retry", "critic.retry"):
         retry = _get(cfg, key)
         if retry is not _MISSING and (retry.max_wait_s < 0 or retry.initial_s <= 0 or retry.max_s < retry.initial_s
                                       or not 0 <= retry.jitter < 1):
             problems.append(f"{key}: need max_wait_s >= 0, 0 < initial_s <= max_s and 0 <= jitter < 1, got {retry}")
+    problems += _window_problems(cfg)
     sp = m.sampling_params
     if cfg.trainer.backend == "aligner" and not sp.use_greedy and sp.temperature != 1.0 and not isinstance(cfg, KTOConfig):
         problems.append(f"model.sampling_params.temperature={sp.temperature}: NeMo-Aligner's log-probs are at "
@@ -513,6 +528,44 @@ def _megatron_problems(cfg: Any) -> list[str]:
             problems.append(f"critic.url={c.url}: on trainer.backend=megatron the critic trains in the PPO process "
                             "(the critic server is the aligner backend's); set critic.url=null")
     return problems
+
+
+def wait_windows(cfg: Any) -> list[tuple[str, float]]:
+    """The longest time one rank can spend on a server or an engine while the job's other ranks wait for it in a
+    collective, for each such wait the config has, as (the keys it is made of, seconds):
+
+    * a served reward (every backend's replica source calls it) or the aligner backend's critic server: a first
+      request that times out, the retry window, and a last request sent just before the window closes;
+    * a vLLM engine (``rollout.engine=vllm``): one request, then per restart the engine's start and the refit and
+      the repeated request (the source rank talks to the engine, its replica waits in a broadcast, the other
+      replicas in the step's agreement).
+
+    >>> cfg = GRPOConfig(); cfg.remote_rm.url = "http://rm:5555"; cfg.rollout.engine = "vllm"
+    >>> wait_windows(cfg)  # doctest: +NORMALIZE_WHITESPACE
+    [('2 × remote_rm.timeout_s + remote_rm.retry.max_wait_s', 1800.0),
+     ('rollout.vllm.request_timeout_s + rollout.vllm.restarts × (rollout.vllm.start_timeout_s + 2 × rollout.vllm.request_timeout_s)', 5700.0)]
+    """
+    windows = []
+    servers = [("remote_rm", cfg.remote_rm)] if cfg.remote_rm.resolved_url() else []
+    if isinstance(cfg, PPOConfig) and cfg.trainer.backend == "aligner":
+        servers.append(("critic", cfg.critic))
+    for key, server in servers:
+        windows.append((f"2 × {key}.timeout_s + {key}.retry.max_wait_s", 2 * server.timeout_s + server.retry.max_wait_s))
+    v = cfg.rollout.vllm
+    if cfg.rollout.engine == "vllm":
+        windows.append(("rollout.vllm.request_timeout_s + rollout.vllm.restarts × (rollout.vllm.start_timeout_s + "
+                        "2 × rollout.vllm.request_timeout_s)",
+                        v.request_timeout_s + v.restarts * (v.start_timeout_s + 2 * v.request_timeout_s)))
+    return windows
+
+
+def _window_problems(cfg: Any) -> list[str]:
+    timeout = cfg.trainer.distributed_timeout_s
+    if not timeout > 0:
+        return [f"trainer.distributed_timeout_s must be > 0, got {timeout}"]
+    return [f"{keys} = {seconds:g} s does not fit inside trainer.distributed_timeout_s={timeout:g} s (the other ranks "
+            "wait in a collective meanwhile and would time out before this rank reports): raise "
+            "trainer.distributed_timeout_s or shorten the window" for keys, seconds in wait_windows(cfg) if seconds >= timeout]
 
 
 def _rollout_size(cfg: Any) -> int | None:

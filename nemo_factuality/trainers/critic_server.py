@@ -149,7 +149,8 @@ def build_server(cfg: PPOConfig, *, devices: int, num_nodes: int):
         raise FileNotFoundError(f"critic.path / model.restore_from_path={path!r} is not a .nemo file or extracted "
                                 "directory: write one with `nemo-factuality convert hf-to-nemo --extracted`")
     runtime = AlignerRuntime(devices=devices, num_nodes=num_nodes, max_steps=critic_optimizer_steps(cfg),
-                             gradient_clip_val=cfg.trainer.gradient_clip_val, seed=cfg.trainer.seed)
+                             gradient_clip_val=cfg.trainer.gradient_clip_val, seed=cfg.trainer.seed,
+                             distributed_timeout_s=cfg.trainer.distributed_timeout_s)
     model_cfg = load_and_override_model_config(str(path), OmegaConf.create(critic_model_overrides(cfg)))
     trainer = nemo_trainer(model_cfg, runtime, section="ppo")
     from_policy = cfg.critic.path is None

@@ -163,6 +163,12 @@ class DataParallel:
         agree(None)
         return value
 
+    def on_writer(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the writer rank (global rank 0) alone, its result on every rank of the job (every rank calls
+        it at the same point): a decision about the run's shared files that only the writer may make."""
+        runner = getattr(self.actor, "on_writer", None)
+        return runner(fn) if runner is not None else fn()
+
     def any_rank(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any rank of the job (every rank calls it at the same point)."""
         fn = getattr(self.actor, "any_rank", None)

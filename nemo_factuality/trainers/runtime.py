@@ -172,17 +172,26 @@ class Checkpointer:
         self._written: tuple[int, str] | None = None  # (step, trainer state) of the last checkpoint this run wrote
 
     def latest(self) -> Path | None:
+        """The committed checkpoint to resume from, or None. Decided on the writer rank alone (it alone may move a
+        re-save's ``.replaced`` step back) and broadcast, so every rank resumes from the same one whatever its own
+        view of a shared file system."""
+        found, problem = self.parallel.on_writer(self._latest_on_writer)
+        if problem:
+            raise FactualityInputError(problem)
+        return None if found is None else self.root / found
+
+    def _latest_on_writer(self) -> tuple[str | None, str | None]:
         pointer = self.root / "latest"
         if not pointer.exists():
-            return None
+            return None, None
         path = self.root / pointer.read_text().strip()
         aside = self.root / f".{path.name}.replaced"
         if not path.exists() and (aside / "trainer_state.json").exists():  # killed mid re-save: the old one stands
             os.replace(aside, path)
         if not (path / "trainer_state.json").exists():
-            raise FactualityInputError(f"{pointer} names {path.name}, which is incomplete; delete {pointer} to start over "
-                                       "or point exp_manager.explicit_log_dir at a new directory")
-        return path
+            return None, (f"{pointer} names {path.name}, which is incomplete; delete {pointer} to start over or point "
+                          "exp_manager.explicit_log_dir at a new directory")
+        return path.name, None
 
     def save(self, step: int, actor: Any, critic: Any, state: Mapping[str, Any],
              extra: Callable[[Path], None] | None = None, *, force: bool = False) -> Path:
@@ -193,7 +202,8 @@ class Checkpointer:
         name, par = f"step_{step:06d}", self.parallel
         final, tmp = self.root / name, self.root / f".{name}.partial"
         written = (step, json.dumps(state, sort_keys=True, default=str))
-        if written == self._written and not force and final.is_dir():
+        # the same decision on every rank: the writer's view of the shared directory, broadcast
+        if written == self._written and not force and par.on_writer(final.is_dir):
             return final
         if par.is_writer:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -10,7 +10,7 @@ import torch
 
 from nemo_factuality.trainers.backends.collectives import init_from_environment
 
-init_from_environment("cpu")
+init_from_environment("cpu", 60.0)
 ranks = torch.tensor([float(os.environ["RANK"])])
 torch.distributed.all_reduce(ranks)  # every task in one group: the sum of 0..world-1
 print(json.dumps({"rank": torch.distributed.get_rank(), "world": torch.distributed.get_world_size(),

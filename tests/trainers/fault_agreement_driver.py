@@ -8,13 +8,19 @@ replica per rank, in the project's venv):
 Runs, each from the same initial weights and seed (SGD without momentum: the weights are the whole state):
 
 * ``undisturbed``: 3 steps;
-* ``outage``: data-parallel replica 1's reward client gives up at step 2 (its server gone past the retry window,
-  as ``RewardServerUnavailable`` says it) while replica 0's answers — then ``outage_resumed`` reruns to step 3;
+* ``outage``: data-parallel replica 1's reward client gives up at step 2 — it retries a closed port through the
+  reward client's own retry loop for its whole window, ``2 × remote_rm.timeout_s + remote_rm.retry.max_wait_s``,
+  while replica 0's answers and its ranks wait in the step's agreement — then ``outage_resumed`` reruns to step 3;
 * ``preempt``: SIGUSR1 reaches replica 1's source rank alone during step 2 (Slurm signals ranks one by one) —
   then ``preempt_resumed`` reruns to step 3.
 
+Every process group runs under the production timeouts scaled down (``GROUP_TIMEOUT_S`` for
+``trainer.distributed_timeout_s``, a retry window of a few seconds inside it), so a healthy rank that waited longer
+than the group allows would fail here as NCCL's watchdog fails it in production.
+
 Each rank writes ``<out>/rank<r>.json``: per run the exit code the command boundary gives (``cli.run_command``),
-seconds, the checkpoints on disk, the metrics logged, and after the run the log-probs of fixed sequences.
+seconds, the checkpoints on disk, the metrics logged, and after the run the log-probs of fixed sequences; then
+``timeout_probe``: how long rank 0 waited in an all-reduce that no other rank joins.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ if ON_ALIGNER:
 import torch  # noqa: E402
 
 from nemo_factuality.cli import run_command  # noqa: E402
-from nemo_factuality.serving.client import RewardServerUnavailable  # noqa: E402
+from nemo_factuality.serving.client import Backoff, RewardServerUnavailable, call_with_retry  # noqa: E402
+from nemo_factuality.testing.ports import free_ports  # noqa: E402
 from nemo_factuality.testing.training import good_fraction, prompts, read_metrics  # noqa: E402
 from nemo_factuality.trainers.backends import BACKENDS  # noqa: E402
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
@@ -47,6 +54,24 @@ from nemo_factuality.trainers.interfaces import Rollout  # noqa: E402
 from nemo_factuality.trainers.runtime import seed_everything  # noqa: E402
 
 FAULT_CALL = 2  # the reward call (= step) at which the fault reaches its rank
+GROUP_TIMEOUT_S = 15.0  # trainer.distributed_timeout_s, scaled down from production's 7200
+REQUEST_TIMEOUT_S, MAX_WAIT_S = 1.0, 3.0  # remote_rm.timeout_s, remote_rm.retry.max_wait_s: a 5 s window inside it
+
+
+def dead_server_window() -> None:
+    """What a reward client does when its server is gone: the stages' retry loop against a closed port, for the
+    whole of ``remote_rm.retry.max_wait_s``, then ``RewardServerUnavailable``."""
+    import socket
+
+    (port,) = free_ports(1)  # nothing listens there
+
+    def request() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=REQUEST_TIMEOUT_S):
+            pass
+
+    call_with_retry(request, what="reward server", url=f"http://127.0.0.1:{port}", key="remote_rm.retry.max_wait_s",
+                    backoff=Backoff(max_wait_s=MAX_WAIT_S, initial_s=0.5, max_s=1.0, jitter=0.0),
+                    unavailable=RewardServerUnavailable, went_away=lambda err: isinstance(err, OSError))
 
 
 class OneRankFault:
@@ -61,8 +86,7 @@ class OneRankFault:
         self.calls += 1
         if self.mine and self.calls == FAULT_CALL:
             if self.fault == "outage":
-                raise RewardServerUnavailable("reward server http://127.0.0.1:9 unreachable for 30 s "
-                                              "(remote_rm.retry.max_wait_s): injected on data-parallel replica 1")
+                dead_server_window()  # raises RewardServerUnavailable after the window
             os.kill(os.getpid(), signal.SIGUSR1)
         return good_fraction(prompts_, completions, **columns)
 
@@ -70,7 +94,8 @@ class OneRankFault:
 def overrides(args, run_dir: Path, max_steps: int) -> list[str]:
     model = ([f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", f"model.tensor_model_parallel_size={args.tp}"]
              if args.nemo else [f"model.path={args.hf}", "trainer.backend=hf"])
-    return model + [f"trainer.max_steps={max_steps}",
+    return model + [f"trainer.max_steps={max_steps}", f"trainer.distributed_timeout_s={GROUP_TIMEOUT_S}",
+            f"remote_rm.timeout_s={REQUEST_TIMEOUT_S}", f"remote_rm.retry.max_wait_s={MAX_WAIT_S}",
             "trainer.save_interval=1", "trainer.progress_bar=false", "grpo.num_prompts_per_step=4",
             "grpo.num_rollouts_per_prompt=2", "grpo.truncated=keep", "model.micro_batch_size=2", "model.global_batch_size=8", "model.forward_micro_batch_size=2",
             "model.length_params.max_length=5", "model.dtype=float32", "model.optim.name=sgd", "model.optim.lr=0.05",
@@ -124,8 +149,33 @@ def main() -> int:
         if fault is not None:  # the requeued job: the same command, the same run directory
             runs[f"{name}_resumed"] = run(actor, args, name, out / name, 3, None)
     rank = torch.distributed.get_rank()
-    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "dp_rank": actor.data_parallel_rank, "runs": runs}))
+    report = {"rank": rank, "dp_rank": actor.data_parallel_rank, "runs": runs, "timeout_probe": timeout_probe(rank, out),
+              "group_timeout_s": GROUP_TIMEOUT_S, "max_wait_s": MAX_WAIT_S}
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
     return 0
+
+
+def timeout_probe(rank: int, out: Path) -> dict:
+    """Whether the default group really times out after ``GROUP_TIMEOUT_S`` (not torch's 30-minute gloo default):
+    rank 0 enters an all-reduce the other ranks never join and must give up at the timeout, while they stay alive
+    (a peer that exits fails the all-reduce at once) until rank 0 says it is done. The group is unusable
+    afterwards, so this runs last."""
+    done = out / "timeout_probe.done"
+    if rank == 0:
+        done.unlink(missing_ok=True)
+    torch.distributed.barrier()
+    t0 = time.monotonic()
+    error = None
+    if rank == 0:
+        try:
+            torch.distributed.all_reduce(torch.ones(1))
+        except RuntimeError as err:
+            error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        done.write_text("done")
+    else:
+        while not done.exists() and time.monotonic() - t0 < 3 * GROUP_TIMEOUT_S:
+            time.sleep(0.1)
+    return {"waited_s": time.monotonic() - t0, "error": error}
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--hf", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    device = init_from_environment("cpu")
+    device = init_from_environment("cpu", 60.0)
     cfg = load_train_config(PPOConfig, None, [f"model.path={args.hf}", "model.optim.name=sgd", "model.optim.lr=0.5",
                                               "critic.optim.name=sgd", "critic.optim.lr=0.5",
                                               "model.optim.sched.name=constant", "critic.optim.sched.name=constant",

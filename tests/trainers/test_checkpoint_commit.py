@@ -90,3 +90,55 @@ def test_saving_with_the_critic_server_gone_keeps_the_committed_pairing_without_
     critic.save(tmp_path)
     assert time.monotonic() - start < 30  # the retry window is 600 s
     assert json.loads((tmp_path / "critic.json").read_text())["server_step"] == 12
+
+
+class _NonWriterRank:
+    """Rank 1 of a job: ``on_writer`` hands back what the writer rank decided (``decided``), never running ``fn``."""
+
+    global_rank, data_parallel_rank, data_parallel_size = 1, 1, 2
+
+    def __init__(self, decided) -> None:
+        self.decided, self.asked = decided, 0
+
+    def on_writer(self, fn):
+        self.asked += 1
+        return self.decided
+
+    def barrier(self) -> None:
+        pass
+
+
+def test_latest_is_the_writers_decision_and_only_the_writer_moves_a_replaced_step_back(tmp_path):
+    """Issue 39: ``latest()`` renamed ``.replaced`` back on every rank (two ranks racing over one shared directory).
+    A non-writer rank now takes the writer's answer and touches nothing, whatever its own view shows."""
+    from nemo_factuality.trainers.parallel import DataParallel
+
+    ck = Checkpointer(tmp_path, keep=2)
+    ck.save(1, _Actor("first"), None, {"step": 1})
+    root = tmp_path / "checkpoints"
+    os.replace(root / "step_000001", root / ".step_000001.replaced")  # killed mid re-save
+    rank1 = _NonWriterRank(("step_000001", None))
+    assert Checkpointer(tmp_path, keep=2, parallel=DataParallel(rank1)).latest() == root / "step_000001"
+    assert rank1.asked == 1 and (root / ".step_000001.replaced").is_dir() and not (root / "step_000001").exists()
+    # the writer (world 1 here) decides and moves it back
+    assert Checkpointer(tmp_path, keep=2).latest() == root / "step_000001"
+    assert (root / "step_000001" / "weights.txt").read_text() == "first"
+    # the writer's "incomplete" is the same one-line error on every rank
+    with pytest.raises(FactualityInputError, match="which is incomplete"):
+        Checkpointer(tmp_path, keep=2, parallel=DataParallel(_NonWriterRank((None, "latest names step_9, which is "
+                                                                                  "incomplete")))).latest()
+
+
+def test_skipping_a_resave_is_the_writers_decision(tmp_path):
+    """``save()``'s early return (the same step and state already written) rested on each rank's ``is_dir()``; a rank
+    whose view differed skipped the save's barriers that the others entered. Now the writer's view decides."""
+    from nemo_factuality.trainers.parallel import DataParallel
+
+    rank1 = _NonWriterRank(False)  # the writer does not see step_000001: everyone saves again
+    ck = Checkpointer(tmp_path, keep=2, parallel=DataParallel(rank1))
+    ck._written = (1, json.dumps({"step": 1}, sort_keys=True, default=str))
+    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)  # this rank's own (stale) view says it exists
+    (tmp_path / "checkpoints" / ".step_000001.partial").mkdir()  # the writer made the temporary directory
+    ck.save(1, _Actor("again"), None, {"step": 1})
+    assert rank1.asked == 1
+    assert (tmp_path / "checkpoints" / ".step_000001.partial" / "weights.txt").read_text() == "again"

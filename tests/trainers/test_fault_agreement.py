@@ -61,6 +61,22 @@ def test_one_replicas_server_gone_stops_every_rank_with_a_checkpoint_and_exit_75
     assert {r["runs"]["outage"]["calls"] for r in ranks if r["dp_rank"] == 0 and r["runs"]["outage"]["calls"]} == {2}
 
 
+def test_the_default_group_times_out_at_trainer_distributed_timeout_s(ranks):
+    """Issue 39: every process group gets the config's timeout. Before, the groups had torch's default (gloo 30 min,
+    NCCL 10 min), and rank 0 waited here until the run's bound killed it."""
+    probe, timeout = ranks[0]["timeout_probe"], ranks[0]["group_timeout_s"]
+    assert probe["error"] is not None, probe
+    assert timeout - 1 <= probe["waited_s"] <= timeout + 10, probe
+
+
+def test_the_healthy_replicas_waited_out_the_faulty_ones_window_without_timing_out(ranks):
+    """The outage run's faulty replica spent its whole retry window (scaled down, inside the group's timeout) before
+    reporting; the healthy ranks waited for it in the step's agreement and got its verdict, not a timeout."""
+    for r in ranks:
+        assert r["runs"]["outage"]["seconds"] >= r["max_wait_s"], (r["rank"], r["runs"]["outage"]["seconds"])
+        assert r["runs"]["outage"]["exit"] == 75
+
+
 def test_preemption_on_one_rank_checkpoints_every_rank_at_the_same_step(ranks):
     for r in ranks:
         preempt = r["runs"]["preempt"]

@@ -40,7 +40,13 @@ import torch
 from nemo_factuality.config import dotlist as _dotlist
 from nemo_factuality.config import merge_tree as _merge
 from nemo_factuality.trainers import reference as ref_record
-from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device, on_group_source
+from nemo_factuality.trainers.backends.collectives import (
+    ProcessGroupDataParallel,
+    collective_device,
+    group_timeout,
+    on_group_source,
+)
+from nemo_factuality.trainers.config import TrainerConfig
 from nemo_factuality.trainers.interfaces import (
     LossFn,
     Rollout,
@@ -66,6 +72,9 @@ class AlignerRuntime:
     gradient_clip_val: float = 1.0  # NeMo's gradient clipping
     seed: int = 1234  # NeMo's seed
     rollout_micro_batch_size: int = 16  # prompts generated together (KV cache ∝ this × sequence length)
+    # the default process group's timeout (the stage's trainer.distributed_timeout_s; Lightning's strategy would
+    # otherwise use its own 30 minutes)
+    distributed_timeout_s: float = TrainerConfig.distributed_timeout_s
     # Merged last onto the checkpoint's model config (Aligner's ``++model.*`` overrides), e.g. the
     # presets' activation recompute / distributed optimizer / sequence parallel settings.
     model_overrides: dict[str, Any] = field(default_factory=dict)
@@ -708,7 +717,11 @@ def nemo_trainer(model_cfg: Any, runtime: AlignerRuntime, section: str = "reinfo
                     "gradient_clip_val": runtime.gradient_clip_val, section: {}},
         "model": model_cfg,
     })
-    return resolve_and_create_trainer(cfg, section)
+    trainer = resolve_and_create_trainer(cfg, section)
+    # Lightning's DDP strategy creates the default group with its own timeout (30 min) unless told: ours, so the
+    # ranks that wait for a replica's server time out where the start-up check counted on
+    trainer.strategy._timeout = group_timeout(runtime.distributed_timeout_s)
+    return trainer
 
 
 def build_aligner(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[AlignerActor, Any]:
@@ -731,7 +744,8 @@ def build_actor(cfg: Any, **runtime: Any) -> AlignerActor:
     defaults = {"devices": int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))),
                 "num_nodes": int(os.environ.get("SLURM_NNODES", 1)),
                 "max_steps": runtime.pop("max_steps", getattr(trainer, "max_steps", 100)),
-                "gradient_clip_val": getattr(trainer, "gradient_clip_val", 1.0), "seed": getattr(trainer, "seed", 1234)}
+                "gradient_clip_val": getattr(trainer, "gradient_clip_val", 1.0), "seed": getattr(trainer, "seed", 1234),
+                "distributed_timeout_s": getattr(trainer, "distributed_timeout_s", TrainerConfig.distributed_timeout_s)}
     placed = AlignerRuntime(**{**defaults, **runtime})
     rollout = getattr(cfg, "rollout", None)
     engine = getattr(rollout, "engine", "megatron")

@@ -8,6 +8,7 @@ Megatron backend (DP over Megatron's data-parallel group) share it, so a fault i
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -142,6 +143,12 @@ class ProcessGroupDataParallel:
         """This process's rank in the whole job (the stages write their run files on rank 0 only)."""
         return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
+    def on_writer(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on global rank 0 (the stages' writer), its result or error on every rank of the job."""
+        if not torch.distributed.is_initialized():
+            return fn()
+        return on_group_source(fn, torch.distributed.group.WORLD)
+
     def barrier(self) -> None:
         """Wait for every rank of the job (the stages' checkpoint finalisation)."""
         if torch.distributed.is_initialized():
@@ -250,10 +257,17 @@ def adopt_slurm_ranks() -> None:
     os.environ.update(ranks_from_slurm(os.environ))
 
 
-def init_from_environment(device: str) -> str:
+def group_timeout(timeout_s: float) -> datetime.timedelta:
+    """``trainer.distributed_timeout_s`` as the ``timeout`` torch.distributed's groups take (never torch's default:
+    NCCL's 10 minutes would abort the job while a healthy rank waits for one that is retrying a server)."""
+    return datetime.timedelta(seconds=float(timeout_s))
+
+
+def init_from_environment(device: str, timeout_s: float) -> str:
     """Join the job torchrun or srun started (``WORLD_SIZE`` > 1 in the environment, or several srun tasks:
-    ``adopt_slurm_ranks``): gloo on CPU, NCCL on GPU, one GPU per local rank. Returns the device this rank runs on
-    (``device`` itself for a single process)."""
+    ``adopt_slurm_ranks``): gloo on CPU, NCCL on GPU, one GPU per local rank, every collective bounded by
+    ``timeout_s`` (``trainer.distributed_timeout_s``). Returns the device this rank runs on (``device`` itself for a
+    single process)."""
     import os
 
     from nemo_factuality.config import ConfigError
@@ -271,6 +285,7 @@ def init_from_environment(device: str) -> str:
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
         torch.cuda.set_device(torch.device(device))
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if on_gpu else "gloo")
-    log.info("rank %d of %d on %s", torch.distributed.get_rank(), world, device)
+        torch.distributed.init_process_group("nccl" if on_gpu else "gloo", timeout=group_timeout(timeout_s))
+    log.info("rank %d of %d on %s (collectives time out after %g s)", torch.distributed.get_rank(), world, device,
+             timeout_s)
     return device

@@ -55,8 +55,8 @@ log = logging.getLogger(__name__)
 class MegatronActor(MegatronModel):
     """``PolicyActor`` on Megatron-Core + Megatron-Bridge (module docstring); one instance per rank."""
 
-    def __init__(self, cfg: Any, *, max_steps: int, gradient_clip_val: float = 1.0, seed: int = 1234,
-                 device: str = "cpu") -> None:
+    def __init__(self, cfg: Any, *, max_steps: int, distributed_timeout_s: float, gradient_clip_val: float = 1.0,
+                 seed: int = 1234, device: str = "cpu") -> None:
         from transformers import AutoTokenizer
 
         from nemo_factuality.local_models import from_pretrained
@@ -67,7 +67,7 @@ class MegatronActor(MegatronModel):
         check_inference_engine(cfg.megatron.inference_engine)
         sampling_seed = torch.initial_seed()  # the stage's seed: Megatron's own seeding must not replace it
         self.layout = build.init_process_groups(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                                                device, seed)
+                                                device, seed, distributed_timeout_s)
         self.on_gpu = device.startswith("cuda")
         self.settings = build.Settings.of(cfg)
         self.bridge, self.chunks = build.build_model(cfg.path, self.layout, self.settings, on_gpu=self.on_gpu)
@@ -317,13 +317,14 @@ def build_megatron(cfg: Any, *, critic: bool = False, max_steps: int) -> tuple[M
     """(actor, critic or None) for a stage config with ``trainer.backend=megatron`` (the ``BACKENDS`` builder shape); the
     critic (PPO) is a second Megatron-Core model on the actor's layout (``megatron_critic.py``)."""
     t, m = cfg.trainer, cfg.model
-    actor = MegatronActor(m, max_steps=max_steps, gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device)
+    actor = MegatronActor(m, max_steps=max_steps, distributed_timeout_s=t.distributed_timeout_s,
+                          gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device)
     if not critic:
         return actor, None
     from nemo_factuality.trainers.backends.megatron_critic import MegatronCritic
 
     value_model = MegatronCritic(cfg.critic, m.path, tensor=m.tensor_model_parallel_size,
                                  pipeline=m.pipeline_model_parallel_size, max_steps=max_steps,
-                                 gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device,
-                                 settings=actor.settings)
+                                 distributed_timeout_s=t.distributed_timeout_s, gradient_clip_val=t.gradient_clip_val,
+                                 seed=t.seed, device=t.device, settings=actor.settings)
     return actor, value_model

@@ -97,21 +97,24 @@ class Layout:
     data: int
 
 
-def init_process_groups(tensor: int, pipeline: int, device: str, seed: int) -> Layout:
-    """torch.distributed (gloo on CPU, NCCL on GPU; one process: a single-rank group) and Megatron-Core's groups;
+def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, timeout_s: float) -> Layout:
+    """torch.distributed (gloo on CPU, NCCL on GPU; one process: a single-rank group) and Megatron-Core's groups, each
+    timing out after ``timeout_s`` (``trainer.distributed_timeout_s``; Megatron counts whole minutes, rounded up);
     Megatron's model-parallel RNG seeded. A second actor in the same process must ask for the same layout."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not torch.distributed.is_initialized():
-        from nemo_factuality.trainers.backends.collectives import adopt_slurm_ranks, init_from_environment
+        from nemo_factuality.trainers.backends.collectives import (adopt_slurm_ranks, group_timeout,
+                                                                    init_from_environment)
 
         adopt_slurm_ranks()  # one srun task per GPU (the launcher's megatron jobs) as well as torchrun
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            init_from_environment(device)
+            init_from_environment(device, timeout_s)
         else:  # Megatron-Core needs process groups even alone
             torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                                 store=torch.distributed.HashStore(), rank=0, world_size=1)
+                                                 store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                                 timeout=group_timeout(timeout_s))
     world = torch.distributed.get_world_size()
     if world % (tensor * pipeline):
         raise ConfigError(f"{world} processes do not split into model replicas of model.tensor_model_parallel_size="
@@ -122,7 +125,8 @@ def init_process_groups(tensor: int, pipeline: int, device: str, seed: int) -> L
             raise ConfigError(f"this process already holds Megatron groups at TP×PP={held[0]}×{held[1]}; "
                               f"model.tensor_model_parallel_size / pipeline_model_parallel_size ask for {tensor}×{pipeline}")
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
+                                                 distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
         model_parallel_cuda_manual_seed(seed)
     return Layout(tensor, pipeline, parallel_state.get_data_parallel_world_size())
 

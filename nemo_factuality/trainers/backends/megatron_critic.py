@@ -94,12 +94,12 @@ class MegatronCritic(MegatronModel):
     """``Critic`` on Megatron-Core (module docstring); one instance per rank, built after the actor (same layout)."""
 
     def __init__(self, cfg: Any, policy_path: str, *, tensor: int, pipeline: int, max_steps: int,
-                 gradient_clip_val: float = 1.0, seed: int = 1234, device: str = "cpu",
+                 distributed_timeout_s: float, gradient_clip_val: float = 1.0, seed: int = 1234, device: str = "cpu",
                  settings: build.Settings | None = None) -> None:
         """``settings``: the policy's (``model.dtype``, ``model.megatron.*``: the critic is trained as the policy is)."""
         path = cfg.path or policy_path
         self.cfg = cfg
-        self.layout = build.init_process_groups(tensor, pipeline, device, seed)
+        self.layout = build.init_process_groups(tensor, pipeline, device, seed, distributed_timeout_s)
         self.settings = settings or build.Settings()
         config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
         weight, bias = head_weights(int(config["hidden_size"]), zero=cfg.path is None,

@@ -160,27 +160,40 @@ class MegatronModel(ProcessGroupDataParallel):
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         reduced = self._run_schedule(micro, loss_of, forward_only=False)
-        grad_norm = self._reduce_gradients()
         lr = self.schedule.current_lr()
-        stepped, _, _ = self.optimizer.step()
-        if not stepped:
-            raise RuntimeError("Megatron's optimizer skipped the step (a non-finite gradient)")
+        grad_norm = self._reduce_gradients()
+        self._clip_and_step(grad_norm)
         self.schedule.step()
         return {**self._step_metrics(reduced), "grad_norm": grad_norm, "lr": lr}
 
     def _reduce_gradients(self) -> float:
         """Sum the gradients over data-parallel ranks (and the layer norms / embeddings Megatron keeps in sync), then
-        their global norm — refusing to step on a non-finite one."""
+        their global norm, once per step — refusing to step on a non-finite one."""
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         finalize_model_grads(self.chunks, num_tokens=None)
-        self.optimizer.prepare_grads()
+        if self.optimizer.prepare_grads():  # an fp16 loss scaler's overflow (bf16 and fp32 have none)
+            raise RuntimeError("Megatron's optimizer skipped the step (a non-finite gradient)")
         grad_norm = float(self.optimizer.get_grad_norm())
         if not torch.isfinite(torch.tensor(grad_norm)):
             self.optimizer.zero_grad()
             raise FloatingPointError(f"non-finite gradient norm {grad_norm} in the {self._role} update; "
                                      f"lower {self._lr_key} or check the reward for inf values")
         return grad_norm
+
+    def _clip_and_step(self, grad_norm: float) -> None:
+        """Clip by ``grad_norm`` and step. Megatron's own ``optimizer.step()`` would prepare the gradients and compute
+        the norm a second time (it only clips with it, and steps whatever the norm), so its remaining parts are called
+        here in its order instead (``ChainedOptimizer.step`` for several parameter groups)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        for part in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            params = part.get_parameters()
+            if part.config.clip_grad > 0.0 and params and not getattr(part, "is_stub_optimizer", False):
+                clip_grad_by_total_norm_fp32(params, max_norm=part.config.clip_grad, total_norm=grad_norm,
+                                             use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        if not self.optimizer.step_with_ready_grads():
+            raise RuntimeError("Megatron's optimizer skipped the step")
 
     def _step_metrics(self, reduced: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """The loss functions' metrics averaged over micro batches and data-parallel ranks; ``loss`` summed over both

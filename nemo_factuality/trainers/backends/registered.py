@@ -15,7 +15,7 @@ def build_hf(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Any, An
     from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
 
     t = cfg.trainer
-    device = init_from_environment(t.device)  # data parallelism under torchrun: one full replica per rank
+    device = init_from_environment(t.device, t.distributed_timeout_s)  # data parallelism under torchrun: one full replica per rank
     actor = HFActor(cfg.model, max_steps=_optimizer_steps(cfg), gradient_clip_val=t.gradient_clip_val, device=device)
     value_model = None
     if critic:
