@@ -50,7 +50,7 @@ from nemo_factuality.algorithms.off_policy import logprob_gap, truncated_importa
 from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.data import PromptRecord, PromptSampler
-from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, SamplingParams, assemble_rollout
+from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
 from nemo_factuality.trainers.runtime import (
     Checkpointer,
@@ -171,13 +171,9 @@ class GRPOTrainer:
             records = records_for_rows([self.data[i] for i in picked], n)
             with RolloutScorer(self.reward, records, self.actor.tokenizer, self.actor.eos_id, self.parallel,
                                overlap=self._algo().overlap_reward) as scorer:
-                with timer("generate"):
-                    chunks = []
-                    for chunk in self.actor.generate_chunks([self.prompt_ids[i] for i in picked for _ in range(n)],
-                                                            self.sampling):
-                        chunks.append(chunk)
-                        if scorer.overlap:
-                            scorer.submit(chunk)  # scored while the next micro batch is generated
+                with timer("generate"):  # a replica's engine gone past its restarts stops every rank alike
+                    chunks = self.parallel.agreed(lambda: self._generate([self.prompt_ids[i] for i in picked
+                                                                          for _ in range(n)], scorer))
                 rollout = assemble_rollout(chunks, self.actor.pad_id)
                 if not scorer.overlap:
                     scorer.submit(rollout_rows(rollout))  # generate → reward → log-probs, one after the other
@@ -195,6 +191,15 @@ class GRPOTrainer:
         if self.engine_sampled():
             metrics.update(self.actor.engine_metrics())  # the refit before this step's generation
         return self.parallel.reduce_metrics(metrics)
+
+    def _generate(self, prompt_ids: list[list[int]], scorer: RolloutScorer) -> list[RolloutChunk]:
+        """The step's rollouts in micro batches, each handed to the scorer as it comes when overlapping."""
+        chunks = []
+        for chunk in self.actor.generate_chunks(prompt_ids, self.sampling):
+            chunks.append(chunk)
+            if scorer.overlap:
+                scorer.submit(chunk)  # scored while the next micro batch is generated
+        return chunks
 
     # The stage's hooks (PPO overrides them): batch shape, log-probs, reward → advantage, and the update.
     def _algo(self) -> Any:

@@ -180,12 +180,16 @@ class KTOTrainer:
         chunks = []
         with RolloutScorer(self.labeller, records, self.actor.tokenizer, self.actor.eos_id, self.parallel,
                            overlap=self.cfg.kto.overlap_reward) as scorer:
-            for start in tqdm(range(0, len(prompt_rows), _GEN_CHUNK), desc=f"kto iter {self.iteration}: sample+label",
-                              disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer)):
-                rows = list(range(start, min(start + _GEN_CHUNK, len(prompt_rows))))
-                chunks.append(RolloutChunk(rows, self.actor.generate([self.prompt_ids[prompt_rows[r]] for r in rows],
-                                                                     self.sampling)))
-                scorer.submit(chunks[-1])
+
+            def generate() -> None:
+                for start in tqdm(range(0, len(prompt_rows), _GEN_CHUNK), desc=f"kto iter {self.iteration}: sample+label",
+                                  disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer)):
+                    rows = list(range(start, min(start + _GEN_CHUNK, len(prompt_rows))))
+                    chunks.append(RolloutChunk(rows, self.actor.generate([self.prompt_ids[prompt_rows[r]] for r in rows],
+                                                                         self.sampling)))
+                    scorer.submit(chunks[-1])
+
+            self.parallel.agreed(generate)  # a replica's engine gone past its restarts stops every rank alike
             labels = scorer.result()
         times = {"time/reward": scorer.reward_s, "time/reward_exposed": scorer.exposed_s}
         if labels.components.get("label") is None or labels.sentence_labels is None or labels.sentence_spans is None:

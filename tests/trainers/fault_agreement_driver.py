@@ -12,9 +12,12 @@ Runs, each from the same initial weights and seed (SGD without momentum: the wei
   reward client's own retry loop for its whole window, ``2 × remote_rm.timeout_s + remote_rm.retry.max_wait_s``,
   while replica 0's answers and its ranks wait in the step's agreement — then ``outage_resumed`` reruns to step 3;
 * ``preempt``: SIGUSR1 reaches replica 1's source rank alone during step 2 (Slurm signals ranks one by one) —
-  then ``preempt_resumed`` reruns to step 3.
+  then ``preempt_resumed`` reruns to step 3;
+* ``engine``: replica 1's rollout engine is gone for good at step 2 — every rank of replica 1 raises the
+  ``EngineUnavailable`` that ``VLLMRollout`` raises past ``rollout.vllm.restarts`` (relayed over the replica) while
+  replica 0 generates — then ``engine_resumed`` reruns to step 3.
 
-Every process group runs under the production timeouts scaled down (``GROUP_TIMEOUT_S`` for
+Every process group runs under the production timeouts scaled down (``--group-timeout`` for
 ``trainer.distributed_timeout_s``, a retry window of a few seconds inside it), so a healthy rank that waited longer
 than the group allows would fail here as NCCL's watchdog fails it in production.
 
@@ -49,13 +52,13 @@ from nemo_factuality.testing.ports import free_ports  # noqa: E402
 from nemo_factuality.testing.training import good_fraction, prompts, read_metrics  # noqa: E402
 from nemo_factuality.trainers.backends import BACKENDS  # noqa: E402
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
+from nemo_factuality.trainers.engines.vllm_engine import EngineUnavailable  # noqa: E402
 from nemo_factuality.trainers.grpo import GRPOTrainer  # noqa: E402
 from nemo_factuality.trainers.interfaces import Rollout  # noqa: E402
 from nemo_factuality.trainers.runtime import seed_everything  # noqa: E402
 
 FAULT_CALL = 2  # the reward call (= step) at which the fault reaches its rank
-GROUP_TIMEOUT_S = 15.0  # trainer.distributed_timeout_s, scaled down from production's 7200
-REQUEST_TIMEOUT_S, MAX_WAIT_S = 1.0, 3.0  # remote_rm.timeout_s, remote_rm.retry.max_wait_s: a 5 s window inside it
+REQUEST_TIMEOUT_S, MAX_WAIT_S = 1.0, 3.0  # remote_rm.timeout_s, remote_rm.retry.max_wait_s: a 5 s window
 
 
 def dead_server_window() -> None:
@@ -94,7 +97,7 @@ class OneRankFault:
 def overrides(args, run_dir: Path, max_steps: int) -> list[str]:
     model = ([f"model.restore_from_path={args.nemo}", "trainer.backend=aligner", f"model.tensor_model_parallel_size={args.tp}"]
              if args.nemo else [f"model.path={args.hf}", "trainer.backend=hf"])
-    return model + [f"trainer.max_steps={max_steps}", f"trainer.distributed_timeout_s={GROUP_TIMEOUT_S}",
+    return model + [f"trainer.max_steps={max_steps}", f"trainer.distributed_timeout_s={args.group_timeout}",
             f"remote_rm.timeout_s={REQUEST_TIMEOUT_S}", f"remote_rm.retry.max_wait_s={MAX_WAIT_S}",
             "trainer.save_interval=1", "trainer.progress_bar=false", "grpo.num_prompts_per_step=4",
             "grpo.num_rollouts_per_prompt=2", "grpo.truncated=keep", "model.micro_batch_size=2", "model.global_batch_size=8", "model.forward_micro_batch_size=2",
@@ -109,7 +112,31 @@ def fixed_logprobs(actor) -> list:
     return actor.logprobs(rollout).tolist()
 
 
+class EngineGoneOnReplica1:
+    """``actor.generate_chunks``, except that on data-parallel replica 1 (every rank of it: ``VLLMRollout`` relays its
+    source's verdict over the replica) the step-2 rollouts raise what an engine past its restarts raises."""
+
+    def __init__(self, actor) -> None:
+        self.actor, self.generate_chunks, self.calls = actor, actor.generate_chunks, 0
+
+    def __call__(self, prompt_ids, sampling):
+        self.calls += 1
+        if self.actor.data_parallel_rank == 1 and self.calls == FAULT_CALL:
+            raise EngineUnavailable("the vLLM engine died 3 times (rollout.vllm.restarts=2): injected on data-parallel "
+                                    "replica 1")
+        yield from self.generate_chunks(prompt_ids, sampling)
+
+
 def run(actor, args, name: str, run_dir: Path, max_steps: int, fault: str | None) -> dict:
+    if fault == "engine":
+        actor.generate_chunks = EngineGoneOnReplica1(actor)
+    try:
+        return _run(actor, args, name, run_dir, max_steps, None if fault == "engine" else fault)
+    finally:
+        actor.__dict__.pop("generate_chunks", None)
+
+
+def _run(actor, args, name: str, run_dir: Path, max_steps: int, fault: str | None) -> dict:
     reward = OneRankFault(fault, actor)
     trainer = GRPOTrainer(load_train_config(GRPOConfig, None, overrides(args, run_dir, max_steps)), actor, reward,
                           prompts(8), run_dir=run_dir)
@@ -130,6 +157,9 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--group-timeout", type=float, default=15.0,
+                    help="trainer.distributed_timeout_s, scaled down from production's 7200 s (the window is 5 s)")
+    ap.add_argument("--probe-timeout", action="store_true", help="end with timeout_probe (costs the group timeout)")
     args = ap.parse_args()
     out = Path(args.out)
     cfg = load_train_config(GRPOConfig, None, overrides(args, out / "init", 3))
@@ -142,21 +172,23 @@ def main() -> int:
         actor, _ = BACKENDS.get("hf")(cfg)
     initial = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in actor.model.state_dict().items()}
     runs = {}
-    for name, fault in (("undisturbed", None), ("outage", "outage"), ("preempt", "preempt")):
+    for name, fault in (("undisturbed", None), ("outage", "outage"), ("preempt", "preempt"), ("engine", "engine")):
         actor.model.load_state_dict(initial)
         seed_everything(args.seed)
         runs[name] = run(actor, args, name, out / name, 3, fault)
         if fault is not None:  # the requeued job: the same command, the same run directory
             runs[f"{name}_resumed"] = run(actor, args, name, out / name, 3, None)
     rank = torch.distributed.get_rank()
-    report = {"rank": rank, "dp_rank": actor.data_parallel_rank, "runs": runs, "timeout_probe": timeout_probe(rank, out),
-              "group_timeout_s": GROUP_TIMEOUT_S, "max_wait_s": MAX_WAIT_S}
+    report = {"rank": rank, "dp_rank": actor.data_parallel_rank, "runs": runs, "group_timeout_s": args.group_timeout,
+              "max_wait_s": MAX_WAIT_S}
+    if args.probe_timeout:
+        report["timeout_probe"] = timeout_probe(rank, out, args.group_timeout)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     return 0
 
 
-def timeout_probe(rank: int, out: Path) -> dict:
-    """Whether the default group really times out after ``GROUP_TIMEOUT_S`` (not torch's 30-minute gloo default):
+def timeout_probe(rank: int, out: Path, group_timeout: float) -> dict:
+    """Whether the default group really times out after ``group_timeout`` (not torch's 30-minute gloo default):
     rank 0 enters an all-reduce the other ranks never join and must give up at the timeout, while they stay alive
     (a peer that exits fails the all-reduce at once) until rank 0 says it is done. The group is unusable
     afterwards, so this runs last."""
@@ -173,7 +205,7 @@ def timeout_probe(rank: int, out: Path) -> dict:
             error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
         done.write_text("done")
     else:
-        while not done.exists() and time.monotonic() - t0 < 3 * GROUP_TIMEOUT_S:
+        while not done.exists() and time.monotonic() - t0 < 3 * group_timeout:
             time.sleep(0.1)
     return {"waited_s": time.monotonic() - t0, "error": error}
 

@@ -89,7 +89,8 @@ def main() -> int:
         after = rollout.generate(PROMPTS, GREEDY)
         result.update(step3=after.tokens.tolist(), native3=actor.generate(PROMPTS, GREEDY).tokens.tolist(),
                       gap3=gap(actor, after), refits=rollout.refits, has_engine=engine is not None,
-                      wrote_file=weights.exists(), starts=engine.starts if engine is not None else 0)
+                      wrote_file=weights.exists(), starts=engine.starts if engine is not None else 0,
+                      host_copied_bytes=rollout.host_copied_bytes, rank=torch.distributed.get_rank())
     finally:
         rollout.close()
     (out / f"vllm.rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))

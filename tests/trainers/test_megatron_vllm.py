@@ -47,4 +47,7 @@ def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatro
         # broadcast: step 0's stream, the explicit one after the steps and the one after the restart
         assert r["refits"] == (2 if refit == "file" else 3) and r["step3"] == ranks[0]["step3"]
         assert r["wrote_file"] == (refit == "file" and r["has_engine"])
+        # issue 39: a file refit copies the model to host memory on the source alone (two refits here); the other
+        # ranks walk the collective export and keep nothing (before: a full copy each, every step)
+        assert (r["host_copied_bytes"] > 0) == (refit == "file" and r["has_engine"]), (r["rank"], r["host_copied_bytes"])
     assert ranks[0]["starts"] == (1 if refit == "file" else 2)

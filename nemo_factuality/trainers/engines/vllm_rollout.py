@@ -50,6 +50,7 @@ class VLLMRollout:
         self._reload_due = False  # weights written, not yet loaded by the engine (the source's next request does)
         self.refits = 0
         self.last_refit_s = 0.0  # trainer export + engine reload, the step's last refit
+        self.host_copied_bytes = 0  # bytes of the model copied to host memory for file refits (0 off the source)
 
     def __getattr__(self, name: str) -> Any:  # only for what this class does not define: the actor's
         return getattr(self.__dict__["actor"], name)
@@ -87,8 +88,14 @@ class VLLMRollout:
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        weights = self.actor.hf_state_dict()
-        if self.engine is not None:
+        if self.engine is None:
+            # a rank of the replica without the engine: the export is collective (Bridge gathers each weight over the
+            # model-parallel ranks), so walk it with the source, but keep nothing (no host copy of the model here)
+            for _name, _tensor in self.actor.hf_weights():
+                pass
+        else:
+            weights = self.actor.hf_state_dict()
+            self.host_copied_bytes += sum(t.numel() * t.element_size() for t in weights.values())
             self.weights_dir.mkdir(parents=True, exist_ok=True)
             tmp = self.weights_dir / "model.safetensors.partial"  # not *.safetensors: the engine reads only whole files
             save_file(weights, str(tmp))
