@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from functools import cache
@@ -39,15 +40,37 @@ def _stack_rank(item: pytest.Item) -> int:
     return rank
 
 
+# Seconds each test module took in a measured run of the whole suite (tools/module_seconds.py writes it from a
+# `--durations=0` log); a module not in it counts as UNMEASURED_S.
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+UNMEASURED_S = 30.0
+
+
+@cache
+def _module_seconds() -> dict[str, float]:
+    return json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+
+
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the tests that need a heavy stack's venv last, the fastest-built stack first, each module whole (its
-    module-scoped fixtures built once), otherwise in collection order. On a fresh machine the test command builds
-    missing venvs beside the tests (tools/run_tests.sh), so the rest of the suite runs while they build."""
+    module-scoped fixtures built once); among modules of the same rank the longest first (the test command's two
+    xdist workers take modules in this order, so no long module starts last beside an idle worker), otherwise in
+    collection order. On a fresh machine the test command builds missing venvs beside the tests
+    (tools/run_tests.sh), so the rest of the suite runs while they build."""
     module_rank: dict[Path, int] = {}
     for item in items:
         module_rank[Path(item.path)] = max(module_rank.get(Path(item.path), 0), _stack_rank(item))
+    seconds = _module_seconds()
+    root = Path(str(config.rootpath))
+
+    def module_seconds(path: Path) -> float:
+        try:
+            return float(seconds.get(path.relative_to(root).as_posix(), UNMEASURED_S))
+        except ValueError:  # a test file outside the repository (the test command's own tests write such files)
+            return UNMEASURED_S
+
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (module_rank[Path(item.path)], order[id(item)]))
+    items.sort(key=lambda item: (module_rank[Path(item.path)], -module_seconds(Path(item.path)), order[id(item)]))
 
 
 @pytest.fixture(scope="session")

@@ -84,6 +84,17 @@ ensure_stack_venv "vLLM test" tools/setup_vllm_env.sh NEMO_FACTUALITY_VLLM_VENV 
   'vllm_env|[(, ]vllm_python[,)]' "$@"
 ensure_stack_venv "Megatron-Core/Bridge" tools/setup_megatron_env.sh NEMO_FACTUALITY_MEGATRON_VENV \
   NEMO_FACTUALITY_SKIP_MEGATRON 'megatron_env|[(, ]megatron_venv[,)]' "$@"
+# The whole suite runs on two pytest-xdist workers, a test module to a worker (its module fixtures built once), the
+# modules that need a heavy stack last and the longest first among their peers (tests/conftest.py): while one worker
+# runs a single-process test the other's torchrun or server test has the second core. Named paths run in one
+# process unless $NEMO_FACTUALITY_TEST_WORKERS says otherwise; the slowest tests are listed at the end of every run.
+workers=${NEMO_FACTUALITY_TEST_WORKERS:-}
+if [ -z "$workers" ]; then
+  workers=2
+  for arg in "$@"; do [[ $arg == -* ]] || workers=1; done
+fi
+parallel=()
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 status=0
-python -m pytest -q -ra --timeout=600 "$@" || status=$?
+python -m pytest -q -ra --timeout=600 --durations=30 "${parallel[@]}" "$@" || status=$?
 finish_builds "$status"

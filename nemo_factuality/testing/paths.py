@@ -1,4 +1,4 @@
-"""Locations of the shared parity goldens (``../shared/parity`` beside the repository)."""
+"""Locations of the parity goldens (``tests/data/parity`` in the repository, a copy of the project's shared ones)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def parity_dir() -> Path:
-    """``$NEMO_FACTUALITY_PARITY`` or ``<repo>/../shared/parity``; raises naming the path if missing."""
-    path = Path(os.environ.get("NEMO_FACTUALITY_PARITY", REPO_ROOT / ".." / "shared" / "parity")).resolve()
+    """``$NEMO_FACTUALITY_PARITY`` or ``<repo>/tests/data/parity``; raises naming the path if missing."""
+    path = Path(os.environ.get("NEMO_FACTUALITY_PARITY", REPO_ROOT / "tests" / "data" / "parity")).resolve()
     if not path.is_dir():
         raise FileNotFoundError(
-            f"Parity goldens not found at {path}. Clone the repository next to 'shared/' "
-            f"or set NEMO_FACTUALITY_PARITY to the folder holding safe_f1_at_k.json etc."
+            f"Parity goldens not found at {path}: they are part of the repository (tests/data/parity); "
+            f"restore that folder or set NEMO_FACTUALITY_PARITY to a folder holding safe_f1_at_k.json etc."
         )
     return path
 

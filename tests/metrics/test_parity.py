@@ -1,4 +1,4 @@
-"""Every record of the public-implementation goldens in ../shared/parity, compared at abs_tol 1e-12."""
+"""Every record of the public-implementation goldens in tests/data/parity, compared at abs_tol 1e-12."""
 
 from __future__ import annotations
 
