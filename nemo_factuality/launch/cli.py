@@ -1,8 +1,8 @@
 """``nemo-factuality launch <stage> [--cluster PROFILE] [--dry-run] [--out FILE] [key=value ...]``.
 
 Renders ``slurm/het_job.sbatch.j2`` from ``conf/launch/<stage>.yaml`` and ``conf/cluster/<profile>.yaml``.
-``--dry-run`` prints the script and writes it to ``--out`` (default ``./<stage>.sbatch``) and nowhere
-else; a real submit writes it under the profile's ``log_root`` (or ``--out``) and runs ``sbatch``.
+``--dry-run`` prints the script and writes it to ``--out`` (default ``outputs/launch/<stage>.sbatch``, under
+the git-ignored output folder) and nowhere else; a real submit writes it under the profile's ``log_root`` (or ``--out``) and runs ``sbatch``.
 Overrides address the stage (``params.policy_model=/models/x``, ``preset=qwen2.5-14b``) or the profile
 (``cluster.partition=batch``).
 """
@@ -28,7 +28,7 @@ def build_parser() -> ArgumentParser:
     p = ArgumentParser(prog="nemo-factuality launch",
                        description="Render slurm/het_job.sbatch.j2 for a stage (conf/launch) on a cluster profile "
                                    "(conf/cluster) and submit it with sbatch. --dry-run prints it and writes it to --out "
-                                   "or ./<stage>.sbatch only.",
+                                   "or outputs/launch/<stage>.sbatch only.",
                        usage="nemo-factuality launch STAGE [--cluster PROFILE] [--dry-run] [--out FILE] [key=value ...]",
                        epilog="key=value overrides change the stage (its required values: params.policy_model=/models/x "
                               "params.train_data=...; preset=qwen2.5-14b) or, prefixed with cluster., the profile "
@@ -38,9 +38,13 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--cluster", default="h100_pyxis", help=f"conf/cluster/<profile>.yaml ({_names('cluster')}) or a YAML path")
     p.add_argument("--dry-run", action="store_true", help="print and write the script without submitting")
     p.add_argument("--out", type=Path, default=None,
-                   help="where to write the script (default: ./<stage>.sbatch with --dry-run, else <log_root>/<stage>.sbatch)")
+                   help="where to write the script (default: outputs/launch/<stage>.sbatch with --dry-run, else "
+                        "<log_root>/<stage>.sbatch)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="stage or cluster.* overrides")
     return p
+
+
+DRY_RUN_DIR = Path("outputs") / "launch"  # relative to the current directory, as the lab's outputs/lab
 
 
 def main(argv: Sequence[str]) -> int:
@@ -53,8 +57,8 @@ def main(argv: Sequence[str]) -> int:
     cluster = load_config(ClusterProfile, args.cluster, cluster_over, group="cluster")
     stage_name = Path(args.stage).stem
     text = render(stage_name, stage, cluster)
-    if args.dry_run:  # nothing outside --out / the current directory
-        script = write_script(text, args.out or Path.cwd() / f"{stage_name}.sbatch")
+    if args.dry_run:  # nothing outside --out / the output folder (git ignores outputs/)
+        script = write_script(text, args.out or DRY_RUN_DIR / f"{stage_name}.sbatch")
         print(text, end="")
         print(f"# written to {script}", file=sys.stderr)
         return 0

@@ -103,14 +103,11 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     check_model_paths(stage, cfg)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     from nemo_factuality.config import to_yaml
     from nemo_factuality.trainers.backends.collectives import ranks_from_slurm
 
     # under torchrun or srun only the job's rank 0 writes the run's files
     writer = int(os.environ.get("RANK") or ranks_from_slurm(os.environ).get("RANK", "0")) == 0
-    if writer:
-        (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
     seed_everything(cfg.trainer.seed)
     actor, critic = BACKENDS.get(cfg.trainer.backend)(cfg, critic=stage == "ppo", **runtime)
     from nemo_factuality.trainers.engines.vllm_rollout import with_rollout_engine
@@ -119,10 +116,15 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     reward = None
     try:
         reward = build_reward(cfg, actor.tokenizer)
+        # start-up passed (models, engine, reward servers): only now does the run folder get its files
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if writer:
+            (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
         _fit(stage, cfg, actor, critic, reward, train, val, pairs, run_dir)
     except ServerUnavailableError as err:
         # the Slurm launcher requeues on this file as well as on exit 75 (srun may report a killed rank's code)
         if writer:
+            run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "REQUEUE").write_text(f"{' '.join(str(err).split())}\n", encoding="utf-8")
         raise
     finally:

@@ -90,15 +90,17 @@ def test_dry_run_cli_and_validation(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("stage_name,cluster_name", [("grpo_klcf", "h100_pyxis"), ("cpu_standin", "local_cpu")])
-def test_dry_run_writes_only_to_the_current_directory(tmp_path, monkeypatch, capsys, stage_name, cluster_name):
-    """The default profile's log_root is /lustre/...; local_cpu's is logs/: a dry run creates neither."""
+def test_dry_run_writes_only_under_the_output_folder(tmp_path, monkeypatch, capsys, stage_name, cluster_name):
+    """The default profile's log_root is /lustre/...; local_cpu's is logs/: a dry run creates neither. Nor does it
+    write into the current directory itself (issue 43: ./<stage>.sbatch, untracked in a checkout): outputs/launch/."""
     lustre_before = Path("/lustre").exists()
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
     assert cli(["launch", stage_name, "--cluster", cluster_name, "--dry-run", *site_params(stage_name)]) == 0
-    assert sorted(p.name for p in work.iterdir()) == [f"{stage_name}.sbatch"]
-    assert capsys.readouterr().out == (work / f"{stage_name}.sbatch").read_text()
+    written = sorted(p.relative_to(work).as_posix() for p in work.rglob("*") if p.is_file())
+    assert written == [f"outputs/launch/{stage_name}.sbatch"]
+    assert capsys.readouterr().out == (work / written[0]).read_text()
     assert Path("/lustre").exists() == lustre_before and not (REPO_ROOT / "logs").exists()
 
 

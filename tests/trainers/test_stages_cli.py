@@ -102,7 +102,8 @@ def test_in_process_reward_with_judges_down_fails_at_start_naming_url_and_key(ti
     assert f"http://127.0.0.1:{down_port}/v1 unreachable" in line and "(config key reward.pipeline.verifier.judge.base_url)" in line
     assert f"{outage_url}/models answered HTTP 503 (config key reward.checklist_judge.base_url)" in line
     assert judge.url not in line  # the healthy judge is not blamed
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    # issue 43: nothing is written before start-up passes (before: config.yaml was left in the run folder)
+    assert not (tmp_path / "run").exists()
 
 
 def _failing_judge(req: dict) -> Reply:
