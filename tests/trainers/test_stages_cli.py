@@ -106,6 +106,22 @@ def test_in_process_reward_with_judges_down_fails_at_start_naming_url_and_key(ti
     assert not (tmp_path / "run").exists()
 
 
+def test_vllm_rollouts_without_vllm_are_refused_in_one_line_naming_the_key_and_the_recipe(tiny_policy, tmp_path, capsys):
+    """Issue 43: before, a 37-line ModuleNotFoundError traceback from the engine's log, after the model had loaded."""
+    import sys
+
+    from nemo_factuality.cli import main as cli
+
+    code = cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"),
+                f"data.train={_klcf_data(tmp_path)}", "rollout.engine=vllm", f"rollout.vllm.python={sys.executable}"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert f"{sys.executable} cannot import vllm; point rollout.vllm.python" in errors[0]
+    assert "bash tools/setup_vllm_env.sh" in errors[0]
+    assert not (tmp_path / "run").exists()  # nothing written before start-up passed
+
+
 def _failing_judge(req: dict) -> Reply:
     """Healthy (GET /v1/models answers) but every completion is refused: every reward NaN."""
     return Reply("scripted refusal", status=400)

