@@ -27,6 +27,7 @@ TRAINING_STALLED = 3
 TOO_MANY_RESTARTS = 4
 TEMPFAIL = 75  # sysexits.h EX_TEMPFAIL
 INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+TERMINATED = 143  # 128 + SIGTERM
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,12 @@ EXIT_CODES: tuple[ExitCode, ...] = (
              "(`critic.retry.max_wait_s`) on any rank of the job, or a critic server came back at another step; the "
              "stage wrote a checkpoint (not for the critic-step mismatch) and a `REQUEUE` file in its run directory",
              "requeue: the Slurm template does it on this code or the `REQUEUE` file"),
-    ExitCode(INTERRUPTED, "INTERRUPTED", "Ctrl-C (SIGINT) while the command ran", "rerun; a stage resumes from its "
+    ExitCode(INTERRUPTED, "INTERRUPTED", "Ctrl-C (SIGINT) while the command ran; the lab first stops its workers and "
+             "the servers they started, and leaves `INCOMPLETE` in its output folder", "rerun; a stage resumes from its "
              "latest checkpoint"),
+    ExitCode(TERMINATED, "TERMINATED", "SIGTERM (`kill`) reached the lab: it stopped its workers and the servers they "
+             "started within seconds and left `INCOMPLETE` in its output folder (a training stage instead checkpoints "
+             "and exits 0)", "rerun the command for a report"),
 )
 
 MEANINGS: dict[int, str] = {entry.code: entry.meaning for entry in EXIT_CODES}

@@ -350,21 +350,39 @@ class _Inline:
 
 
 def _worker_init(threads: int) -> None:
+    from nemo_factuality.stopping import ignore_stop_signals_in_workers
+
+    ignore_stop_signals_in_workers()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     quiet_libraries()
     configure_threads(threads)
+
+
+# in the output folder while a run has not finished (a crash or a stop leaves it, saying which)
+INCOMPLETE = "INCOMPLETE"
 
 
 def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
     """The whole lab over ``cfg.seeds``; writes every artefact under ``out`` and returns the report dict."""
     from nemo_factuality.lab.report import write_report
 
+    from nemo_factuality.stopping import Stopped, stop_on_signals
+
     out.mkdir(parents=True, exist_ok=True)
+    incomplete = out / INCOMPLETE
+    incomplete.write_text("running: this run has not finished (no report yet)\n", encoding="utf-8")
     with lab_process(cfg.threads):
         start = _usage()
-        results = _run_tasks(cfg, out)
+        try:
+            with stop_on_signals("lab"):
+                results = _run_tasks(cfg, out)
+        except Stopped as err:
+            incomplete.write_text(f"incomplete: {err}; rerun the command for a report\n", encoding="utf-8")
+            raise
         end = _usage()
-        return write_report(cfg, results, out, {"wall_s": end[0] - start[0], "cpu_s": end[1] - start[1]})
+        report = write_report(cfg, results, out, {"wall_s": end[0] - start[0], "cpu_s": end[1] - start[1]})
+        incomplete.unlink()
+        return report
 
 
 def _run_tasks(cfg: LabConfig, out: Path) -> dict[int, dict[str, Any]]:
@@ -377,19 +395,38 @@ def _run_tasks(cfg: LabConfig, out: Path) -> dict[int, dict[str, Any]]:
                                         initargs=(cfg.threads,))
     else:
         pool = _Inline()
-    with pool:
-        pending: dict[Future, tuple[int, str | None]] = {
-            pool.submit(prepare_seed, cfg, s, out / f"seed{s}"): (s, None) for s in cfg.seeds}
-        while pending:
-            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-            for fut in done:
-                seed, method = pending.pop(fut)
-                value = fut.result()  # a failed task fails the run, with its own traceback
-                if method is None:
-                    results[seed] = {"context": value, "methods": {}}
-                    for name in cfg.methods:
-                        pending[pool.submit(run_method, cfg, value, name)] = (seed, name)
-                else:
-                    results[seed]["methods"][method] = value
-                    log.info("lab: seed %d: %s done", seed, method)
+    try:
+        _schedule(cfg, out, pool, results)
+    except BaseException:
+        # a stop, or a failed task: the workers and the servers they started go now, not after their running tasks
+        # (the pool's shutdown would wait for them)
+        from nemo_factuality.stopping import stop_process_trees
+
+        workers = list(getattr(pool, "_processes", None) or {})
+        stopped = stop_process_trees(workers)
+        log.warning("lab: stopped %d worker processes and the processes they had started", stopped)
+        if cfg.jobs > 1:
+            pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    if cfg.jobs > 1:
+        pool.shutdown(wait=True)
     return results
+
+
+def _schedule(cfg: LabConfig, out: Path, pool: Any, results: dict[int, dict[str, Any]]) -> None:
+    """Submit each seed's prepare task, then its method tasks once it is done; collect into ``results``."""
+    pending: dict[Future, tuple[int, str | None]] = {
+        pool.submit(prepare_seed, cfg, s, out / f"seed{s}"): (s, None) for s in cfg.seeds}
+    while pending:
+        done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+        for fut in done:
+            seed, method = pending.pop(fut)
+            value = fut.result()  # a failed task fails the run, with its own traceback
+            if method is None:
+                results[seed] = {"context": value, "methods": {}}
+                for name in cfg.methods:
+                    pending[pool.submit(run_method, cfg, value, name)] = (seed, name)
+            else:
+                results[seed]["methods"][method] = value
+                log.info("lab: seed %d: %s done", seed, method)
+

@@ -1,0 +1,52 @@
+"""``kill <lab pid>`` or Ctrl-C stops the lab and everything it started (issue 43: SIGTERM exited 143 at once with
+no message while the pool's workers, re-parented to PID 1, kept training, started PyTriton servers and wrote into
+``--out`` for minutes; SIGINT cleaned up but took 54 s). Through the real command, in a process of its own."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from nemo_factuality.config import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stop_signal_stops_the_lab_and_its_workers_within_seconds(tmp_path, sig, code):
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "nemo_factuality.cli", "lab", "--quick", "--methods", "knowrl",
+                             "--jobs", "2", "--out", str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lab = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 120
+        while (len(lab.children()) < 2 or not (out / "INCOMPLETE").exists()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        time.sleep(2)  # the workers are at work (spawned, importing, preparing the seed)
+        tree = lab.children(recursive=True)
+        assert len(tree) >= 2, tree
+        start = time.monotonic()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == code and took < 20, (proc.returncode, took, err[-3000:])
+    _, alive = psutil.wait_procs(tree, timeout=5)
+    assert alive == [], alive  # before: the workers kept running, re-parented to PID 1
+    name = signal.Signals(sig).name
+    assert f"nemo-factuality lab: {name} received: stopping the processes it started" in err
+    assert f"nemo-factuality lab: error: stopped by {name}" in err and f"(exit {code})" in err
+    assert "Traceback" not in err
+    assert (out / "INCOMPLETE").read_text().startswith(f"incomplete: stopped by {name}")
+    assert not (out / "report.json").exists()
