@@ -11,7 +11,7 @@ stopped requeueing. 4 is outside sysexits' 64–78 (76 would read as ``EX_PROTOC
 126/127 and 128+N (killed by signal N), and no Python command of ours returns it.
 
 >>> [c.code for c in EXIT_CODES]
-[0, 1, 2, 3, 4, 75, 130]
+[0, 1, 2, 3, 4, 75, 130, 143]
 >>> by_code(75).name
 'TEMPFAIL'
 """
