@@ -146,3 +146,24 @@ def test_srun_task_variables_become_torch_distributed_ranks():
     assert ranks_from_slurm({**srun, "WORLD_SIZE": "8"}) == {}  # torchrun's own variables win
     assert ranks_from_slurm({**srun, "SLURM_STEP_NUM_TASKS": "1"}) == {}  # a single task: no job to join
     assert ranks_from_slurm({}) == {}
+
+
+def test_an_engine_of_another_build_is_refused_at_the_first_refit_without_a_restart(tmp_path):
+    """Issue 39: NCCL refuses a communicator across versions; the failure surfaced as a transport error, the engine
+    was restarted, the run exited 75 and was requeued, forever. The versions the engine's health answer carries are
+    checked before the group forms: one line naming both builds and rollout.vllm.refit=file, nothing sent, no restart."""
+    from nemo_factuality.trainers.engines import vllm_worker
+    from nemo_factuality.trainers.engines.vllm_engine import TRANSPORT_ERRORS, RefitGroupMismatch
+
+    cfg = VLLMEngineConfig(python=sys.executable, refit="broadcast", restarts=2)
+    engine = VLLMEngine(tmp_path / "model", cfg, dtype="float32", log_dir=tmp_path / "log")
+    ours = vllm_worker.collective_versions()
+    engine.engine_versions = {**ours, "torch": ours["torch"] + ".other"}  # what the engine's health answer said
+    with pytest.raises(RefitGroupMismatch) as err:
+        engine.open_stream([("w", "float32", [2])])
+    message = str(err.value)
+    assert "\n" not in message and "rollout.vllm.refit=file" in message and ours["torch"] + ".other" in message
+    assert not isinstance(err.value, TRANSPORT_ERRORS)  # not a dead engine: VLLMRollout does not restart it
+    assert engine.starts == 0 and engine.restarts_left == 2 and engine._store is None  # nothing was sent or hosted
+    engine.engine_versions = dict(ours)
+    assert vllm_worker.versions_problem(engine.group_backend, ours, engine.engine_versions) is None

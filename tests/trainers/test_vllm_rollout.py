@@ -48,6 +48,15 @@ def engine(engine_policy, vllm_python, tmp_path_factory):
     eng.close()
 
 
+def test_the_engines_health_answer_carries_the_versions_its_refit_group_needs(engine, vllm_python):
+    """What the trainer checks before a broadcast refit group forms (issue 39): the engine venv's own torch/NCCL."""
+    import subprocess
+
+    theirs = subprocess.run([vllm_python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                            text=True, check=True, timeout=120).stdout.strip()
+    assert engine.engine_versions == {"torch": theirs, "nccl": None}  # the CPU engine: no CUDA, no NCCL
+
+
 @pytest.fixture(params=["file", "broadcast"])
 def refit_engine(engine, request):
     """The module's engine, refit by each ``rollout.vllm.refit`` mode: the engine process serves both, only the

@@ -53,6 +53,10 @@ class EngineError(RuntimeError):
     """The engine answered with an error (a bad request, not a dead engine): not retried."""
 
 
+class RefitGroupMismatch(FactualityInputError):
+    """The refit group cannot form between these builds: a configuration error (exit 2), never a restart."""
+
+
 class EngineStartError(EngineError, FactualityInputError):
     """The engine could not start (at the run's start: one line with its log's root cause, exit 2)."""
 
@@ -91,6 +95,7 @@ class VLLMEngine:
         self.needs_weights = False  # refit=broadcast: restarted since, not streamed to yet
         self._store: Any = None  # the refit groups' rendezvous (TCPStore on loopback), one per engine object
         self._group: Any = None  # this engine start's refit group (rank 0: this process)
+        self.engine_versions: dict[str, Any] = {}  # torch's and NCCL's in the engine's venv (its health answer)
         self._stream: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -117,7 +122,8 @@ class VLLMEngine:
         self.starts += 1
         self._group = None  # a new engine's workers form a new refit group (on first use)
         self._connect(ready, log_path)
-        self._ask({"op": "health"})  # loaded and serving: the stage's step 1 waits for this on every replica
+        # loaded and serving: the stage's step 1 waits for this on every replica
+        self.engine_versions = self._ask({"op": "health"}).get("versions") or {}
         log.info("vLLM engine ready: pid %d answered its health check %.1f s after it started%s", self._proc.pid,
                  time.monotonic() - started, "" if self.devices is None else f", on GPUs {','.join(self.devices)}")
         return self
@@ -260,6 +266,11 @@ class VLLMEngine:
         """Form this engine start's refit group: the engine's workers join it (a request that blocks in their
         ``collective_rpc``) while this process builds its rank 0; both sides wait at most ``request_timeout_s``."""
         timeout = self.cfg.request_timeout_s
+        problem = vllm_worker.versions_problem(self.group_backend, vllm_worker.collective_versions(), self.engine_versions)
+        if problem:  # NCCL refuses the communicator: a GroupError, restarts, exit 75, requeue, forever — say it now
+            raise RefitGroupMismatch(f"rollout.vllm.refit=broadcast: the refit group cannot form across these builds "
+                                     f"({problem}); give the engine's venv the trainer's {self.group_backend.upper()} "
+                                     "or use rollout.vllm.refit=file")
         if self._store is None:
             self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                                      timeout=datetime.timedelta(seconds=timeout))

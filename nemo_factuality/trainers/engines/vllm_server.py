@@ -82,6 +82,13 @@ def refit_stream(llm: Any, msg: dict) -> dict:
     return {"seconds": time.perf_counter() - start, "received": [int(n) for n in received]}
 
 
+def health(llm: Any, msg: dict) -> dict:
+    """Loaded and serving; with the versions a refit group needs to match (the trainer checks them first)."""
+    from nemo_factuality.trainers.engines.vllm_worker import collective_versions  # torch only, as the workers
+
+    return {"versions": collective_versions()}
+
+
 def serve(llm: Any, listener: Listener) -> None:
     """Answer one trainer connection at a time until ``shutdown``."""
     while True:
@@ -98,7 +105,7 @@ def serve(llm: Any, listener: Listener) -> None:
                         conn.send_bytes(json.dumps({"ok": True}).encode())
                         return
                     ops = {"generate": generate, "refit": refit, "join_group": join_group, "refit_stream": refit_stream,
-                           "health": lambda _llm, _m: {}}
+                           "health": health}
                     reply = ops[op](llm, msg)
                     reply["ok"] = True
                 except Exception as err:  # the trainer gets the reason; the engine keeps serving

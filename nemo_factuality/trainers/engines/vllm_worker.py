@@ -27,6 +27,34 @@ import torch
 END, ABORT = -1, -2
 
 
+def collective_versions() -> dict[str, str | None]:
+    """What the two ends of a refit group must share: torch's version (gloo is built into it) and NCCL's (None
+    without CUDA). The trainer's image and the engine's venv can carry different builds (NGC's torch and NCCL beside
+    the pip NCCL wheel), and NCCL refuses a communicator across versions."""
+    nccl = None
+    if torch.cuda.is_available():
+        nccl = ".".join(str(part) for part in torch.cuda.nccl.version())
+    return {"torch": torch.__version__, "nccl": nccl}
+
+
+def versions_problem(backend: str, trainer: dict[str, Any], engine: dict[str, Any]) -> str | None:
+    """Why a ``backend`` group cannot form between these two ends (None when it can): NCCL's versions must match,
+    and under gloo torch's.
+
+    >>> versions_problem("nccl", {"torch": "2.9.0a0+nv25.06", "nccl": "2.27.3"}, {"torch": "2.9.0", "nccl": "2.26.2"})
+    'NCCL 2.27.3 (torch 2.9.0a0+nv25.06) on the trainer, NCCL 2.26.2 (torch 2.9.0) on the engine'
+    >>> versions_problem("gloo", {"torch": "2.13.0+cpu", "nccl": None}, {"torch": "2.13.0+cpu", "nccl": None}) is None
+    True
+    """
+    key = "nccl" if backend == "nccl" else "torch"
+    if trainer.get(key) == engine.get(key):
+        return None
+    if key == "nccl":
+        return (f"NCCL {trainer.get('nccl')} (torch {trainer.get('torch')}) on the trainer, NCCL {engine.get('nccl')} "
+                f"(torch {engine.get('torch')}) on the engine")
+    return f"torch {trainer.get('torch')} (its gloo) on the trainer, torch {engine.get('torch')} on the engine"
+
+
 def make_group(store: Any, prefix: str, rank: int, world: int, backend: str, timeout_s: float, device: Any) -> Any:
     """The refit group's ``rank`` of ``world``: its keys under ``prefix`` on ``store`` (a fresh prefix per engine
     start: a restarted engine forms a new group on the same store); ops that wait past ``timeout_s`` raise."""
