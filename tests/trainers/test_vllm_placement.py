@@ -167,3 +167,41 @@ def test_an_engine_of_another_build_is_refused_at_the_first_refit_without_a_rest
     assert engine.starts == 0 and engine.restarts_left == 2 and engine._store is None  # nothing was sent or hosted
     engine.engine_versions = dict(ours)
     assert vllm_worker.versions_problem(engine.group_backend, ours, engine.engine_versions) is None
+
+
+@pytest.mark.parametrize("peer", ["gone", "silent"])
+def test_a_refit_broadcast_is_bounded_on_the_host_not_by_the_groups_timeout(peer):
+    """Issue 39: under NCCL ``wait()`` does not block the host, so a peer dead mid-stream went unnoticed until the
+    watchdog. The trainer's side now polls each broadcast against the stream's deadline and the engine process: a
+    dead process (``gone``) is seen at once, a silent peer at the deadline — here both long before the group's own
+    60 s timeout, on a real two-rank gloo group whose rank 1 never joins the broadcast."""
+    import datetime
+    import threading
+    import time
+
+    import torch
+
+    from nemo_factuality.testing.ports import free_ports
+    from nemo_factuality.trainers.engines import vllm_worker
+
+    (port,) = free_ports(1)
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=30))
+    groups = {}
+
+    def join(rank: int) -> None:
+        peer_store = store if rank == 0 else torch.distributed.TCPStore("127.0.0.1", port, is_master=False,
+                                                                         timeout=datetime.timedelta(seconds=30))
+        groups[rank] = vllm_worker.make_group(peer_store, "bounded/", rank, 2, "gloo", 60.0, torch.device("cpu"))
+
+    other = threading.Thread(target=join, args=(1,), daemon=True)
+    other.start()
+    join(0)
+    other.join(timeout=30)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited during" if peer == "gone" else "did not complete before its deadline"):
+        vllm_worker.broadcast(groups[0], torch.ones(4), deadline=time.monotonic() + 1.0,
+                              peer_alive=(lambda: False) if peer == "gone" else (lambda: True))
+    took = time.monotonic() - start
+    assert took < (0.5 if peer == "gone" else 3.0), took  # the group itself would have waited 60 s
+    vllm_worker.broadcast(groups[1], torch.zeros(4))  # rank 1 takes the pending broadcast: nothing left waiting

@@ -296,7 +296,7 @@ class VLLMEngine:
             self._join()
         self._send({"op": "refit_stream", "manifest": [list(entry) for entry in manifest]})
         self._stream = {"index": {name: i for i, (name, _, _) in enumerate(manifest)}, "manifest": manifest,
-                        "sent": set(), "start": start}
+                        "sent": set(), "start": start, "deadline": time.monotonic() + self.cfg.request_timeout_s}
 
     def send_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Broadcast one tensor of the open stream (its header, then it, in the manifest's dtype on the group's
@@ -311,14 +311,29 @@ class VLLMEngine:
             raise FactualityInputError(f"refit: {name} has shape {list(tensor.shape)}, the manifest says {shape}")
         device = self._group_device()
         self._send_header(index, 0)
-        self._collective(vllm_worker.broadcast, self._group,
-                         tensor.detach().to(device=device, dtype=vllm_worker.torch_dtype(dtype)).contiguous())
+        self._broadcast(tensor.detach().to(device=device, dtype=vllm_worker.torch_dtype(dtype)).contiguous())
         st["sent"].add(index)
 
     def _send_header(self, first: int, second: int) -> None:
         """The stream's ``int64[2]`` header (``vllm_worker``'s protocol: a tensor's manifest index, END or ABORT)."""
-        self._collective(vllm_worker.broadcast, self._group,
-                         torch.tensor([first, second], dtype=torch.int64, device=self._group_device()))
+        self._broadcast(torch.tensor([first, second], dtype=torch.int64, device=self._group_device()))
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        """One collective of the open stream, bounded on the host by the stream's deadline (``open_stream`` +
+        ``request_timeout_s``) and by the engine process being alive; a failure aborts this start's group (NCCL's
+        communicator would otherwise hang on the dead peer until the watchdog kills the trainer)."""
+        deadline = self._stream["deadline"] if self._stream else time.monotonic() + self.cfg.request_timeout_s
+        alive = lambda: self._proc is not None and self._proc.poll() is None  # noqa: E731
+        try:
+            self._collective(lambda: vllm_worker.broadcast(self._group, tensor, deadline=deadline, peer_alive=alive))
+        except GroupError:
+            self._abort_group()
+            raise
+
+    def _abort_group(self) -> None:
+        group, self._group = self._group, None
+        if group is not None and self.group_backend == "nccl":
+            group.abort()  # gloo's pending work ends at its timeout; NCCL's communicator must be torn down
 
     def close_stream(self) -> float:
         """End the stream and wait for the engine's reload; every manifest tensor must have been sent. Returns the

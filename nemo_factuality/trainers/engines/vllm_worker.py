@@ -19,7 +19,8 @@ order (Bridge's export order is not the checkpoint's) while every tensor's layou
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -73,11 +74,28 @@ def make_group(store: Any, prefix: str, rank: int, world: int, backend: str, tim
     raise ValueError(f"refit group backend {backend!r}: gloo (CPU) or nccl (CUDA)")
 
 
-def broadcast(group: Any, tensor: torch.Tensor) -> None:
-    """``tensor`` from rank 0 to every rank of ``group``, in place; waits (the group's timeout bounds it)."""
+def broadcast(group: Any, tensor: torch.Tensor, *, deadline: float | None = None,
+              peer_alive: Callable[[], bool] | None = None) -> None:
+    """``tensor`` from rank 0 to every rank of ``group``, in place. Without ``deadline`` it waits (the group's timeout
+    bounds it: the engine's side). The trainer's side passes a ``time.monotonic()`` deadline and ``peer_alive``: the
+    host polls the collective instead of trusting ``wait()`` — under NCCL ``wait()`` only orders the GPU stream, so a
+    peer that died mid-stream went unnoticed until the watchdog tore the process down — and a dead engine process or
+    the deadline raise here, the same restart path as gloo's errors."""
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
-    group.broadcast([tensor], opts).wait()
+    work = group.broadcast([tensor], opts)
+    if deadline is None:
+        work.wait()
+        return
+    pause = 0.0002
+    while not work.is_completed():
+        if peer_alive is not None and not peer_alive():
+            raise RuntimeError("the engine process exited during the refit broadcast")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the refit broadcast did not complete before its deadline (rollout.vllm.request_timeout_s)")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    work.wait()  # raises the collective's own error, if it ended in one
 
 
 def torch_dtype(name: str) -> torch.dtype:
