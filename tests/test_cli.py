@@ -130,6 +130,11 @@ CASES = {  # name: (argv, a phrase the one line must contain)
                                  "reward.guards.dedup_claim=true"], "unknown config key reward.guards.dedup_claim; did you mean"),
     "train_nested_typo": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "model.path=hf_corrupt", "reward.min_claimz=2"],
                           "unknown config key reward.min_claimz"),
+    # issue 43: the megatron backend on a CPU machine is one line naming the route that runs (before: a 48-line
+    # "Torch not compiled with CUDA enabled" traceback and a config.yaml left behind)
+    "train_megatron_on_cpu": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "trainer.backend=megatron",
+                               "model.path=hf_corrupt"],
+                              "the megatron backend trains on GPUs (trainer.device=cuda"),
     "kb_build_empty_passages": (["kb", "build", "--passages", "empty.jsonl", "--out", "x.sqlite"],
                                 "empty.jsonl has no passages"),
     "serve_same_port_twice": (["serve", "--config-name", "demo", "grpc_port=5555"], "grpc_port=5555 is also http_port"),

@@ -91,6 +91,15 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     from nemo_factuality.trainers.runtime import build_reward, seed_everything
 
     cfg, runtime = parse_stage_config(stage, argv)
+    if cfg.trainer.backend == "megatron" and not str(cfg.trainer.device).startswith("cuda"):
+        from nemo_factuality.config import ConfigError
+
+        # Megatron-Core has no CPU path of its own: the CI's CPU runs patch dozens of its CUDA calls in test drivers,
+        # which is not a way to run a user's job
+        raise ConfigError(f"trainer.backend=megatron with trainer.device={cfg.trainer.device}: the megatron backend "
+                          "trains on GPUs (trainer.device=cuda, one rank per GPU under torchrun or srun); to try it on "
+                          "a CPU machine run its smoke kit's CPU path, `bash tools/gpu_smoke.sh --cpu --backend megatron "
+                          "--skip-trl` (docs/cluster/gpu.md), or train on trainer.backend=hf")
     if stage == "ppo" and cfg.trainer.backend == "aligner" and not cfg.critic.url:
         from nemo_factuality.config import ConfigError
 
