@@ -42,7 +42,9 @@ echo "building the NeMo-Aligner venv in $venv (about 8 min)" >&2
 "$PY" -m venv "$build"
 # Low priority on a shared machine; the test command raises it when the build runs beside the tests it gates.
 niceness=${NEMO_FACTUALITY_BUILD_NICE:-19}
-pip=("$build/bin/python" -m pip install -q --progress-bar off)
+# --no-compile: pip byte-compiles every module it installs (torch alone: about 2 min of a shared core); Python
+# compiles the few the tests import, once, on first import
+pip=("$build/bin/python" -m pip install -q --progress-bar off --no-compile)
 # The CPU torch first; the constraints keep it (nemo's extras would pull a CUDA torch 2.14 otherwise).
 step 1 "torch 2.13.0 (CPU)"
 nice -n "$niceness" "${pip[@]}" torch==2.13.0

@@ -27,13 +27,13 @@ fi
 step "upgrading pip"
 python -m pip install -q -U pip
 step "installing torch 2.13.0 (the CPU wheel)"
-python -m pip install -q torch==2.13.0           # CPU wheel; must come before anything that depends on torch
-step "installing nemo-factuality with every extra, .[all,dev]: Megatron-Core, PyTriton, transformers, sentence-transformers, FAISS, ... (the longest step)"
-python -m pip install -q -e ".[all,dev]"
-
-# The docs site's toolchain (Sphinx + MyST; tests/docs builds the site with warnings as errors).
-step "installing the docs toolchain (Sphinx + MyST)"
-python -m pip install -q -e ".[docs]"
+# --no-compile: pip byte-compiles every module it installs (torch alone: about 2 min of a shared core); Python compiles
+# the ones a command imports, once, on first import
+python -m pip install -q --no-compile torch==2.13.0   # CPU wheel; must come before anything that depends on torch
+# One editable build (two printed setuptools' banner twice): every extra, the tests' tools and the docs site's toolchain
+# (Sphinx + MyST; tests/docs builds the site with warnings as errors).
+step "installing nemo-factuality with every extra, .[all,dev,docs]: Megatron-Core, PyTriton, transformers, sentence-transformers, FAISS, Sphinx ... (the longest step)"
+python -m pip install -q --no-compile -e ".[all,dev,docs]"
 if [ -n "$apt_pid" ]; then
   step "waiting for the Debian packages"
   wait "$apt_pid" || { echo "error: installing the Debian packages failed (apt-get above)" >&2; exit 1; }

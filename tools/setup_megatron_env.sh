@@ -42,7 +42,9 @@ echo "building the Megatron-Core/Bridge venv in $venv (about a minute)" >&2
 "$PY" -m venv "$build"
 # Low priority on a shared machine; the test command raises it when the build runs beside the tests it gates.
 niceness=${NEMO_FACTUALITY_BUILD_NICE:-19}
-pip=("$build/bin/python" -m pip install -q --progress-bar off)
+# --no-compile: pip byte-compiles every module it installs (torch alone: about 2 min of a shared core); Python
+# compiles the few the tests import, once, on first import
+pip=("$build/bin/python" -m pip install -q --progress-bar off --no-compile)
 step 1 "torch 2.13.0 (CPU)"
 nice -n "$niceness" "${pip[@]}" torch==2.13.0
 # --no-deps: Bridge's declared dependencies include CUDA-only builds that cannot install here (requirements/megatron.txt

