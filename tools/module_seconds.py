@@ -1,7 +1,7 @@
 """Seconds per test module from a pytest ``--durations=0`` log (setup + call + teardown of each test, summed), as
 ``tests/module_seconds.json``: tests/conftest.py runs the longest modules first within their stack rank.
 
-    bash tools/run_tests.sh --durations=0 > run.log 2>&1
+    NEMO_FACTUALITY_DURATIONS=0 bash tools/run_tests.sh > run.log 2>&1
     python tools/module_seconds.py run.log > tests/module_seconds.json
 """
 

@@ -96,5 +96,5 @@ fi
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 status=0
-python -m pytest -q -ra --timeout=600 --durations=30 "${parallel[@]}" "$@" || status=$?
+python -m pytest -q -ra --timeout=600 --durations="${NEMO_FACTUALITY_DURATIONS:-30}" "${parallel[@]}" "$@" || status=$?
 finish_builds "$status"
