@@ -179,7 +179,8 @@ def checkpoints(args, cfg, critic_cls, mine, tokens, batch) -> dict:
     from nemo_factuality.trainers.backends import megatron_build as build
 
     critic = critic_cls(adam.critic, adam.model.path, tensor=args.tp, pipeline=args.pp, max_steps=10,
-                        gradient_clip_val=1.0, seed=adam.trainer.seed, settings=build.Settings.of(adam.model))
+                        distributed_timeout_s=adam.trainer.distributed_timeout_s, gradient_clip_val=1.0,
+                        seed=adam.trainer.seed, settings=build.Settings.of(adam.model))
     out: dict = {}
     values = lambda: critic.values(as_rollout(batch)).tolist()  # noqa: E731
     step = lambda: critic.train_step(mine, value_loss_fn(tokens), micro_batch_size=2)  # noqa: E731
