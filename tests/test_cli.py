@@ -68,6 +68,9 @@ CASES = {  # name: (argv, a phrase the one line must contain)
     "eval_safe_vllm_without_store": (["eval", "--input", "unlabelled.jsonl", "--output", "out", "--config-name", "safe_vllm"],
                                      "pipeline.evidence.store_path has no value"),
     "eval_output_is_a_file": (["eval", "--input", "labelled.jsonl", "--output", "existing.txt"], "is an existing file"),
+    # issue 43: before, only "Not a directory: existing.txt/out"
+    "eval_output_under_a_file": (["eval", "--input", "labelled.jsonl", "--output", "existing.txt/out"],
+                                 "--output existing.txt/out is under existing.txt, which is a file, not a directory"),
     "eval_k_zero": (["eval", "--input", "labelled.jsonl", "--output", "out", "--k", "0"], "--k values must be positive"),
     "eval_k_not_a_number": (["eval", "--input", "labelled.jsonl", "--output", "out", "--k", "abc"], "--k must be a comma-separated"),
     "eval_unknown_flag": (["eval", "--input", "labelled.jsonl", "--output", "out", "--bogus"], "unrecognized arguments: --bogus"),

@@ -200,7 +200,12 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _report_path(output: Path) -> Path:
-    """report.json for ``--output`` (a .json path or a directory); an existing non-directory is refused."""
+    """report.json for ``--output`` (a .json path or a directory); an existing non-directory is refused, and so is a
+    path under one (before: only "Not a directory: …" once the report was about to be written)."""
+    for parent in output.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"--output {output} is under {parent}, which is a file, not a directory; choose an "
+                             "--output whose folders are folders")
     if output.suffix == ".json":
         if output.is_dir():
             raise UsageError(f"--output {output} is a directory; name a .json file or drop the .json suffix")
