@@ -34,8 +34,10 @@ def _run_tests(tmp_path: Path, root: Path, **env: str) -> subprocess.CompletedPr
     probe.write_text(PROBE)
     # none of the outer run's aligner settings (its venv, opt-out, or a build it is running beside the suite)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NEMO_FACTUALITY_ALIGNER_VENV", "NEMO_FACTUALITY_SKIP_ALIGNER"))}
+    # one process: the probe prints what it resolved (-s), which xdist workers would not pass through
     return subprocess.run(["bash", str(SCRIPT), str(probe), "-s", "-p", "no:cacheprovider"], capture_output=True, text=True,
-                          timeout=180, env={**base, "PYTHONPATH": str(REPO_ROOT), "ALIGNER_VENV_ROOT": str(root), **env})
+                          timeout=180, env={**base, "PYTHONPATH": str(REPO_ROOT), "ALIGNER_VENV_ROOT": str(root),
+                                            "NEMO_FACTUALITY_TEST_WORKERS": "1", **env})
 
 
 def _venv_path(root: Path) -> Path:
