@@ -64,10 +64,14 @@ def parse_record(raw: Mapping[str, Any], *, where: str, group_by: str | None = N
 
 
 def check_core_fields(raw: Mapping[str, Any], *, where: str) -> tuple[str, str, str]:
-    """``(id, prompt, response)`` of a record: id a string or integer (as text), prompt and response strings."""
-    for key in ("id", "prompt", "response"):
-        if key not in raw:
-            raise FactualityInputError(f"{where}: missing field {key!r}")
+    """``(id, prompt, response)`` of a record: id a string or integer (as text), prompt and response strings. Every
+    missing one is named at once (a record with the wrong field names would otherwise take one rerun per field)."""
+    missing = [key for key in ("id", "prompt", "response") if key not in raw]
+    if missing:
+        keys = sorted(map(str, raw))
+        also = f" (it has {', '.join(repr(k) for k in keys[:10])}{', …' if len(keys) > 10 else ''})" if keys else ""
+        raise FactualityInputError(f"{where}: missing field{'s' if len(missing) > 1 else ''} "
+                                   f"{', '.join(repr(k) for k in missing)}{also}")
     rid = raw["id"]
     if isinstance(rid, bool) or not isinstance(rid, (str, int)):
         raise FactualityInputError(f"{where}: field 'id' must be a string or an integer, got {type(rid).__name__}")

@@ -74,6 +74,9 @@ def test_group_by_and_demo(tmp_path):
 @pytest.mark.parametrize("content,needle", [
     (b'{"id": 1, "prompt": "p", "response": "r", "claims": []}\nnot json\n', r"r.jsonl:2: invalid JSON"),
     (b'{"id": 1, "prompt": "p", "claims": []}\n', r"r.jsonl:1: missing field 'response'"),
+    # issue 43: every missing field at once, and the fields the record does have
+    (b'{"uid": 1, "question": "p", "answer": "r"}\n',
+     r"r.jsonl:1: missing fields 'id', 'prompt', 'response' \(it has 'answer', 'question', 'uid'\)"),
     (b'{"id": 1, "prompt": "p", "response": "r", "claims": [{"text": "c", "label": "maybe"}]}\n', r"label 'maybe' is not one of"),
     (b'{"id": 1, "prompt": "p", "response": "\xff"}\n', r"r.jsonl:1: invalid UTF-8"),
     # issue 17: each of these was a traceback with exit 1
