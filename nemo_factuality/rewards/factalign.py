@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from nemo_factuality.config import options_for
 from nemo_factuality.metrics.safe import f1_at_k
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import (
@@ -132,6 +131,6 @@ class FactAlignLabeler(RewardParts):
 
 @REWARDS.register("factalign", options=FactAlignConfig)
 def build_factalign(pipeline: dict, judge: Any = None, **cfg: Any) -> FactAlignLabeler:
-    guards = GuardConfig(**options_for(GuardConfig, cfg.pop("guards", {}), "reward.guards"))
+    guards = GuardConfig(**cfg.pop("guards", {}))
     shared = judge if isinstance(judge, Mapping) else None
-    return FactAlignLabeler(pipeline_from(pipeline, judge_from(judge), shared), FactAlignConfig(guards=guards, **options_for(FactAlignConfig, cfg, "reward")))
+    return FactAlignLabeler(pipeline_from(pipeline, judge_from(judge), shared), FactAlignConfig(guards=guards, **cfg))

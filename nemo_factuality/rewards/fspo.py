@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from nemo_factuality.config import options_for
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import (
     GuardConfig,
@@ -156,7 +155,7 @@ class FSPOReward(RewardParts):
 @REWARDS.register("fspo", options=FSPOConfig)
 def build_fspo(verifier: dict, tokenizer: str | None = None, segmenter: dict | None = None, **cfg: Any) -> FSPOReward:
     """FSPO from config: a step verifier (e.g. ``{name: nli, model_path: .../HHEM, threshold: 0.5}``)."""
-    guards = GuardConfig(**options_for(GuardConfig, cfg.pop("guards", {}), "reward.guards"))
+    guards = GuardConfig(**cfg.pop("guards", {}))
     pipeline = pipeline_from({"segmenter": segmenter or {"name": "regex"}, "extractor": {"name": "identity", "segments": ["think"]},
                               "evidence": {"name": "given"}, "verifier": verifier, "abstain_detection": None}, None)
-    return FSPOReward(pipeline, FSPOConfig(guards=guards, **options_for(FSPOConfig, cfg, "reward")), tokenizer)
+    return FSPOReward(pipeline, FSPOConfig(guards=guards, **cfg), tokenizer)

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from nemo_factuality.config import options_for
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import (
     GuardConfig,
@@ -155,5 +154,5 @@ def build_klcf(pipeline: dict, judge: Any = None, checklist_judge: Any = None, g
 
 
 def _klcf_config(cfg: dict) -> KLCFConfig:
-    guards = GuardConfig(**options_for(GuardConfig, cfg.pop("guards", {}), "reward.guards"))
-    return KLCFConfig(guards=guards, **options_for(KLCFConfig, cfg, "reward"))
+    guards = GuardConfig(**cfg.pop("guards", {}))
+    return KLCFConfig(guards=guards, **cfg)

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from nemo_factuality.config import options_for
 from nemo_factuality.interfaces import EvidenceQuery
 from nemo_factuality.metrics.factscore import length_penalty
 from nemo_factuality.registry import REWARDS
@@ -181,6 +180,6 @@ def build_knowrl(pipeline: dict, judge: Any = None, grader_judge: Any = None, **
     grader_client = role_judge(grader_judge, judge) or client
     if grader_client is None:
         raise FactualityInputError("knowrl needs a grading judge: set reward.judge (or reward.grader_judge)")
-    guards = GuardConfig(**options_for(GuardConfig, cfg.pop("guards", {}), "reward.guards"))
+    guards = GuardConfig(**cfg.pop("guards", {}))
     shared = judge if isinstance(judge, Mapping) else None
-    return KnowRLReward(pipeline_from(pipeline, client, shared), AnswerGrader(grader_client), KnowRLConfig(guards=guards, **options_for(KnowRLConfig, cfg, "reward")))
+    return KnowRLReward(pipeline_from(pipeline, client, shared), AnswerGrader(grader_client), KnowRLConfig(guards=guards, **cfg))

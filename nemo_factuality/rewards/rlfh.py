@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from nemo_factuality.config import options_for
 from nemo_factuality.interfaces import VerifyItem
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import (
@@ -237,9 +236,9 @@ def build_rlfh(pipeline: dict, judge: Any = None, tokenizer: str | None = None, 
 
     client = judge_from(judge)
     info_client = role_judge(info_judge, judge) or client
-    guards = GuardConfig(**options_for(GuardConfig, cfg.pop("guards", {}), "reward.guards"))
+    guards = GuardConfig(**cfg.pop("guards", {}))
     if "reward_clip" in cfg:
         cfg["reward_clip"] = tuple(cfg["reward_clip"])
     shared = judge if isinstance(judge, Mapping) else None
     return RLFHReward(pipeline_from(pipeline, client, shared), InformativenessScorer(info_client) if info_client else None,
-                      RLFHConfig(guards=guards, **options_for(RLFHConfig, cfg, "reward")), tokenizer)
+                      RLFHConfig(guards=guards, **cfg), tokenizer)
