@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # nemo_factuality on one stack: the container runs the versions CI's NeMo-Aligner venv tests
-# (requirements/aligner.txt, built by tools/setup_aligner_env.sh); tests/test_container_stack.py fails when the
+# (requirements/aligner.txt, built by tools/setup_stack_env.sh aligner); tests/test_container_stack.py fails when the
 # pins below and that file drift apart.
 #   docker build -t nemo_factuality:trainer .                    # the trainer image (the last stage)
 #   docker build -t nemo_factuality:judge --target judge .       # the vLLM judge image

@@ -273,7 +273,7 @@ def bench_rollout(tmp: Path, policy: Path, args) -> dict:
 
     venv = aligner_venv()
     if venv is None:
-        return {"skipped": "the NeMo-Aligner venv is not built (tools/setup_aligner_env.sh)"}
+        return {"skipped": "the NeMo-Aligner venv is not built (tools/setup_stack_env.sh aligner)"}
     convert_checkpoint("hf-to-nemo", "--hf", str(policy), "--out", str(tmp / "policy_nemo"), "--extracted")
     before = uptime()
     res = run_in_aligner_venv(venv, [str(Path(__file__).relative_to(REPO)), "--rollout-worker", f"--steps={args.steps}",

@@ -1,7 +1,7 @@
 """One stack: the container (Dockerfile) installs the versions CI's NeMo-Aligner venv tests, and the package
 works on the container's Python.
 
-* Every ``name==version`` pin of ``requirements/aligner.txt`` (the venv ``tools/setup_aligner_env.sh`` builds)
+* Every ``name==version`` pin of ``requirements/aligner.txt`` (the venv ``tools/setup_stack_env.sh aligner`` builds)
   is on a Dockerfile line naming the package, with the same version and extras, and the Dockerfile pins nothing
   the venv does not; torch is the base image's (never pip-installed there).
 * The Dockerfile asserts its Python version; on that Python (a venv without torch: its only build for that
@@ -61,8 +61,13 @@ def test_the_container_installs_the_pins_the_aligner_venv_tests():
     assert len(pins(requirements.splitlines())) >= 7
     assert drift(requirements, dockerfile) == []
     # the venv CI builds is the one this file describes
-    setup = (REPO / "tools" / "setup_aligner_env.sh").read_text()
-    assert "-r requirements/aligner.txt" in setup and "cat requirements/aligner.txt" in setup
+    setup = (REPO / "tools" / "setup_stack_env.sh").read_text()
+    assert "pins=(requirements/aligner.txt " in setup and "-r requirements/aligner-lock.txt" in setup
+    # and its lock holds every pin of requirements/aligner*.txt at that version (the lock is what they resolved to)
+    lock = pins((REPO / "requirements" / "aligner-lock.txt").read_text().splitlines())
+    wanted = pins(requirements.splitlines() + (REPO / "requirements" / "aligner-test.txt").read_text().splitlines())
+    assert len(lock) > 150 and len(wanted) >= 8
+    assert {n: v for n, (_, v) in wanted.items() if lock.get(n, ("", ""))[1] != v} == {}, "pins the lock differs from"
     # torch (and what is built against it) comes from the base image, frozen before anything is installed
     assert not re.search(r"(?m)^\s*\"?torch(vision)?==", "\n".join(trainer_stage(dockerfile)))
     assert "-c /opt/base-constraints.txt" in dockerfile

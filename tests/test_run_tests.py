@@ -2,7 +2,7 @@
 aligner venv, or builds it beside the tests when missing, and exports it before pytest starts (before: those tests
 all skipped). The tests that need it wait for its build, and a failed build fails the run.
 
-No real venv is built here: ``ALIGNER_VENV_ROOT`` points the setup script at a scratch directory holding a fake
+No real venv is built here: ``NEMO_FACTUALITY_VENV_ROOT`` points the setup script at a scratch directory holding a fake
 complete venv, or at an empty one with a Python that cannot build a venv, or with one whose "build" takes seconds.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from nemo_factuality.config import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "tools" / "run_tests.sh"
-SETUP = REPO_ROOT / "tools" / "setup_aligner_env.sh"
+SETUP = REPO_ROOT / "tools" / "setup_stack_env.sh"
 PROBE = '''
 import os
 
@@ -36,13 +36,13 @@ def _run_tests(tmp_path: Path, root: Path, **env: str) -> subprocess.CompletedPr
     base = {k: v for k, v in os.environ.items() if not k.startswith(("NEMO_FACTUALITY_ALIGNER_VENV", "NEMO_FACTUALITY_SKIP_ALIGNER"))}
     # one process: the probe prints what it resolved (-s), which xdist workers would not pass through
     return subprocess.run(["bash", str(SCRIPT), str(probe), "-s", "-p", "no:cacheprovider"], capture_output=True, text=True,
-                          timeout=180, env={**base, "PYTHONPATH": str(REPO_ROOT), "ALIGNER_VENV_ROOT": str(root),
+                          timeout=180, env={**base, "PYTHONPATH": str(REPO_ROOT), "NEMO_FACTUALITY_VENV_ROOT": str(root),
                                             "NEMO_FACTUALITY_TEST_WORKERS": "1", **env})
 
 
 def _venv_path(root: Path) -> Path:
-    out = subprocess.run(["bash", str(SETUP), "--path"], capture_output=True, text=True, check=True, timeout=30,
-                         env={**os.environ, "ALIGNER_VENV_ROOT": str(root)})
+    out = subprocess.run(["bash", str(SETUP), "aligner", "--path"], capture_output=True, text=True, check=True, timeout=30,
+                         env={**os.environ, "NEMO_FACTUALITY_VENV_ROOT": str(root)})
     return Path(out.stdout.strip())
 
 
@@ -84,7 +84,7 @@ def test_a_missing_venv_is_built_beside_the_tests_which_wait_for_it(tmp_path):
     fake.chmod(0o755)
     root = tmp_path / "venvs"
     venv = _venv_path(root)
-    res = _run_tests(tmp_path, root, PYTHON=str(fake))
+    res = _run_tests(tmp_path, root, PYTHON=str(fake), NEMO_FACTUALITY_STACK_INSTALLER="pip")  # pip: `python -m pip`
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"RESOLVED {venv} {venv}" in res.stdout  # the probe waited for the build, then found the venv complete
     assert (venv / ".complete").is_file()

@@ -54,15 +54,15 @@ fi
 
 if [ $cpu = 1 ]; then
   if [ $backend = megatron ]; then
-    venv=${NEMO_FACTUALITY_MEGATRON_VENV:-$(bash tools/setup_megatron_env.sh | tail -n 1)}
+    venv=${NEMO_FACTUALITY_MEGATRON_VENV:-$(bash tools/setup_stack_env.sh megatron | tail -n 1)}
     if [ $skip_trl = 0 ]; then  # the peer runs where TRL is: the aligner venv
-      peer=${NEMO_FACTUALITY_ALIGNER_VENV:-$(bash tools/setup_aligner_env.sh --path)}
+      peer=${NEMO_FACTUALITY_ALIGNER_VENV:-$(bash tools/setup_stack_env.sh aligner --path)}
       [ -f "$peer/.complete" ] || { echo "gpu_smoke: the TRL peer runs in the aligner venv ($peer), not built: build it" \
-        "with tools/setup_aligner_env.sh or pass --skip-trl" >&2; exit 2; }
+        "with tools/setup_stack_env.sh aligner or pass --skip-trl" >&2; exit 2; }
       export NF_SMOKE_TRL_PYTHON="$peer/bin/python"
     fi
   else
-    venv=${NEMO_FACTUALITY_ALIGNER_VENV:-$(bash tools/setup_aligner_env.sh | tail -n 1)}
+    venv=${NEMO_FACTUALITY_ALIGNER_VENV:-$(bash tools/setup_stack_env.sh aligner | tail -n 1)}
   fi
   exec env PYTHONPATH="$PWD" OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" GLOO_SOCKET_IFNAME=lo MASTER_ADDR=127.0.0.1 \
     "$venv/bin/python" tools/gpu_smoke.py "$@"

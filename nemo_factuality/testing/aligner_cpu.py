@@ -1,7 +1,7 @@
 """Test support: run NeMo 2.2 + NeMo-Aligner 0.7.0 actors on a CPU-only torch with gloo.
 
 Never imported by production code. Called first thing in a test program that runs in the Aligner venv
-(``tools/setup_aligner_env.sh``), before NeMo builds a model. On a machine with CUDA it does nothing.
+(``tools/setup_stack_env.sh aligner``), before NeMo builds a model. On a machine with CUDA it does nothing.
 
 What it replaces, each a failure observed on CPU (shared/specs/aligner_actor_cpu.md), on top of
 ``apex_free.apply()`` (no Apex, Transformer Engine or TensorRT-LLM, which a bare GPU shares):

@@ -1,4 +1,4 @@
-"""Find the NeMo-Aligner venv (``tools/setup_aligner_env.sh``) and run test programs in it.
+"""Find the NeMo-Aligner venv (``tools/setup_stack_env.sh aligner``) and run test programs in it.
 
 The aligner backend's tests run in that venv (nemo-toolkit 2.2.1, nemo-aligner 0.7.0, transformers
 4.x), never in the test process: they start ``python`` or ``torchrun`` there as a subprocess in its own
@@ -11,22 +11,21 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from nemo_factuality.testing.paths import REPO_ROOT
 from nemo_factuality.testing.venvs import built_venv, run_bounded, run_in_venv, venv_env
 
 __all__ = ["aligner_env", "aligner_venv", "run_bounded", "run_in_aligner_venv", "skip_reason"]
 
-SETUP_SCRIPT = REPO_ROOT / "tools" / "setup_aligner_env.sh"
+STACK = "aligner"  # tools/setup_stack_env.sh builds its venv
 ENV_VAR = "NEMO_FACTUALITY_ALIGNER_VENV"
 
 
 def aligner_venv() -> Path | None:
     """``$NEMO_FACTUALITY_ALIGNER_VENV`` or where the setup script builds it; None when not built."""
-    return built_venv(ENV_VAR, SETUP_SCRIPT)
+    return built_venv(ENV_VAR, STACK)
 
 
 def skip_reason() -> str:
-    return (f"the NeMo-Aligner venv is not built: run `bash {SETUP_SCRIPT.relative_to(REPO_ROOT)}` "
+    return (f"the NeMo-Aligner venv is not built: run `bash tools/setup_stack_env.sh {STACK}` "
             f"(~8 min, ~3 GB; .ci/run does) or point ${ENV_VAR} at one")
 
 

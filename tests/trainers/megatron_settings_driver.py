@@ -1,4 +1,4 @@
-"""Runs in the megatron venv (``tools/setup_megatron_env.sh``) under torchrun on gloo: the megatron backend's GPU
+"""Runs in the megatron venv (``tools/setup_stack_env.sh megatron``) under torchrun on gloo: the megatron backend's GPU
 settings (bf16 mixed precision, sequence parallelism, activation recompute, the distributed optimizer, the TE spec
 choice), each run against the TP=1 fp32 run on ``megatron_driver``'s tiny Qwen2 and fixed batch.
 

@@ -5,7 +5,7 @@ A tiny Qwen2 is converted with our converter, restored by Aligner, and driven th
 rollouts and log-probs agree with Hugging Face on the same weights, training moves the policy in the
 direction of the advantages while the reference (``cpu_weight_swap``) stays put, TP=2, PP=2 and DP=2 give
 what world 1 gives, and save → load → step equals the uninterrupted step. Skips with the reason when
-the venv is absent (``tools/setup_aligner_env.sh`` builds it; ``.ci/run`` does).
+the venv is absent (``tools/setup_stack_env.sh aligner`` builds it; ``.ci/run`` does).
 """
 
 from __future__ import annotations

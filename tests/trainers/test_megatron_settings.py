@@ -126,8 +126,8 @@ def test_the_test_command_exports_the_megatron_venv_it_finds(tmp_path):
     """As for the aligner venv (tests/test_run_tests.py): a complete venv where the setup script puts it is exported
     to the tests that use it, and nothing is built."""
     root = tmp_path / "venvs"
-    where = subprocess.run(["bash", str(REPO_ROOT / "tools" / "setup_megatron_env.sh"), "--path"], capture_output=True,
-                           text=True, check=True, timeout=30, env={**os.environ, "MEGATRON_VENV_ROOT": str(root)})
+    where = subprocess.run(["bash", str(REPO_ROOT / "tools" / "setup_stack_env.sh"), "megatron", "--path"], capture_output=True,
+                           text=True, check=True, timeout=30, env={**os.environ, "NEMO_FACTUALITY_VENV_ROOT": str(root)})
     venv = root / where.stdout.strip().rsplit("/", 1)[-1]
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").write_text("#!/bin/sh\nexit 0\n")
@@ -141,7 +141,7 @@ def test_the_test_command_exports_the_megatron_venv_it_finds(tmp_path):
     base["PATH"] = f"{os.path.dirname(sys.executable)}:{base['PATH']}"  # this interpreter, in a checkout without .venv
     res = subprocess.run(["bash", str(REPO_ROOT / "tools" / "run_tests.sh"), str(probe), "-s", "-p", "no:cacheprovider"],
                          capture_output=True, text=True, timeout=180,
-                         env={**base, "PYTHONPATH": str(REPO_ROOT), "MEGATRON_VENV_ROOT": str(root)})
+                         env={**base, "PYTHONPATH": str(REPO_ROOT), "NEMO_FACTUALITY_VENV_ROOT": str(root)})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"RESOLVED {venv} {venv}" in res.stdout
     assert f"== Megatron-Core/Bridge venv: {venv}" in res.stderr and "building" not in res.stderr

@@ -118,7 +118,7 @@ def test_vllm_rollouts_without_vllm_are_refused_in_one_line_naming_the_key_and_t
     errors = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
     assert f"{sys.executable} cannot import vllm; point rollout.vllm.python" in errors[0]
-    assert "bash tools/setup_vllm_env.sh" in errors[0]
+    assert "bash tools/setup_stack_env.sh vllm" in errors[0]
     assert not (tmp_path / "run").exists()  # nothing written before start-up passed
 
 

