@@ -16,7 +16,13 @@ class ClusterProfile:
     partition: str | None = None  # sbatch --partition
     gpus_per_node: int = 8  # GPUs per node of the partition
     cpus_per_task: int | None = None  # sbatch --cpus-per-task
-    mem: str | None = None  # e.g. "0" = all memory of the node
+    # sbatch --mem of the trainer's group, and of a server group (or the critic's) with a GPU server that declares
+    # no mem_gb; e.g. "0" = all memory of the node. Every other server group asks what its servers need (mem_gb).
+    mem: str | None = None
+    # memory of one node of the partition in GiB (`scontrol show node`: RealMemory, in MiB, / 1024); null = unknown.
+    # When known, servers are packed onto a group's nodes by memory too, a server needing more is refused, and a
+    # group's --mem (headroom included) is capped at it.
+    node_mem_gb: float | None = None
     time_limit: str = "04:00:00"  # sbatch --time
     # pyxis/enroot images (squashfs path or registry URI) by the name a step asks for (ServerSpec.image; the trainer
     # runs its backend's: `trainer` for hf and aligner, `megatron` for megatron): `trainer` = `docker build .`,
@@ -53,6 +59,10 @@ class ServerSpec:
     ready_deadline_s: int = 900  # fail the job when it is not ready after this long
     nodes: int = 1  # the critic only: its Megatron ranks span nodes; every other server is one task on one node
     gpus: int = 0  # GPUs of its node this server gets (CUDA_VISIBLE_DEVICES is split between a node's servers)
+    # host memory (GiB) it needs on its node (the critic: on each of its nodes), summed per node into its group's
+    # --mem; null = the stage's cpu_server_mem_gb for a server without GPUs, unknown for one with GPUs (its group
+    # then asks the profile's `mem`: a vLLM judge's host memory follows its model, which the launcher cannot see)
+    mem_gb: float | None = None
     image: str = "trainer"  # which of the profile's images runs it (vLLM lives in `judge`)
     # Reward-config blocks this server answers, e.g. [reward.judge, reward.pipeline.extractor.judge]: the launcher
     # points each block's base_url (OpenAI judges: http://host:port/v1) or url (a served general RM) at this
@@ -87,6 +97,15 @@ class LaunchConfig:
     # its own group (last): NeMo-Aligner's PPO critic server, one task per GPU (`gpus` per node) on `nodes`
     # nodes; its URL reaches the trainer as $<NAME>_URL, like the reward servers'
     critic: ServerSpec | None = None
+    # GiB of host memory a server without GPUs needs when it declares no mem_gb (a reward server: `nemo-factuality
+    # serve`). Measured: the demo reward server (python, tritonserver and its two python-backend stubs) holds about
+    # 0.5 GiB when ready; 16 is that with room for a policy tokenizer, large batches in flight and the judge clients,
+    # not a measured production peak (a knowledge store is memory-mapped: page cache, reclaimed at the limit). Set a
+    # server's mem_gb from its measured peak (sstat/sacct MaxRSS) instead.
+    cpu_server_mem_gb: float = 16
+    # a server group's --mem is its busiest node's servers' needs times 1 + this: Slurm kills a step whose memory
+    # passes the group's limit, and the declared needs are estimates
+    server_mem_headroom: float = 0.25
     # preemption: SIGUSR1 this many seconds before the time limit -> checkpoint -> requeue
     signal_before_end_s: int = 300
     max_restarts: int = 3  # stop requeueing after this many restarts (SLURM_RESTART_COUNT)

@@ -31,6 +31,7 @@ from nemo_factuality.launch.layout import (
     preset_layout,
     python_modules,
 )
+from nemo_factuality.launch.sizing import busiest, group_mem, mem_need, place, size_problems
 from nemo_factuality.launch.wiring import envname, served_name_problems, wire
 
 TEMPLATE_DIR = REPO_ROOT / "slurm"
@@ -128,7 +129,8 @@ class Step:
 
 @dataclass(frozen=True)
 class Group:
-    """A het group of servers: its ``#SBATCH`` line's sizes (the busiest node's tasks and GPUs)."""
+    """A het group of servers: its ``#SBATCH`` line's sizes (the busiest node's tasks, GPUs and memory:
+    ``launch.sizing``)."""
 
     index: int
     title: str
@@ -136,24 +138,7 @@ class Group:
     tasks_per_node: int
     gpus_per_node: int
     steps: tuple[Step, ...]
-
-
-def place(specs: list[ServerSpec], gpus_per_node: int) -> list[tuple[int, tuple[int, ...]]]:
-    """``(node, GPU ids)`` per server, first fit in order: a node's GPUs are split between its servers, never shared.
-
-    >>> [p for p in place([ServerSpec(gpus=4), ServerSpec(gpus=4), ServerSpec(gpus=2)], 8)]
-    [(0, (0, 1, 2, 3)), (0, (4, 5, 6, 7)), (1, (0, 1))]
-    """
-    used: list[int] = []
-    out = []
-    for spec in specs:
-        node = next((i for i, u in enumerate(used) if u + spec.gpus <= gpus_per_node), None)
-        if node is None:
-            used.append(0)
-            node = len(used) - 1
-        out.append((node, tuple(range(used[node], used[node] + spec.gpus))))
-        used[node] += spec.gpus
-    return out
+    mem: str | None = None  # its --mem (None: none asked)
 
 
 def _values(stage: LaunchConfig, ckpt_dir: str) -> dict[str, str]:
@@ -189,14 +174,16 @@ def server_steps(stage: LaunchConfig, cluster: ClusterProfile, ckpt_dir: str,
                                 (2, "judges (vLLM, a served general RM)", stage.judges)):
         if not specs:
             continue
-        placed = place(specs, cluster.gpus_per_node)
+        needs = [mem_need(s, stage) for s in specs]
+        placed = place(specs, cluster.gpus_per_node, needs, cluster.node_mem_gb)
         nodes = 1 + max(node for node, _ in placed)
-        group_gpus = max(sum(len(g) for n, g in placed if n == i) for i in range(nodes)) if cluster.gpus_per_node else 0
+        # what the judges (or reward servers) placed on the busiest node use, not the partition's gpus_per_node
+        group_gpus = int(busiest([s.gpus for s in specs], placed)) if cluster.gpus_per_node else 0
         group_steps = tuple(replace(steps[s.name], group=index, node=node, gpu_ids=gpus,
                                     cuda_visible_devices=",".join(map(str, gpus)) if group_gpus else None)
                             for s, (node, gpus) in zip(specs, placed, strict=True))
-        groups.append(Group(index, title, nodes, max(sum(n == i for n, _ in placed) for i in range(nodes)),
-                            group_gpus, group_steps))
+        groups.append(Group(index, title, nodes, int(busiest([1] * len(specs), placed)), group_gpus, group_steps,
+                            group_mem(needs, placed, stage, cluster)))
         problems += _port_clashes(specs, placed)
     critic = None
     if stage.critic:
@@ -256,6 +243,7 @@ def validate(stage: LaunchConfig, cluster: ClusterProfile, layout: PresetLayout 
         problems.append(f"critic {stage.critic.name!r} needs gpus >= 1 (it runs one task per GPU)")
     for spec in servers(stage):
         problems += _server_problems(spec, cluster, is_critic=spec is stage.critic)
+    problems += size_problems(stage, cluster, servers(stage))
     if stage.critic and stage.critic.serves:
         problems.append(f"critic {stage.critic.name!r} cannot serve reward blocks (serves: is for reward servers and judges)")
     if len({envname(s.name) for s in servers(stage)}) != len(servers(stage)):
@@ -363,6 +351,7 @@ def render(stage_name: str, stage: LaunchConfig, cluster: ClusterProfile) -> str
         stage_name=stage_name, stage=asdict(stage), cluster=asdict(cluster), ckpt_dir=ckpt_dir,
         trainer_command=trainer_command, actor_tasks_per_node=tasks_per_node, actor_gpus=actor_gpus,
         groups=groups, steps=steps, critic=critic, pid_index=pid_index, critic_nodes=stage.critic.nodes if critic else 0,
+        critic_mem=group_mem([mem_need(stage.critic, stage)], [(0, ())], stage, cluster) if critic else None,
         has_gpus=bool(cluster.gpus_per_node), trainer_image=trainer_image(stage), package_images=PACKAGE_IMAGES,
         exit_codes=exit_codes, backend=layout.backend if layout else "hf", trainer_env=trainer_env,
         engines=layout.engines if layout else None, gpu_split=gpu_split_lines(layout) if megatron else [],
