@@ -55,7 +55,9 @@ def run_lab(out: Path, args: list[str]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- bake-off
 def _pm(g: dict) -> str:
-    return f"{g['mean']:+.1f}" + (f" ± {g['sd']:.1f}" if g.get("sd") is not None else "")
+    interval = g.get("interval")
+    return (f"{g['mean']:+.1f}" + (f" ± {g['sd']:.1f}" if g.get("sd") is not None else "")
+            + (f" [{interval[0]:+.1f}, {interval[1]:+.1f}]" if interval else ""))
 
 
 def _fs(block: dict, sd: dict | None = None) -> str:
@@ -81,7 +83,7 @@ def bakeoff_table(run: dict) -> str:
                  f"{m['effective_temperature']:.2f}", _pm(m["gain"]["over_base_at_t_eff"])]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"aim (the best method beats the best no-training reference at the same decoding, both picked on "
-              f"validation, by more than the spread over seeds): "
+              f"validation, its 95% paired bootstrap interval over held-out people above 0): "
               f"T=1 {_pm(s['t1']['margin'])} ({s['t1']['best_method']} vs {s['t1']['best_reference']}, {s['t1']['margin']['verdict']}), "
               f"greedy {_pm(s['greedy']['margin'])} ({s['greedy']['best_method']} vs {s['greedy']['best_reference']}, "
               f"{s['greedy']['margin']['verdict']}): {'met' if s['aim_met'] else 'not met'}",

@@ -11,7 +11,8 @@ For one policy and one set of entities:
    is an abstained response), and run the ``nemo-factuality eval`` command on the labelled records
    grouped by popularity tier (its ``report.json``, ``report.md`` and plot land in the eval folder);
 4. summarise: FActScore (γ=0, 0–1), SAFE F1@6 and precision, claims per responding response,
-   abstain rate (abstained slots / all slots), per tier.
+   abstain rate (abstained slots / all slots), per tier; ``run_eval`` adds each person's FActScore terms
+   (``per_person``), which the report pairs between a method and its baseline (``lab/bootstrap.py``).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def label_rows(rows: list[dict], kb_path: Path) -> None:
 
 
 def run_eval(rows: list[dict], kb_path: Path, out_dir: Path) -> dict[str, Any]:
-    """Label, write ``responses.jsonl``, run ``nemo-factuality eval`` into ``out_dir``; return the lab summary.
+    """Label, write ``responses.jsonl``, run ``nemo-factuality eval`` into ``out_dir``; return the lab summary
+    with ``per_person`` (``per_person_scores``).
 
     The eval command's markdown goes to ``out_dir/report.md`` only (the lab prints its own report, not one
     table per evaluation)."""
@@ -100,7 +102,22 @@ def run_eval(rows: list[dict], kb_path: Path, out_dir: Path) -> dict[str, Any]:
     if code != 0:
         raise RuntimeError(f"nemo-factuality eval failed on {records} (exit {code})")
     report = json.loads((out_dir / "report.json").read_text(encoding="utf-8"))
-    return summarise(report, rows)
+    return {**summarise(report, rows), "per_person": per_person_scores(rows)}
+
+
+def per_person_scores(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """``{person: {"score_sum", "responding"}}`` of labelled records (``topic`` names the person; ``claims`` as
+    ``label_rows`` leaves them): the sum of FActScore's per-response score (γ=0: the fraction of supported
+    claims) over the person's responding responses, and their number. The FActScore of any set of people is
+    ``Σ score_sum / Σ responding``; the report resamples people with it (``lab/bootstrap.py``)."""
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        person = out.setdefault(r["topic"], {"score_sum": 0.0, "responding": 0})
+        claims = r.get("claims") or []  # None or []: an abstained response, which FActScore leaves out
+        if claims:
+            person["score_sum"] += sum(c["label"] == "supported" for c in claims) / len(claims)
+            person["responding"] += 1
+    return out
 
 
 def score_rows(rows: list[dict], kb_path: Path) -> dict[str, Any]:

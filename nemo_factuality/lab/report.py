@@ -10,14 +10,18 @@
                         "rl_prompts": {"before": BLOCK, "after": BLOCK},                # T=1, entities trained on
                         "validation": {"before", "after", "before_greedy", "after_greedy"},   # model selection's entities
                         "effective_temperature": float,
-                        "gain": {"t1": G, "greedy": G, "rl_prompts_t1": G, "over_base_at_t_eff": G},   # FActScore points
+                        "gain": {"t1": M, "greedy": M, "rl_prompts_t1": M, "over_base_at_t_eff": M},   # FActScore points
                         "sd": {"heldout": {...}, "rl_prompts": {...}},                  # sd over seeds of every BLOCK value
+                        "factscore_per_seed": {"after" | "after_greedy": [...]},
+                        "per_person": {"after" | "after_greedy": [per seed: PEOPLE]},   # what the margins pair
                         "training": [per seed: steps, best_step, val rewards, policy_samples_budget, timings]}},
      "references": {"t1": BLOCK, "greedy": BLOCK, "tuned_temperature": BLOCK, "tuned_threshold": BLOCK,  # base, held-out
                     "greedy_threshold": BLOCK,                        # greedy with the threshold tuned at greedy
                     "sd": {...}, "validation": {KEY: scores at the pick, on validation entities},
-                    "factscore_per_seed": {KEY: [...]}, "tuning": [per seed: the validation sweeps and picks]},
+                    "factscore_per_seed": {KEY: [...]}, "per_person": {KEY: [per seed: PEOPLE]},
+                    "tuning": [per seed: the validation sweeps and picks]},
      "summary": {"headline": [the first sentences of report.md], "seeds", "development_seed",
+                 "heldout_people": [per seed: how many] | None, "interval": {"method", "resamples", "level"},
                  "against_base": {"t1" | "greedy": {NAME: M}},            # each method vs the base, same decoding
                  "t1" | "greedy": {"best_method", "best_reference" (both picked on validation FActScore), their
                                    validation and held-out FActScore, "margin": M, "beaten_by",
@@ -27,11 +31,16 @@
 
     BLOCK = {"factscore" (0-1, gamma=0), "factscore_gamma10", "safe_f1@6", "precision", "claims_per_response",
              "abstain_rate", "respond_ratio", "n_responses", "per_tier": {tier: ...}}   (means over seeds)
-    G = {"mean", "sd", "per_seed"}
-    M = {"mean", "sd", "per_seed" (FActScore points, paired by seed), "verdict": "beats" | "falls behind" | "within noise"}
+    PEOPLE = {person: {"score_sum", "responding"}}   (``evaluate.per_person_scores``; also in each seed's
+             report.json, as the held-out and RL-prompt blocks' "per_person")
+    M = {"mean", "sd" (over seeds; None for one), "per_seed" (FActScore points, paired by seed),
+         "interval": [low, high] | None, "verdict": "beats" | "falls behind" | "within noise"}
 
-A margin is "within noise" unless it is larger than its sd over seeds; with one seed there is no spread to
-judge it by, so every margin is within noise.
+Every margin has an interval: the 95% percentile interval of a paired bootstrap over the held-out people
+(``lab/bootstrap.py``: 2000 resamples, a fixed seed). It "beats" when the whole interval is above 0, "falls
+behind" when it is below, and is "within noise" otherwise; so one seed can decide a margin. The interval is the
+held-out people's sampling noise only; the sd over seeds (several seeds) is reported beside it, not used for the
+verdict. Results without per-person scores (from before they were kept) give no interval: "within noise".
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from nemo_factuality.evaluation.report import to_json_safe
+from nemo_factuality.lab.bootstrap import LEVEL, RESAMPLES, margin_interval, verdict
 from nemo_factuality.lab.methods import METHODS
 from nemo_factuality.lab.world import TIERS
 
@@ -55,6 +65,7 @@ GREEDY_REFERENCES = ("greedy", "greedy_threshold")
 DECODINGS = (("t1", "T=1", "after", ("t1", "tuned_threshold")),
              ("greedy", "greedy", "after_greedy", ("greedy", "greedy_threshold")))
 DEVELOPMENT_SEED = 0  # its held-out numbers were looked at while the lab was designed (docs/lab.md)
+PER_PERSON = "per_person"
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
@@ -70,10 +81,29 @@ def _mean_sd(blocks: Sequence[Any]) -> tuple[Any, Any]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-def _gain(pairs: Sequence[tuple[dict, dict]]) -> dict[str, Any]:
-    per_seed = [100 * (a["factscore"] - b["factscore"]) for b, a in pairs]
+def _scores_only(tree: Any) -> Any:
+    """``tree`` without its per-person tables: they are paired by the margins, never averaged over seeds (each
+    seed holds out different people)."""
+    if isinstance(tree, dict):
+        return {k: _scores_only(v) for k, v in tree.items() if k != PER_PERSON}
+    return tree
+
+
+def margin(after: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """FActScore points of ``after`` over ``before``: one block (its ``factscore`` and, when kept, ``per_person``)
+    per seed on each side, paired by seed and, for the interval, by held-out person. The verdict comes from the
+    interval; the sd over seeds is reported beside it."""
+    per_seed = [100 * (a["factscore"] - b["factscore"]) for a, b in zip(after, before, strict=True)]
+    interval = margin_interval([a.get(PER_PERSON) for a in after], [b.get(PER_PERSON) for b in before])
     return {"mean": statistics.fmean(per_seed), "sd": statistics.stdev(per_seed) if len(per_seed) > 1 else None,
-            "per_seed": per_seed}
+            "per_seed": per_seed, "interval": None if interval is None else list(interval), "verdict": verdict(interval)}
+
+
+def _seed_blocks(part: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """``{"factscore", "per_person"}`` per seed for ``key`` of a method or of the references: ``margin``'s input."""
+    scores = part["factscore_per_seed"][key]
+    people = part.get(PER_PERSON, {}).get(key) or [None] * len(scores)
+    return [{"factscore": f, PER_PERSON: p} for f, p in zip(scores, people, strict=True)]
 
 
 def method_seed_blocks(ctx: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -93,39 +123,26 @@ def aggregate(results: dict[int, dict[str, Any]], methods: Sequence[str]) -> dic
     out: dict[str, Any] = {"seeds": seeds, "methods": {}}
     refs = [results[s]["context"]["base_blocks"]["heldout"] for s in seeds]
     tuning = [results[s]["context"]["tuning"] for s in seeds]
-    mean, sd = _mean_sd(refs)
+    mean, sd = _mean_sd([_scores_only(r) for r in refs])
     out["references"] = {**mean, "sd": sd, "validation": _mean_sd([t["validation"] for t in tuning])[0],
-                         "factscore_per_seed": {k: [r[k]["factscore"] for r in refs] for k in refs[0]}, "tuning": tuning}
+                         "factscore_per_seed": {k: [r[k]["factscore"] for r in refs] for k in refs[0]},
+                         PER_PERSON: {k: [r[k].get(PER_PERSON) for r in refs] for k in refs[0]}, "tuning": tuning}
     for name in methods:
         per_seed = [method_seed_blocks(results[s]["context"], results[s]["methods"][name]) for s in seeds]
-        mean, sd = _mean_sd(per_seed)
-        h = [p["heldout"] for p in per_seed]
+        mean, sd = _mean_sd([_scores_only(p) for p in per_seed])
+        h = {when: [p["heldout"][when] for p in per_seed] for when in per_seed[0]["heldout"]}  # one block per seed
+        rl = {when: [p["rl_prompts"][when] for p in per_seed] for when in ("before", "after")}
         out["methods"][name] = {
             "title": METHODS[name].title, "stage": METHODS[name].stage, **mean,
             "sd": {k: sd[k] for k in ("heldout", "rl_prompts", "validation", "effective_temperature")},
-            "gain": {"t1": _gain([(x["before"], x["after"]) for x in h]),
-                     "greedy": _gain([(x["before_greedy"], x["after_greedy"]) for x in h]),
-                     "rl_prompts_t1": _gain([(p["rl_prompts"]["before"], p["rl_prompts"]["after"]) for p in per_seed]),
-                     "over_base_at_t_eff": _gain([(x["base_at_t_eff"], x["after"]) for x in h])},
-            "factscore_per_seed": {when: [x[when]["factscore"] for x in h] for when in ("after", "after_greedy")},
+            "gain": {"t1": margin(h["after"], h["before"]), "greedy": margin(h["after_greedy"], h["before_greedy"]),
+                     "rl_prompts_t1": margin(rl["after"], rl["before"]),
+                     "over_base_at_t_eff": margin(h["after"], h["base_at_t_eff"])},
+            "factscore_per_seed": {when: [x["factscore"] for x in h[when]] for when in ("after", "after_greedy")},
+            PER_PERSON: {when: [x.get(PER_PERSON) for x in h[when]] for when in ("after", "after_greedy")},
             "training": [{k: v for k, v in results[s]["methods"][name]["training"].items() if k != "val"} for s in seeds],
         }
     return out
-
-
-def verdict(mean: float, sd: float | None) -> str:
-    """"beats" or "falls behind" only when the margin is larger than its sd over seeds; one seed has no sd."""
-    if sd is None or abs(mean) <= sd:
-        return "within noise"
-    return "beats" if mean > 0 else "falls behind"
-
-
-def _margin(after: Sequence[float], before: Sequence[float]) -> dict[str, Any]:
-    """FActScore points of ``after`` over ``before``, paired by seed, with the verdict."""
-    per_seed = [100 * (a - b) for a, b in zip(after, before, strict=True)]
-    sd = statistics.stdev(per_seed) if len(per_seed) > 1 else None
-    mean = statistics.fmean(per_seed)
-    return {"mean": mean, "sd": sd, "per_seed": per_seed, "verdict": verdict(mean, sd)}
 
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:
@@ -136,14 +153,17 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     luckiest of each. ``headline`` holds the first sentences of ``report.md``."""
     refs, methods = report["references"], report["methods"]
     fs = lambda b: 100 * b["factscore"]  # noqa: E731
+    people = refs.get(PER_PERSON, {}).get("t1") or [None]
     out: dict[str, Any] = {"seeds": report["seeds"], "development_seed": DEVELOPMENT_SEED in report["seeds"],
+                           "heldout_people": None if None in people else [len(p) for p in people],
+                           "interval": {"method": "paired bootstrap over held-out people", "resamples": RESAMPLES,
+                                        "level": LEVEL},
                            "against_base": {}}
     for decoding, _, after, ref_keys in DECODINGS:
-        gain = {m: methods[m]["gain"][decoding] for m in methods}
-        out["against_base"][decoding] = {m: {**g, "verdict": verdict(g["mean"], g["sd"])} for m, g in gain.items()}
+        out["against_base"][decoding] = {m: methods[m]["gain"][decoding] for m in methods}
         best = max(methods, key=lambda m: methods[m]["validation"][after]["factscore"])
         ref = max(ref_keys, key=lambda k: refs["validation"][k]["factscore"])
-        over = {m: _margin(methods[m]["factscore_per_seed"][after], refs["factscore_per_seed"][ref]) for m in methods}
+        over = {m: margin(_seed_blocks(methods[m], after), _seed_blocks(refs, ref)) for m in methods}
         sd = methods[best]["sd"]["heldout"][after]["factscore"]
         out[decoding] = {"best_method": best, "best_method_validation_factscore": fs(methods[best]["validation"][after]),
                          "best_method_factscore": fs(methods[best]["heldout"][after]),
@@ -151,8 +171,8 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
                          "best_reference": ref, "best_reference_validation_factscore": fs(refs["validation"][ref]),
                          "best_reference_factscore": fs(refs[ref]), "margin": over[best],
                          "beaten_by": [m for m in methods if over[m]["verdict"] == "beats"],
-                         "against_threshold": {m: _margin(methods[m]["factscore_per_seed"][after],
-                                                          refs["factscore_per_seed"][ref_keys[-1]]) for m in methods}}
+                         "against_threshold": {m: margin(_seed_blocks(methods[m], after), _seed_blocks(refs, ref_keys[-1]))
+                                               for m in methods}}
     out["aim_met"] = all(out[d]["margin"]["verdict"] == "beats" for d, *_ in DECODINGS)
     out["tuned_temperature_factscore"] = fs(refs["tuned_temperature"])
     out["headline"] = headline_sentences(out)
@@ -160,11 +180,14 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _points(m: dict[str, Any]) -> str:
-    return f"{m['mean']:+.1f}" + (f" ± {m['sd']:.1f}" if m["sd"] is not None else "")
+    """``+9.1 ± 1.3 [+6.0, +12.2]``: the margin, its sd over seeds (several seeds) and its interval (when kept)."""
+    interval = m.get("interval")
+    return (f"{m['mean']:+.1f}" + (f" ± {m['sd']:.1f}" if m["sd"] is not None else "")
+            + (f" [{interval[0]:+.1f}, {interval[1]:+.1f}]" if interval else ""))
 
 
 def _by_verdict(margins: dict[str, dict[str, Any]]) -> str:
-    """``yes for a (+9.1 ± 1.3); within noise for b (+0.4 ± 2.0); no, behind, for c (−5.3 ± 2.2)``."""
+    """``yes for a (+9.1 [+6.0, +12.2]); within noise for b (+0.4 [-2.1, +3.0]); no, behind, for c (-5.3 [-8.0, -2.4])``."""
     words = {"beats": "yes for", "within noise": "within noise for", "falls behind": "no, behind, for"}
     parts = []
     for v, word in words.items():
@@ -174,14 +197,34 @@ def _by_verdict(margins: dict[str, dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def reading_sentence(s: dict[str, Any]) -> str:
+    """The report's first sentence: what the margins' intervals measure, and what this many seeds cannot tell."""
+    seeds, n = s["seeds"], s.get("heldout_people")
+    label = "one seed" if len(seeds) == 1 else f"{len(seeds)} seeds"
+    if n is None:
+        return (f"**What {label} can tell:** these results carry no per-person scores (they predate them), so no margin "
+                "has an interval over the held-out people and every margin is within noise.")
+    people = (f"the {n[0]}" if len(set(n)) == 1 else "the") + " held-out people" + ("" if len(seeds) == 1 else " of each seed")
+    interval = (f"each margin comes with a {LEVEL:.0%} paired bootstrap interval [in brackets] over {people} ({RESAMPLES} "
+                "resamples of the people, the same people for the method and its baseline); it \"beats\" or \"falls "
+                "behind\" only when its whole interval is above or below 0, else it is within noise")
+    if len(seeds) == 1:
+        return (f"**What one seed can tell:** {interval}. The interval measures the held-out people's sampling noise "
+                "(would the margin hold for other people like these?), not the training run's: another seed (world, "
+                "initialisation, samples) can move a margin further, and only more seeds measure that (`--seeds 0,1,2`).")
+    return (f"**What {label} can tell:** {interval}. The interval is the people's sampling noise only; the ± is the sd "
+            "over seeds (how far another training run moves a margin), reported beside it but not part of the verdict: a "
+            "margin no larger than its sd over seeds is unsettled whatever its verdict.")
+
+
 def headline_sentences(s: dict[str, Any]) -> list[str]:
-    """The report's first sentences: did training reduce hallucination against the base at the same decoding, did
-    it beat the no-training references, and is the seed the development seed."""
+    """The report's first sentences: what the margins can tell, did training reduce hallucination against the base
+    at the same decoding, did it beat the no-training references, and is the seed the development seed."""
     seeds = s["seeds"]
-    one_seed = " (one seed: no spread over seeds, so every margin is within noise)" if len(seeds) == 1 else ""
     against_base = " ".join(f"At {label}: {_by_verdict(s['against_base'][d])}." for d, label, *_ in DECODINGS)
-    lines = [f"**Did training reduce hallucination (raise held-out FActScore) against the base at the same decoding?**"
-             f"{one_seed} {against_base}"]
+    lines = [reading_sentence(s),
+             f"**Did training reduce hallucination (raise held-out FActScore) against the base at the same decoding?** "
+             f"{against_base}"]
     refs = []
     for d, label, *_ in DECODINGS:
         x = s[d]
@@ -190,7 +233,7 @@ def headline_sentences(s: dict[str, Any]) -> list[str]:
                     f"{x['margin']['verdict']}")
     aim = "met" if s["aim_met"] else "not met"
     lines.append(f"**Did it beat the no-training references?** The best method against the best reference, both picked "
-                 f"on validation: {'; '.join(refs)}. The aim (beat it at both decodings by more than the spread) is {aim}.")
+                 f"on validation: {'; '.join(refs)}. The aim (beat it at both decodings, the interval above 0) is {aim}.")
     if s["development_seed"]:
         lines.append(f"**Seed {DEVELOPMENT_SEED} is the development seed**: its held-out numbers were looked at while the "
                      "lab was designed, so they are not a fresh test" + (" (the other seeds are)." if len(seeds) > 1 else "."))
@@ -206,10 +249,6 @@ def _pm(mean: float | None, sd: float | None, scale: float = 100.0, digits: int 
         return "–"
     text = f"{scale * mean:.{digits}f}"
     return text + (f" ± {scale * sd:.{digits}f}" if sd is not None else "")
-
-
-def _signed(g: dict[str, Any]) -> str:
-    return f"{g['mean']:+.1f}" + (f" ± {g['sd']:.1f}" if g["sd"] is not None else "")
 
 
 def _arrow(a: float | None, b: float | None) -> str:
@@ -229,14 +268,15 @@ def _headline(report: dict[str, Any]) -> list[str]:
         lines += [sentence, ""]
     lines += [f"Seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}" + (" (mean ± sd over seeds)" if len(seeds) > 1 else "") +
               f". Held-out: {round(refs['t1']['n_responses'] / report['config']['eval_samples'])} people no method trained on "
-              "or was selected on, each policy scored once per decoding. FActScore (γ=0) and SAFE F1@6 in %.", ""]
+              "or was selected on, each policy scored once per decoding. FActScore (γ=0) and SAFE F1@6 in %; a margin's "
+              f"[low, high]: its {LEVEL:.0%} paired bootstrap interval over the held-out people.", ""]
     for d, label, *_ in DECODINGS:
         x = s[d]
         lines.append(f"* **{label}**: picked on validation, the method {x['best_method']} (validation "
                      f"{x['best_method_validation_factscore']:.1f}, held-out {x['best_method_factscore']:.1f}) and the reference "
                      f"{REFERENCES[x['best_reference']]} (validation {x['best_reference_validation_factscore']:.1f}, held-out "
                      f"{x['best_reference_factscore']:.1f}): {_points(x['margin'])} points, {x['margin']['verdict']}; methods "
-                     f"beyond the spread above that reference: {', '.join(x['beaten_by']) or 'none'}.")
+                     f"whose interval over that reference is above 0: {', '.join(x['beaten_by']) or 'none'}.")
     lines.append("* **Against the base with the decode-time threshold at the same decoding** (τ tuned on validation at each): " +
                  " ".join(f"{REFERENCES[keys[-1]]}: {_by_verdict(s[d]['against_threshold'])}." for d, _, _, keys in DECODINGS))
     temps = ", ".join(f"{t['temperature']:g}" for t in refs["tuning"])
@@ -257,11 +297,11 @@ def _heldout_table(report: dict[str, Any]) -> list[str]:
         h, sd, g = m["heldout"], m["sd"]["heldout"], m["gain"]
         after = {key: _pm(h["after"][key], sd["after"][key], *((1, 2) if key == "claims_per_response" else ()))
                  for key in ("factscore", "claims_per_response", "abstain_rate", "safe_f1@6")}
-        lines.append(f"| **{name}** ({m['stage']}) | {after['factscore']} | {_signed(g['t1'])} | "
-                     f"{_pm(h['after_greedy']['factscore'], sd['after_greedy']['factscore'])} | {_signed(g['greedy'])} | "
+        lines.append(f"| **{name}** ({m['stage']}) | {after['factscore']} | {_points(g['t1'])} | "
+                     f"{_pm(h['after_greedy']['factscore'], sd['after_greedy']['factscore'])} | {_points(g['greedy'])} | "
                      f"{after['claims_per_response']} | {after['abstain_rate']} | {after['safe_f1@6']} | "
                      f"{_pm(m['effective_temperature'], m['sd']['effective_temperature'], 1, 2)} | "
-                     f"{_pm(h['base_at_t_eff']['factscore'], sd['base_at_t_eff']['factscore'])} | {_signed(g['over_base_at_t_eff'])} |")
+                     f"{_pm(h['base_at_t_eff']['factscore'], sd['base_at_t_eff']['factscore'])} | {_points(g['over_base_at_t_eff'])} |")
     return lines
 
 
@@ -305,7 +345,7 @@ def _training_table(report: dict[str, Any]) -> list[str]:
         tr = m["training"]
         wall = sum(t["wall_s"] for x in tr for t in x["timings"].values()) / len(tr)
         cpu = sum(t["cpu_s"] for x in tr for t in x["timings"].values()) / len(tr)
-        lines.append(f"| {name} | {m['title']} | {_signed(m['gain']['rl_prompts_t1'])} | {'/'.join(str(x['steps']) for x in tr)} | "
+        lines.append(f"| {name} | {m['title']} | {_points(m['gain']['rl_prompts_t1'])} | {'/'.join(str(x['steps']) for x in tr)} | "
                      f"{'/'.join(str(x['best_step']) for x in tr)} | "
                      f"{' ; '.join(_arrow(x['val_reward_base'], x['val_reward_best']) for x in tr)} | "
                      f"{tr[0]['policy_samples_budget']} | {wall:.0f} | {cpu:.0f} |")
@@ -320,9 +360,12 @@ def _footer(report: dict[str, Any]) -> list[str]:
             "(its logits regressed on the base's, lab/decoding.py); \"base at T_eff\" samples the *base* at that temperature,",
             "so \"Δ over it\" is what training adds beyond a learned temperature. The tuned references were picked on the",
             "validation entities by SAFE F1@6; the best method and the best reference of each decoding by validation",
-            "FActScore. A margin is within noise unless it is larger than its sd over seeds (one seed: always). Abstention",
-            "sentences (`... unknown.`) are not claims. Each evaluation folder under `seed<N>/eval/` holds the",
-            "`nemo-factuality eval` report it came from.", ""]
+            f"FActScore. A margin's [low, high] is the {LEVEL:.0%} percentile interval of {RESAMPLES} paired bootstrap resamples",
+            "of the held-out people (the same people for both sides; each seed's own people, the margins averaged over",
+            "seeds; lab/bootstrap.py): \"beats\" when it is above 0, \"falls behind\" when below, else within noise. It is",
+            "the people's sampling noise, not the seed-to-seed spread (± sd, several seeds only). Abstention sentences",
+            "(`... unknown.`) are not claims. Each evaluation folder under `seed<N>/eval/` holds the `nemo-factuality eval`",
+            "report it came from; each seed's `report.json` its per-person FActScore terms.", ""]
 
 
 def write_report(cfg: Any, results: dict[int, dict[str, Any]], out: Path, total: dict[str, float]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ Run folder layout::
     DIR/seed<N>/rl/<method>/                                 the stage's own run dir (metrics.jsonl, checkpoints, final/)
     DIR/seed<N>/metrics/pretrain.jsonl, <method>_{train,val}.jsonl
     DIR/seed<N>/eval/<set>_<policy>/                         each ``nemo-factuality eval`` run
-    DIR/seed<N>/report.json                                  that seed's blocks
+    DIR/seed<N>/report.json                                  that seed's blocks, with per-person FActScore terms
 
 One seed's work is a *prepare* task (world, pretraining, the base's evaluations and the validation-tuned
 references) followed by one task per method. Tasks run in ``jobs`` worker processes with ``threads`` torch

@@ -1,4 +1,5 @@
-"""The learned-temperature check, the validation-tuned references, the multi-seed report and its plots."""
+"""The learned-temperature check, the validation-tuned references, the multi-seed report, its margins' paired
+bootstrap over held-out people, and its plots."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 
 from nemo_factuality.lab import world as W
+from nemo_factuality.lab.bootstrap import margin_interval, paired_bootstrap, paired_people, verdict
 from nemo_factuality.lab.decoding import effective_temperature
 from nemo_factuality.lab.policy import PolicyConfig, build_policy, encode_docs, pretrain, train_tokenizer
-from nemo_factuality.lab.report import aggregate, render_markdown, summary, verdict
+from nemo_factuality.lab.report import aggregate, render_markdown, summary
 
 CFG = W.WorldConfig(n_people=(3, 3, 4), bios_per_person=(4, 2, 1), seed=5)
 
@@ -67,10 +69,16 @@ def test_the_threshold_is_tuned_at_greedy_too(tiny, tmp_path):
     assert sweep["0.99"]["abstain_rate"] >= validation["greedy"]["abstain_rate"]
 
 
+# Every policy's held-out people in the report fixtures: the same per-person offsets around its FActScore, 4
+# responding responses each, so a margin is the same on every person and its interval is that margin exactly.
+_OFFSETS = (-0.03, -0.01, 0.01, 0.03)
+
+
 def _block(fs: float, claims: float = 4.0) -> dict:
     tier = {"factscore": fs, "claims_per_response": claims, "abstain_rate": 0.2, "precision": fs}
     return {**tier, "safe_f1@6": fs - 0.1, "factscore_gamma10": fs / 2, "respond_ratio": 1.0, "n_responses": 120,
-            "per_tier": {t: dict(tier) for t in W.TIERS}}
+            "per_tier": {t: dict(tier) for t in W.TIERS},
+            "per_person": {f"person {i}": {"score_sum": 4 * (fs + o), "responding": 4} for i, o in enumerate(_OFFSETS)}}
 
 
 def _seed(base_t1: float, greedy: float, after: dict[str, tuple[float, float]], *,
@@ -127,7 +135,8 @@ def test_report_aggregates_seeds_and_says_what_training_beats():
     assert s["greedy"]["beaten_by"] == ["klcf"] and s["aim_met"]
     report.update(config={"eval_samples": 4, "jobs": 2, "threads": 1, "trainable": "abstention"}, timings={"total": {"wall_s": 60.0, "cpu_s": 100.0}})
     md = render_markdown(report)
-    assert "| **klcf** (grpo) | 76.0 ± 1.4 | +17.0 ± 2.8 | 85.5 ± 0.7 | +2.5 ± 0.7 |" in md
+    # the margin ± its sd over seeds [its interval over the held-out people: here the same gain on every person]
+    assert "| **klcf** (grpo) | 76.0 ± 1.4 | +17.0 ± 2.8 [+17.0, +17.0] | 85.5 ± 0.7 | +2.5 ± 0.7 [+2.5, +2.5] |" in md
     assert "| *base, T=1 + tuned threshold* | 69.0 ± 1.4 |" in md
     assert "| *base, greedy + tuned threshold* |  | | 83.5 ± 1.4 |" in md  # a greedy reference: the greedy column
     assert md.count("| **rlfh**") == 3  # the held-out, per-tier and validation tables
@@ -160,38 +169,150 @@ def test_greedy_has_a_thresholded_reference_that_every_method_faces():
     knowrl = s["greedy"]["against_threshold"]["knowrl"]
     assert knowrl["per_seed"] == pytest.approx([-4.0, -5.0, -3.0]) and knowrl["verdict"] == "falls behind"
     md = render_markdown(report)
-    assert "base, greedy + tuned threshold: no, behind, for knowrl (-4.0 ± 1.0)." in md
+    assert "base, greedy + tuned threshold: no, behind, for knowrl (-4.0 ± 1.0 [-4.0, -4.0])." in md
     assert report["references"]["greedy_threshold"]["factscore"] == pytest.approx(0.90)
 
 
-def test_a_margin_is_within_noise_unless_larger_than_its_spread():
-    assert verdict(0.3, None) == "within noise"  # one seed: no spread to judge by
-    assert verdict(25.0, None) == "within noise"
-    assert verdict(0.3, 0.5) == "within noise" and verdict(-0.5, 0.5) == "within noise"
-    assert verdict(0.6, 0.5) == "beats" and verdict(-0.6, 0.5) == "falls behind"
+def _people(scores: list[float], responding: int | list[int] = 4, prefix: str = "p") -> dict:
+    """A per-person table from each person's FActScore (0-1) and responding responses."""
+    counts = [responding] * len(scores) if isinstance(responding, int) else responding
+    return {f"{prefix}{i}": {"score_sum": fs * n, "responding": n}
+            for i, (fs, n) in enumerate(zip(scores, counts, strict=True))}
+
+
+def _interval(after: dict, before: dict) -> tuple[float, float]:
+    return paired_bootstrap([paired_people(after, before)])
+
+
+def test_a_gain_of_ten_points_on_every_person_is_an_interval_of_exactly_ten():
+    base = [0.2, 0.5, 0.55, 0.7, 0.9, 0.35]
+    raised = [b + 0.1 for b in base]
+    up, down = _interval(_people(raised), _people(base)), _interval(_people(base), _people(raised))
+    assert up == pytest.approx((10.0, 10.0)) and verdict(up) == "beats"
+    assert down == pytest.approx((-10.0, -10.0)) and verdict(down) == "falls behind"
+    same = _interval(_people(base), _people(base))
+    assert same == (0.0, 0.0) and verdict(same) == "within noise"
+
+
+def test_half_the_people_up_ten_and_half_down_ten_is_within_noise():
+    base = [0.3, 0.6, 0.5, 0.4, 0.7, 0.45, 0.55, 0.35] * 5
+    after = [b + (0.1 if i % 2 else -0.1) for i, b in enumerate(base)]
+    low, high = _interval(_people(after), _people(base))
+    # every resample's margin is a mean of per-person margins of ±10: inside [-10, 10], and here 0 is inside it
+    assert -10.0 <= low < 0.0 < high <= 10.0
+    assert verdict((low, high)) == "within noise"
+
+
+def test_the_interval_is_paired_by_person():
+    """Per-person scores from 0 to 1, the method 5 points above the base on every person: drawing the same people
+    for both sides gives exactly +5; an unpaired draw would add each person's difficulty twice (tens of points).
+    People differ in how many responses responded, and the two tables list them in different orders."""
+    rng = np.random.default_rng(7)
+    base = list(rng.uniform(0.0, 0.9, size=60))
+    counts = list(rng.integers(1, 5, size=60))
+    before = _people(base, [int(n) for n in counts])
+    after = dict(reversed(list(_people([b + 0.05 for b in base], [int(n) for n in counts]).items())))
+    assert _interval(after, before) == pytest.approx((5.0, 5.0))
+    assert margin_interval([after], [before]) == pytest.approx((5.0, 5.0))
+    with pytest.raises(ValueError, match="same people"):
+        paired_people(after, _people(base[:-1], [int(n) for n in counts[:-1]]))
+
+
+def test_the_interval_lies_between_the_extreme_person_margins_and_moves_with_the_method():
+    """With as many responding responses everywhere, a resample's margin is the mean of its people's margins:
+    never beyond the smallest and largest person margin. Adding d points on every person moves both bounds by d;
+    raising one person can lower neither bound."""
+    rng = np.random.default_rng(3)
+    base = rng.uniform(0.1, 0.8, size=30)
+    after = np.clip(base + rng.normal(0.02, 0.1, size=30), 0, 1)
+    low, high = _interval(_people(list(after)), _people(list(base)))
+    per_person = 100 * (after - base)
+    assert per_person.min() <= low <= high <= per_person.max()
+    shifted = _interval(_people(list(after + 0.05)), _people(list(base)))
+    assert shifted == pytest.approx((low + 5.0, high + 5.0))
+    raised = after.copy()
+    raised[int(np.argmin(per_person))] += 0.3
+    new_low, new_high = _interval(_people(list(raised)), _people(list(base)))
+    assert new_low >= low and new_high >= high
+
+
+def test_the_interval_is_a_95_percent_one():
+    """Many people: the bootstrap interval of a mean approaches the normal one, mean ± 1.96 standard errors
+    (computed here from the per-person margins alone), up to the resampling's own error (~0.06 standard errors)."""
+    rng = np.random.default_rng(11)
+    base = rng.uniform(0.2, 0.6, size=400)
+    after = base + rng.normal(0.03, 0.1, size=400)
+    per_person = 100 * (after - base)
+    se = per_person.std(ddof=0) / np.sqrt(per_person.size)
+    low, high = _interval(_people(list(after)), _people(list(base)))
+    assert low == pytest.approx(per_person.mean() - 1.96 * se, abs=0.25 * se)
+    assert high == pytest.approx(per_person.mean() + 1.96 * se, abs=0.25 * se)
+    assert _interval(_people(list(after)), _people(list(base))) == (low, high)  # a fixed generator: the same report
+
+
+def test_seeds_hold_out_their_own_people_and_their_margins_are_averaged():
+    """Each seed is its own world with its own people: each is resampled on its own, and the interval is that of
+    the mean over seeds (+10 on every person of one seed, +20 on every person of the other: exactly +15)."""
+    one, two = [0.2, 0.4, 0.6], [0.3, 0.5, 0.7, 0.1]
+    interval = margin_interval([_people([x + 0.1 for x in one], prefix="a"), _people([x + 0.2 for x in two], prefix="b")],
+                               [_people(one, prefix="a"), _people(two, prefix="b")])
+    assert interval == pytest.approx((15.0, 15.0))
+
+
+def test_a_verdict_needs_the_whole_interval_on_one_side_of_zero():
+    assert verdict((0.1, 3.0)) == "beats" and verdict((-3.0, -0.1)) == "falls behind"
+    assert verdict((-1.0, 1.0)) == "within noise" and verdict((0.0, 2.0)) == "within noise"
+    assert verdict(None) == "within noise"  # no per-person scores (results from before they were kept)
+    assert margin_interval([None], [_people([0.5])]) is None
+
+
+def test_one_seed_can_beat_and_the_first_line_says_what_one_seed_can_tell():
+    """One seed, +0.3 points on every held-out person: the interval is [+0.3, +0.3], so it beats the base; the
+    margin's sd over seeds does not exist and is not needed."""
     one_seed = _report({4: _seed(0.60, 0.84, {"klcf": (0.603, 0.90)})}, ["klcf"])
     s = one_seed["summary"]
-    assert s["against_base"]["t1"]["klcf"]["verdict"] == "within noise"  # +0.3 on one seed is not "beats"
-    assert s["t1"]["margin"]["verdict"] == "within noise" and s["t1"]["beaten_by"] == [] and not s["aim_met"]
-    assert "beats" not in render_markdown(one_seed).split("## Per popularity tier")[0]
+    klcf = s["against_base"]["t1"]["klcf"]
+    assert klcf["sd"] is None and klcf["interval"] == pytest.approx([0.3, 0.3]) and klcf["verdict"] == "beats"
+    lines = [x for x in render_markdown(one_seed).splitlines() if x.strip()]
+    assert lines[1].startswith("**What one seed can tell:** each margin comes with a 95% paired bootstrap interval "
+                               "[in brackets] over the 4 held-out people (2000 resamples")
+    assert "the held-out people's sampling noise" in lines[1] and "only more seeds measure that" in lines[1]
+    assert "At T=1: yes for klcf (+0.3 [+0.3, +0.3])." in lines[2]
+    several = _report({s: _seed(0.60, 0.84, {"klcf": (0.70, 0.80)}) for s in (1, 2)}, ["klcf"])
+    assert several["summary"]["headline"][0].startswith("**What 2 seeds can tell:**")
+    assert "the ± is the sd over seeds" in several["summary"]["headline"][0]
+
+
+def test_results_without_per_person_scores_have_no_interval():
+    results = {4: _seed(0.60, 0.84, {"klcf": (0.70, 0.90)})}
+    for blocks in (results[4]["context"]["base_blocks"]["heldout"], results[4]["methods"]["klcf"]["heldout"]):
+        for block in blocks.values():
+            block.pop("per_person")
+    s = _report(results, ["klcf"])["summary"]
+    assert s["heldout_people"] is None and s["t1"]["margin"]["interval"] is None
+    assert {m["verdict"] for d in ("t1", "greedy") for m in s["against_base"][d].values()} == {"within noise"}
+    assert "no per-person scores" in s["headline"][0]
 
 
 def test_the_first_sentences_answer_the_questions_and_name_the_development_seed():
     fresh = _report({4: _seed(0.60, 0.84, {"klcf": (0.70, 0.80), "knowrl": (0.72, 0.86)})}, ["klcf", "knowrl"])
     lines = [x for x in render_markdown(fresh).splitlines() if x.strip()]
-    assert lines[1].startswith("**Did training reduce hallucination (raise held-out FActScore) against the base at the "
-                               "same decoding?** (one seed: no spread over seeds, so every margin is within noise)")
-    assert "At T=1: within noise for klcf (+10.0), knowrl (+12.0). At greedy: within noise for klcf (-4.0), knowrl (+2.0)." in lines[1]
-    assert lines[2].startswith("**Did it beat the no-training references?** The best method against the best reference, "
+    assert lines[1].startswith("**What one seed can tell:**")
+    assert lines[2].startswith("**Did training reduce hallucination (raise held-out FActScore) against the base at the "
+                               "same decoding?** At T=1:")
+    assert ("At T=1: yes for klcf (+10.0 [+10.0, +10.0]), knowrl (+12.0 [+12.0, +12.0]). At greedy: yes for knowrl "
+            "(+2.0 [+2.0, +2.0]); no, behind, for klcf (-4.0 [-4.0, -4.0]).") in lines[2]
+    assert lines[3].startswith("**Did it beat the no-training references?** The best method against the best reference, "
                                "both picked on validation: at T=1, knowrl (72.0) against base, T=1 + tuned threshold (70.0): "
-                               "+2.0 points, within noise;")
-    assert lines[2].endswith("is not met.")
-    assert lines[3] == ("Seed 4: fresh, not the development seed (0), whose held-out numbers were looked at while the lab "
+                               "+2.0 [+2.0, +2.0] points, beats;")
+    assert lines[3].endswith("is met.")
+    assert lines[4] == ("Seed 4: fresh, not the development seed (0), whose held-out numbers were looked at while the lab "
                         "was designed.")
     several = _report({s: _seed(0.60, 0.84, {"klcf": (0.70 + d, 0.80)}) for s, d in ((0, 0.0), (1, 0.02), (2, 0.01))}, ["klcf"])
     first = several["summary"]["headline"]
-    assert "At T=1: yes for klcf (+11.0 ± 1.0). At greedy: no, behind, for klcf (-4.0 ± 0.0)." in first[0]
-    assert first[2].startswith("**Seed 0 is the development seed**") and first[2].endswith("(the other seeds are).")
+    assert ("At T=1: yes for klcf (+11.0 ± 1.0 [+11.0, +11.0]). At greedy: no, behind, for klcf "
+            "(-4.0 ± 0.0 [-4.0, -4.0]).") in first[1]
+    assert first[3].startswith("**Seed 0 is the development seed**") and first[3].endswith("(the other seeds are).")
 
 
 def _curve_stars(ax) -> list[tuple[float, float]]:

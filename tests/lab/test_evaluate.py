@@ -1,4 +1,5 @@
-"""Lab evaluation: the decode-time threshold, abstentions taken out of claims, the eval command's report."""
+"""Lab evaluation: the decode-time threshold, abstentions taken out of claims, the eval command's report, and the
+per-person FActScore terms the report's paired bootstrap resamples."""
 
 from __future__ import annotations
 
@@ -27,14 +28,14 @@ def test_run_eval_scores_with_the_eval_command(tmp_path, capsys):
     wrong = next(v for v in ("Zzz", "Qqq") if v != r.facts["hometown"])
     rows = [
         # popular: 2 supported claims + 1 abstention -> precision 1
-        {"id": "a", "prompt": "x", "tier": "popular", "response": " ".join(
+        {"id": "a", "prompt": "x", "topic": p.name, "tier": "popular", "response": " ".join(
             [W.sentence(p.name, "born_year", p.facts["born_year"]), W.sentence(p.name, "hometown", p.facts["hometown"]),
              W.sentence(p.name, "language", W.ABSTAIN_VALUE)])},
         # rare: 1 supported + 1 wrong -> precision 0.5
-        {"id": "b", "prompt": "x", "tier": "rare", "response": " ".join(
+        {"id": "b", "prompt": "x", "topic": r.name, "tier": "rare", "response": " ".join(
             [W.sentence(r.name, "born_year", r.facts["born_year"]), W.sentence(r.name, "hometown", wrong)])},
         # rare: abstains on every slot it writes -> an abstained response
-        {"id": "c", "prompt": "x", "tier": "rare", "response": W.sentence(r.name, "occupation", W.ABSTAIN_VALUE)},
+        {"id": "c", "prompt": "x", "topic": r.name, "tier": "rare", "response": W.sentence(r.name, "occupation", W.ABSTAIN_VALUE)},
     ]
     out = run_eval(rows, kb, tmp_path / "eval")
     assert out["factscore"] == pytest.approx((1.0 + 0.5) / 2)
@@ -44,6 +45,11 @@ def test_run_eval_scores_with_the_eval_command(tmp_path, capsys):
     assert out["precision"] == pytest.approx(3 / 4)
     assert out["per_tier"]["rare"]["factscore"] == pytest.approx(0.5)
     assert out["per_tier"]["popular"]["abstain_rate"] == pytest.approx(1 / 3)
+    # per person: the sum of its responding responses' FActScore terms, and how many responded (c abstained)
+    assert out["per_person"] == {p.name: {"score_sum": pytest.approx(1.0), "responding": 1},
+                                 r.name: {"score_sum": pytest.approx(0.5), "responding": 1}}
+    people = out["per_person"].values()
+    assert sum(x["score_sum"] for x in people) / sum(x["responding"] for x in people) == pytest.approx(out["factscore"])
     for name in ("report.json", "report.md", "precision_vs_claims.png", "responses.jsonl"):
         assert (tmp_path / "eval" / name).exists()
     assert capsys.readouterr().out == ""  # the eval command's table goes to its report.md, not to the lab's output

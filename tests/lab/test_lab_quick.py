@@ -58,17 +58,29 @@ def test_quick_lab_trains_every_method_in_the_right_direction(quick_run):
 
 @pytest.mark.slow
 def test_quick_lab_report_opens_with_the_answers_and_the_seed(quick_run):
-    """What the command prints (its report.md) opens with: did training reduce hallucination against the base at
-    the same decoding, did it beat the no-training references, and that seed 0 is the development seed. One
-    seed has no spread, so no margin is called a win."""
+    """What the command prints (its report.md) opens with: what one seed can tell (the margins' intervals are a
+    paired bootstrap over the held-out people, not the seed-to-seed spread), did training reduce hallucination
+    against the base at the same decoding, did it beat the no-training references, and that seed 0 is the
+    development seed. Every margin's verdict is its interval's."""
     _, out = quick_run
     lines = [line for line in (out / "report.md").read_text().splitlines() if line.strip()]
-    assert lines[1].startswith("**Did training reduce hallucination (raise held-out FActScore) against the base at the "
-                               "same decoding?** (one seed: no spread over seeds, so every margin is within noise)")
-    assert lines[2].startswith("**Did it beat the no-training references?**")
-    assert lines[3].startswith("**Seed 0 is the development seed**")
-    assert "yes for" not in lines[1] and "beats" not in lines[2]
+    assert lines[1].startswith("**What one seed can tell:** each margin comes with a 95% paired bootstrap interval "
+                               "[in brackets] over the 30 held-out people")
+    assert lines[2].startswith("**Did training reduce hallucination (raise held-out FActScore) against the base at the "
+                               "same decoding?** At T=1: ")
+    assert lines[3].startswith("**Did it beat the no-training references?**")
+    assert lines[4].startswith("**Seed 0 is the development seed**")
     assert "| *base, greedy + tuned threshold* |" in (out / "report.md").read_text()
+    report = json.loads((out / "report.json").read_text())
+    people = report["references"]["per_person"]["t1"][0]  # seed 0's held-out people, paired with every method's
+    assert len(people) == 30 and report["summary"]["heldout_people"] == [30]
+    assert sum(p["score_sum"] for p in people.values()) / sum(p["responding"] for p in people.values()) == pytest.approx(
+        report["references"]["t1"]["factscore"])
+    expected = {(True, False): "beats", (False, True): "falls behind", (False, False): "within noise"}
+    for decoding in ("t1", "greedy"):
+        for name, m in report["summary"]["against_base"][decoding].items():
+            low, high = m["interval"]
+            assert low <= high and m["verdict"] == expected[(low > 0, high < 0)], (decoding, name, m)
 
 
 @pytest.mark.slow
