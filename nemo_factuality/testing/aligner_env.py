@@ -34,7 +34,13 @@ def aligner_env(**extra: str) -> dict[str, str]:
     return venv_env(NVIDIA_PYTORCH_VERSION="24.07", **extra)
 
 
-def run_in_aligner_venv(venv: Path, args: list[str], *, nproc: int = 1, timeout: float = 300,
-                        **env: str) -> subprocess.CompletedProcess:
-    """``python args…`` (nproc == 1) or ``torchrun --nproc_per_node nproc args…`` in the venv."""
-    return run_in_venv(venv, args, env=aligner_env(**env), nproc=nproc, timeout=timeout)
+#: What an aligner driver imports before its first line of work: preloaded once by ``forkrun`` (``preload=True``).
+PRELOAD = ("nemo_factuality.testing.aligner_cpu:apply", "nemo_factuality.trainers.backends.aligner")
+
+
+def run_in_aligner_venv(venv: Path, args: list[str], *, nproc: int = 1, timeout: float = 300, preload: bool = False,
+                        then: tuple[list[str], ...] = (), **env: str) -> subprocess.CompletedProcess:
+    """``python args…`` (nproc == 1) or ``torchrun --nproc_per_node nproc args…`` in the venv; ``preload``: NeMo's
+    import paid once for all ranks and for ``then``'s programs too (``testing.forkrun``)."""
+    return run_in_venv(venv, args, env=aligner_env(**env), nproc=nproc, timeout=timeout,
+                       preload=PRELOAD if preload else (), then=then)

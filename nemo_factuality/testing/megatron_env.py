@@ -27,8 +27,18 @@ def skip_reason() -> str:
             f"(~1 min, ~1.5 GB; .ci/run does) or point ${ENV_VAR} at one")
 
 
+#: What a megatron driver imports before its first line of work (``preload=PRELOAD``: paid once for all its ranks by
+#: ``testing.forkrun``). A driver that installs the flash-attn CPU stand-in before Megatron binds its kernels takes
+#: ``PRELOAD_WITH_FLASH_ATTN``: the preload must do what the driver does, in its order.
+PRELOAD = ("nemo_factuality.testing.megatron_cpu:apply", "megatron.core", "megatron.bridge")
+PRELOAD_WITH_FLASH_ATTN = ("nemo_factuality.testing.flash_attn_cpu:install", *PRELOAD)
+
+
 def run_in_megatron_venv(venv: Path, args: list[str], *, nproc: int = 1, timeout: float = 300,
+                         preload: tuple[str, ...] = (), then: tuple[list[str], ...] = (),
                          **env: str) -> subprocess.CompletedProcess:
     """``python args…`` (nproc == 1) or ``torchrun --nproc_per_node nproc args…`` in the venv, niced (the test
-    machines are shared), killed with its process group past ``timeout`` seconds."""
-    return run_in_venv(venv, args, env=venv_env(**env), nproc=nproc, timeout=timeout, nice=True)
+    machines are shared), killed with its process group past ``timeout`` seconds; ``preload``: through
+    ``testing.forkrun`` (``venvs.run_in_venv``)."""
+    return run_in_venv(venv, args, env=venv_env(**env), nproc=nproc, timeout=timeout, nice=True, preload=preload,
+                       then=then)

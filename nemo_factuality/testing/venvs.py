@@ -145,11 +145,22 @@ def proc_stat(pid: int | str) -> list[str] | None:
 
 
 def run_in_venv(venv: Path, args: list[str], *, env: dict[str, str], nproc: int = 1, timeout: float = 300,
-                nice: bool = False) -> subprocess.CompletedProcess:
+                nice: bool = False, preload: tuple[str, ...] = (), then: tuple[list[str], ...] = ()
+                ) -> subprocess.CompletedProcess:
     """``python args…`` (nproc == 1) or ``torchrun --nproc_per_node nproc args…`` in ``venv`` from the checkout, bounded
-    by ``run_bounded``; ``nice``: at lower priority (the test machines are shared)."""
+    by ``run_bounded``; ``nice``: at lower priority (the test machines are shared).
+
+    ``preload`` (modules, ``module:function`` to call one): run through ``testing.forkrun`` instead, which imports them
+    once and forks the ranks, then runs each of ``then``'s programs the same way after ``args``'s, each in new ranks
+    (a failed program ends the run). For driver programs whose ranks would each pay a heavy stack's import."""
     python = str(venv / "bin" / "python")
-    if nproc == 1:
+    if preload:
+        programs = [arg for program in (args, *then) for arg in ("--next", *program)][1:]
+        cmd = [python, "-m", "nemo_factuality.testing.forkrun", f"--nproc={nproc}",
+               *(f"--preload={p}" for p in preload), "--", *programs]
+    elif then:
+        raise ValueError("run_in_venv: `then` programs need `preload` (they run in one forkrun launcher)")
+    elif nproc == 1:
         cmd = [python, *args]
     else:
         from nemo_factuality.testing.ports import free_ports

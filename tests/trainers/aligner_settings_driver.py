@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -251,7 +252,7 @@ def main() -> int:
     _record_first_gradient(actor)
     result = resume(actor, args) if args.resume_from else run(actor, args)
     result.update(total_s=time.monotonic() - t0, dp_rank=actor.data_parallel_rank, dp_size=actor.data_parallel_size,
-                  rank=torch.distributed.get_rank())
+                  rank=torch.distributed.get_rank(), pid=os.getpid())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))

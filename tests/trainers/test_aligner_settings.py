@@ -35,21 +35,24 @@ LAYOUTS = {"tp2": (2, 2, ("plain", "exact", "preset")), "dp2": (1, 2, ("plain", 
 pytestmark = pytest.mark.slow
 
 
-def _run(venv: Path, nemo: Path, out: Path, setting: str, tp: int, nproc: int, *extra: str) -> list[dict]:
-    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", f"--setting={setting}", f"--tp={tp}", *extra],
-                              nproc=nproc, timeout=420)
-    assert res.returncode == 0, res.stdout[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+def _program(nemo: Path, out: Path, setting: str, tp: int, *extra: str) -> list[str]:
+    return [DRIVER, f"--nemo={nemo}", f"--out={out}", f"--setting={setting}", f"--tp={tp}", *extra]
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout(request, venv, stage_policy, tmp_path_factory):
-    """(layout name, {setting: per-rank results}) for plain, exact and preset at one layout, and ``resumed``: a new
-    process loading the preset run's checkpoint, as a requeued job would."""
+    """(layout name, {setting: per-rank results}) for plain, exact and preset at one layout, and ``resumed``: new
+    processes loading the preset run's checkpoint, as a requeued job would. One launcher (``testing.forkrun``) runs
+    them in order, each in ranks of its own, NeMo's import paid once for all of them."""
     tp, nproc, settings = LAYOUTS[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    runs = {s: _run(venv, stage_policy, root / s, s, tp, nproc) for s in settings}
-    runs["resumed"] = _run(venv, stage_policy, root / "resumed", "preset", tp, nproc, f"--resume-from={root / 'preset'}")
+    programs = [_program(stage_policy, root / s, s, tp) for s in settings]
+    programs.append(_program(stage_policy, root / "resumed", "preset", tp, f"--resume-from={root / 'preset'}"))
+    res = run_in_aligner_venv(venv, programs[0], nproc=nproc, timeout=900, preload=True, then=tuple(programs[1:]))
+    assert res.returncode == 0, res.stdout[-6000:]
+    runs = {s: [json.loads((root / s / f"rank{r}.json").read_text()) for r in range(nproc)] for s in (*settings, "resumed")}
+    for first, resumed in zip(runs["preset"], runs["resumed"], strict=True):  # the resumed ranks were new processes
+        assert resumed["pid"] != first["pid"]
     return request.param, runs
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_factuality.testing.megatron_env import run_in_megatron_venv
+from nemo_factuality.testing.megatron_env import PRELOAD_WITH_FLASH_ATTN, run_in_megatron_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a module fixture runs six torchrun programs
 DRIVER = "tests/trainers/megatron_driver.py"
@@ -36,7 +36,7 @@ STEP_TOLERANCE = 5e-4
 
 def _run(venv: Path, root: Path, command: str, tag: str, nproc: int, *args: str) -> list[dict]:
     res = run_in_megatron_venv(venv, [DRIVER, command, f"--hf={root / 'hf'}", f"--out={root}", f"--tag={tag}", *args],
-                               nproc=nproc, timeout=400)
+                               nproc=nproc, timeout=400, preload=PRELOAD_WITH_FLASH_ATTN)
     assert res.returncode == 0, res.stdout[-6000:]
     return [json.loads((root / f"{tag}.rank{r}.json").read_text()) for r in range(nproc)]
 

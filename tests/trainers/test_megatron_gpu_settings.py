@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_factuality.testing.megatron_env import run_in_megatron_venv
+from nemo_factuality.testing.megatron_env import PRELOAD_WITH_FLASH_ATTN, run_in_megatron_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a module fixture runs four torchrun programs
 DRIVER = "tests/trainers/megatron_settings_driver.py"
@@ -61,7 +61,7 @@ def root(megatron_venv, tmp_path_factory) -> Path:
     for tag, (nproc, args) in RUNS.items():
         res = run_in_megatron_venv(megatron_venv, [DRIVER, "first-step", f"--hf={root / 'hf'}", f"--out={root}",
                                                    f"--tag={tag}", *[a.format(root=root) for a in args]],
-                                   nproc=nproc, timeout=500)
+                                   nproc=nproc, timeout=500, preload=PRELOAD_WITH_FLASH_ATTN)
         assert res.returncode == 0, res.stdout[-6000:]
     return root
 

@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from nemo_factuality.testing.megatron_env import run_in_megatron_venv
+from nemo_factuality.testing.megatron_env import PRELOAD_WITH_FLASH_ATTN, run_in_megatron_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 DRIVER = "tests/trainers/megatron_grpo_driver.py"
@@ -37,7 +37,7 @@ def ranks(request, megatron_venv, tmp_path_factory) -> list[dict]:
     out.mkdir()
     nproc, args, _ = LAYOUTS[request.param]
     res = run_in_megatron_venv(megatron_venv, [DRIVER, f"--hf={root / 'hf'}", f"--out={out}", *args], nproc=nproc,
-                               timeout=600)
+                               timeout=600, preload=PRELOAD_WITH_FLASH_ATTN)
     assert res.returncode == 0, res.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_factuality.testing.megatron_env import run_in_megatron_venv
+from nemo_factuality.testing.megatron_env import PRELOAD, run_in_megatron_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 CRITIC = "tests/trainers/megatron_critic_driver.py"
@@ -60,7 +60,7 @@ def critics(megatron_venv, root) -> dict[str, list[dict]]:
         args = [a.format(root=root) for a in args]
         hf = [] if any(a.startswith("--hf=") for a in args) else [f"--hf={root / 'hf'}"]
         res = run_in_megatron_venv(megatron_venv, [CRITIC, "parity", *hf, f"--out={root}", f"--tag={tag}", *args],
-                                   nproc=nproc, timeout=400)
+                                   nproc=nproc, timeout=400, preload=PRELOAD)
         assert res.returncode == 0, res.stdout[-6000:]
         out[tag] = [json.loads((root / f"{tag}.rank{r}.json").read_text()) for r in range(nproc)]
     return out
@@ -125,7 +125,7 @@ def stages(request, megatron_venv, root) -> list[dict]:
     out.mkdir()
     tp = ["--tp=2"] if request.param == "tp2" else []
     res = run_in_megatron_venv(megatron_venv, [STAGES, f"--hf={root / 'hf'}", f"--out={out}", *tp], nproc=2,
-                               timeout=600)
+                               timeout=600, preload=PRELOAD)
     assert res.returncode == 0, res.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -1,0 +1,160 @@
+"""A torchrun stand-in for the CPU tests' driver programs that pays a heavy stack's import once per run, not per rank.
+
+    python -m nemo_factuality.testing.forkrun --nproc 2 --preload nemo_factuality.testing.aligner_cpu:apply \\
+        --preload nemo_factuality.trainers.backends.aligner -- DRIVER.py ARGS… [--next DRIVER.py ARGS…]
+
+NeMo's import costs ~17 s of CPU per process and Megatron-Bridge's ~8; a torchrun program of four ranks paid it four
+times for a check that takes seconds. This launcher imports the ``--preload`` modules once (``module:function`` also
+calls it), then, for each program in order, forks ``--nproc`` ranks from that state and runs the program in each as
+``__main__`` with the environment torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``/``MASTER_PORT`` on a fresh port, ``TORCHELASTIC_RUN_ID`` so that Lightning takes the processes as
+launched, not its own to spawn). Every rank is a new process: nothing a program builds (a model, a process group, a
+parallel state, patched functions) reaches the next program, as with a new torchrun — which is how one run can hold
+a setting's run and the new process that resumes its checkpoint.
+
+Like torchrun, the first rank that fails ends its program: the other ranks get SIGTERM, then SIGKILL after
+``--grace`` seconds, and the launcher exits 1 without starting the next program. What torchrun adds and this does not
+(restarts, rendezvous, its own signal handling) none of the programs it runs use; fault tests keep torchrun.
+
+Forking after the imports is sound here because the parent has started no thread, process group or CUDA context
+when it forks (``OMP_NUM_THREADS=1``; checked below: a parent with another live thread refuses to fork).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+
+def _preload(specs: list[str]) -> None:
+    for spec in specs:
+        module, _, function = spec.partition(":")
+        imported = importlib.import_module(module)
+        if function:
+            getattr(imported, function)()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, nproc: int, port: int, run_id: str, program: list[str]) -> None:
+    """In the forked rank: torchrun's worker environment, then the program as ``__main__``; raises SystemExit."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), ROLE_NAME="default",
+                      MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"), MASTER_PORT=str(port),
+                      TORCHELASTIC_RUN_ID=run_id, TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    sys.argv = list(program)
+    # as `python script.py` does: the script's folder first on the path (drivers import their siblings)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(program[0])))
+    code = 0
+    try:
+        runpy.run_path(program[0], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:  # noqa: BLE001  (a rank's failure is its exit code, with its traceback, as under torchrun)
+        traceback.print_exc()
+        code = 1
+    # A normal interpreter exit, as a torchrun worker's: atexit handlers run (multiprocessing's terminates the daemonic
+    # helpers a rank started, which would otherwise outlive it holding the output pipe). Nothing of the launcher's
+    # stack catches SystemExit, so this process ends here.
+    raise SystemExit(code)
+
+
+def _run_program(program: list[str], nproc: int, grace: float) -> int:
+    """Fork ``nproc`` ranks running ``program``; 0 when all exit 0, else 1 after stopping the rest (torchrun's rule)."""
+    port, run_id = _free_port(), uuid.uuid4().hex[:12]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pids = {}
+    for rank in range(nproc):
+        pid = os.fork()
+        if pid == 0:
+            _rank_main(rank, nproc, port, run_id, program)
+        pids[pid] = rank
+    failed = None
+    while pids:
+        pid, status = os.wait()
+        rank = pids.pop(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and failed is None:
+            failed = (rank, code)
+            print(f"forkrun: rank {rank} of {program[0]} exited {code}; stopping the other ranks", file=sys.stderr)
+            _stop(list(pids), grace)
+    return 0 if failed is None else 1
+
+
+def _stop(pids: list[int], grace: float) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return done == 0
+
+
+def split_programs(argv: list[str]) -> list[list[str]]:
+    """``[a.py, x, --next, b.py, y]`` → ``[[a.py, x], [b.py, y]]``."""
+    programs, current = [], []
+    for arg in argv:
+        if arg == "--next":
+            programs.append(current)
+            current = []
+        else:
+            current.append(arg)
+    programs.append(current)
+    if any(not p for p in programs):
+        raise SystemExit("forkrun: an empty program (nothing after --, or around --next)")
+    return programs
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        raise SystemExit("forkrun: usage: forkrun --nproc N [--preload MOD[:FN]]… -- PROGRAM ARGS… [--next PROGRAM…]")
+    cut = argv.index("--")
+    ap = argparse.ArgumentParser(prog="forkrun", allow_abbrev=False)
+    ap.add_argument("--nproc", type=int, required=True)
+    ap.add_argument("--preload", action="append", default=[])
+    ap.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL for the other ranks")
+    args = ap.parse_args(argv[:cut])
+    _preload(args.preload)
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if others:  # a fork would copy a lock one of them may hold, without the thread that releases it
+        raise SystemExit(f"forkrun: the preloaded modules started threads ({[t.name for t in others]}); use torchrun")
+    for program in split_programs(argv[cut + 1:]):
+        code = _run_program(program, args.nproc, args.grace)
+        if code:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""``testing.forkrun``, the torchrun stand-in that imports a heavy stack once and forks the ranks: its ranks get
+torchrun's worker environment and form a real gloo group; each program runs in new processes; a failing rank ends its
+program and the run as torchrun's would (the others stopped, exit 1, no later program started)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from nemo_factuality.testing.forkrun import split_programs
+from nemo_factuality.testing.venvs import run_bounded
+
+PROGRAM = textwrap.dedent("""
+    import json, os, sys, time
+    preloaded = "torch" in sys.modules  # imported by the launcher before the fork, not by this program
+    import sibling  # beside this file: the script's folder is on the path, as for `python program.py`
+    import torch
+    import torch.distributed as dist
+
+
+    def main():
+        out, mode = sys.argv[1], sys.argv[2]
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        total = torch.tensor([float(rank + 1)])
+        dist.all_reduce(total)
+        env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")}
+        with open(f"{out}.rank{rank}.json", "w") as f:
+            json.dump({"pid": os.getpid(), "sum": total.item(), "env": env, "preloaded": preloaded}, f)
+        if mode == "helper":  # a daemonic helper process, as NeMo's data loading starts: it must not outlive its rank
+            import multiprocessing
+            multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,), daemon=True).start()
+        if mode == "fail" and rank == 1:
+            sys.exit(3)
+        if mode == "fail":
+            time.sleep(60)  # the launcher must stop this rank, not wait for it
+        dist.destroy_process_group()
+
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def _forkrun(tmp_path, *programs: list[str], nproc: int = 2, timeout: float = 60):
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    (tmp_path / "sibling.py").write_text("")
+    args = [arg for p in programs for arg in ("--next", str(script), *p)][1:]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    return run_bounded([sys.executable, "-m", "nemo_factuality.testing.forkrun", f"--nproc={nproc}", "--grace=2",
+                        "--preload=torch", "--", *args], timeout=timeout, env=env)
+
+
+def test_ranks_form_a_gloo_group_with_torchruns_environment_and_each_program_gets_new_processes(tmp_path):
+    res = _forkrun(tmp_path, [str(tmp_path / "a"), "ok"], [str(tmp_path / "b"), "ok"])
+    assert res.returncode == 0, res.stdout
+    runs = {p: [json.loads((tmp_path / f"{p}.rank{r}.json").read_text()) for r in range(2)] for p in "ab"}
+    for p, ranks in runs.items():
+        assert [r["sum"] for r in ranks] == [3.0, 3.0]  # 1 + 2: both ranks were in one group
+        assert [r["env"]["RANK"] for r in ranks] == ["0", "1"] and {r["env"]["WORLD_SIZE"] for r in ranks} == {"2"}
+        assert ranks[0]["env"]["TORCHELASTIC_RUN_ID"] == ranks[1]["env"]["TORCHELASTIC_RUN_ID"]
+        assert all(r["preloaded"] for r in ranks)
+    pids = [r["pid"] for ranks in runs.values() for r in ranks]
+    assert len(set(pids)) == 4  # four ranks, four processes: nothing of program a lives on in program b
+
+
+def test_a_failing_rank_stops_the_others_and_the_run(tmp_path):
+    start = time.monotonic()
+    res = _forkrun(tmp_path, [str(tmp_path / "a"), "fail"], [str(tmp_path / "b"), "ok"])
+    assert res.returncode == 1
+    assert "rank 1 of" in res.stdout and "exited 3" in res.stdout
+    assert time.monotonic() - start < 40  # rank 0's 60 s sleep was cut short
+    assert not list(tmp_path.glob("b.rank*.json"))  # the next program never started
+
+
+def test_a_ranks_daemonic_helpers_end_with_it(tmp_path):
+    """A rank exits as an interpreter does (atexit handlers run): its daemonic helpers are stopped with it rather than
+    outliving it holding the output pipe, which left the launcher's caller waiting."""
+    start = time.monotonic()
+    res = _forkrun(tmp_path, [str(tmp_path / "a"), "helper"], timeout=100)
+    assert res.returncode == 0, res.stdout
+    assert time.monotonic() - start < 60
+
+
+def test_program_lists_split_on_next():
+    assert split_programs(["a.py", "x", "--next", "b.py", "y"]) == [["a.py", "x"], ["b.py", "y"]]
+    with pytest.raises(SystemExit, match="empty program"):
+        split_programs(["a.py", "--next"])
