@@ -74,15 +74,7 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
 
     megatron_cpu.apply()  # before anything imports megatron: Bridge without TE (and the CPU stand-ins without CUDA)
     import torch
-    from gpu_smoke import (
-        MODELS,
-        _peak_gib,
-        fit_toy_grpo,
-        measure_generation,
-        prompts,
-        shape,
-        step_split,
-    )
+    from gpu_smoke_common import MODELS, fit_toy_grpo, measure_generation, peak_gib, prompts, shape, step_split
 
     from nemo_factuality.trainers.backends import megatron_build
     from nemo_factuality.trainers.backends.aligner_memory import GIB, Arch
@@ -122,7 +114,7 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
         "generation_16": gen16, "generation_max": gen_max, "oom_batches": tried, "formula_max_batch": None,
         "step_split_s": step_split(history), "steps": len(history),
         "rewards": [h.get("reward/score") for h in history], "tokens_per_step": s["prompts_per_step"] * s["group"]
-        * s["new_tokens"], "peak_gib": {"train": _peak_gib(), "rollout_16": gen16["peak_gib"]},
+        * s["new_tokens"], "peak_gib": {"train": peak_gib(), "rollout_16": gen16["peak_gib"]},
         "states_lower_bound_gib": per_parameter * parameters / GIB if per_parameter else None,
         "parameters_b": parameters / 1e9, "formula_parameters_b": arch.parameters() / 1e9,
         "gpu_total_gib": torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None,

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -15,15 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nemo_factuality.cli import ArgumentParser, UsageError, positive_int
-
-
-def add_verify_arguments(v: argparse.ArgumentParser) -> None:
-    """Options of ``convert verify`` (shared with ``python -m nemo_factuality.convert.verify``, one per rank)."""
-    v.add_argument("--hf", required=True, help="the HF model directory the checkpoint came from (the reference)")
-    v.add_argument("--nemo", required=True, help="the .nemo archive or extracted checkpoint directory")
-    v.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to load it at (one process per rank)")
-    v.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size to load it at")
-    v.add_argument("--tol", type=float, default=1e-5, help="largest allowed max |logit (or reward) difference|; exit 1 above")
+from nemo_factuality.convert.verify import add_verify_arguments
 
 
 def build_parser() -> ArgumentParser:

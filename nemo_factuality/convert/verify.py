@@ -12,6 +12,7 @@ as GPU; the dist checkpoint is resharded at load time for the requested TP. Prin
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from nemo_factuality import exit_codes
+from nemo_factuality.cli import positive_int
 
 
 def build_model(spec, tp: int, pp: int = 1, pre_process: bool = True, post_process: bool = True):
@@ -223,9 +225,17 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1)
     return result
 
 
+def add_verify_arguments(v: argparse.ArgumentParser) -> None:
+    """Options of ``convert verify`` (shared with ``python -m nemo_factuality.convert.verify``, one per rank)."""
+    v.add_argument("--hf", required=True, help="the HF model directory the checkpoint came from (the reference)")
+    v.add_argument("--nemo", required=True, help="the .nemo archive or extracted checkpoint directory")
+    v.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size to load it at (one process per rank)")
+    v.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size to load it at")
+    v.add_argument("--tol", type=float, default=1e-5, help="largest allowed max |logit (or reward) difference|; exit 1 above")
+
+
 def main(argv: list[str] | None = None) -> int:
     from nemo_factuality.cli import ArgumentParser
-    from nemo_factuality.convert.cli import add_verify_arguments
 
     ap = ArgumentParser(prog="python -m nemo_factuality.convert.verify",
                         description="compare Megatron-Core logits (from the .nemo) with the HF model, one process per rank")

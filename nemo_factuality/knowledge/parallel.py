@@ -4,7 +4,9 @@ tantivy's Python binding holds the GIL while it searches, so a thread pool would
 at a time; processes do not share a GIL. Each worker opens the store once (its index files are
 memory-mapped, so the page cache is shared, not copied) and checks that it opened the same
 generation as the parent, so a rebuild between the two opens is an error, not mixed results.
-Results come back as plain tuples over the pool's pipe (between our own processes).
+Results come back as plain tuples over the pool's pipe (between our own processes); the store turns them into its
+passages. This module knows the store only as the class it is handed (pickled by name for the workers), so the store
+can import it without a loop.
 
 Workers are started with ``spawn`` (safe in threaded servers), which re-imports the main module:
 a script that calls ``search_batch`` with ``workers != 1`` needs the usual
@@ -40,12 +42,10 @@ def search_serial(store, queries: Sequence[str], k: int, titles: Sequence[str | 
     return [store.search(q, k=k, title=t) for q, t in zip(queries, titles)]
 
 
-def _open_in_worker(path: str, generation: str, options: dict) -> None:
+def _open_in_worker(store_class: type, path: str, generation: str, options: dict) -> None:
     global _STORE
-    from nemo_factuality.knowledge.store import KnowledgeStore
-
     # The parent already verified checksums; sizes are enough here.
-    _STORE = KnowledgeStore(path, verify=False, **options)
+    _STORE = store_class(path, verify=False, **options)
     if _STORE.generation != generation:
         raise FactualityInputError(f"knowledge store {path} was rebuilt while search workers started "
                                    f"(generation {_STORE.generation}, parent has {generation}); reopen the store")
@@ -58,23 +58,23 @@ def _search_chunk(chunk: list[tuple[str, str | None]], k: int) -> list[list[tupl
 class SearchPool:
     """A persistent pool of ``workers`` search processes over one store generation."""
 
-    def __init__(self, path: Path, generation: str, workers: int, options: dict) -> None:
-        """``options``: the parent store's query options, so workers answer exactly as it would."""
+    def __init__(self, store_class: type, path: Path, generation: str, workers: int, options: dict) -> None:
+        """``store_class(path, verify=False, **options)`` opens the store in a worker; ``options``: the parent store's
+        query options, so workers answer exactly as it would."""
         self.workers = workers
         # spawn, not fork: the parent may be a threaded server, and forking threads is unsafe.
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_open_in_worker, initargs=(str(path), generation, options))
+                                         initializer=_open_in_worker, initargs=(store_class, str(path), generation, options))
         log.info("started %d BM25 search worker processes for %s", workers, path)
 
-    def search(self, queries: Sequence[str], k: int, titles: Sequence[str | None]) -> list:
-        from nemo_factuality.knowledge.store import Passage
-
+    def search(self, queries: Sequence[str], k: int, titles: Sequence[str | None]) -> list[list[tuple]]:
+        """Per query, its hits as ``(id, title, text, score)`` rows, in query order."""
         pairs = list(zip(queries, titles))
         size = max(8, -(-len(pairs) // (self.workers * 4)))  # ~4 chunks per worker balances uneven queries
         chunks = [pairs[i:i + size] for i in range(0, len(pairs), size)]
-        out: list[list[Passage]] = []
+        out: list[list[tuple]] = []
         for result in self._pool.map(_search_chunk, chunks, [k] * len(chunks)):
-            out.extend([Passage(*row) for row in hits] for hits in result)
+            out.extend(result)
         return out
 
     def close(self) -> None:

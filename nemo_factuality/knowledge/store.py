@@ -258,9 +258,9 @@ class KnowledgeStore:
 
             if self._pool is not None:
                 self._pool.close()
-            self._pool = SearchPool(self.path, self.generation, workers, {
+            self._pool = SearchPool(type(self), self.path, self.generation, workers, {
                 "max_df_frac": self.max_df_frac, "min_passages_for_pruning": self.min_passages_for_pruning})
-        return self._pool.search(queries, k, titles)
+        return [[Passage(*row) for row in hits] for hits in self._pool.search(queries, k, titles)]
 
     def _rows(self, ids: Sequence[int]) -> dict[int, tuple[str, str]]:
         out: dict[int, tuple[str, str]] = {}

@@ -99,9 +99,14 @@ class RemoteRewardModel:
         self.url, self.model_name, self.timeout_s, self.template = url, model_name, timeout_s, template
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[str]) -> list[float]:
-        from pytriton.client import ModelClient
+        from nemo_factuality.serving.client import (
+            RemoteFactualityReward,
+            RemoteRewardError,
+            pytriton_client,
+            quiet_pytriton_timeouts,
+        )
 
-        from nemo_factuality.serving.client import RemoteFactualityReward, RemoteRewardError, quiet_pytriton_timeouts
+        ModelClient = pytriton_client().ModelClient
 
         if self.model_name == RICH_MODEL:
             client = RemoteFactualityReward(self.url, model_name=self.model_name, timeout_s=self.timeout_s,
@@ -122,9 +127,9 @@ class RemoteRewardModel:
         return np.asarray(out["rewards"], dtype=np.float64).reshape(-1).tolist()
 
     def health(self) -> dict[str, str | None]:
-        from pytriton.client import ModelClient
+        from nemo_factuality.serving.client import pytriton_client, quiet_pytriton_timeouts
 
-        from nemo_factuality.serving.client import quiet_pytriton_timeouts
+        ModelClient = pytriton_client().ModelClient
 
         key = f"general_rm:{self.url}/{self.model_name}"
         try:

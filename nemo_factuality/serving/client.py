@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import random
 import time
+import types
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -142,6 +144,24 @@ def _first_line(err: BaseException) -> str:
     return text[:300] or type(err).__name__
 
 
+#: How long gevent keeps an idle thread of its default pool (PyTriton's HTTP client resolves names there), in seconds.
+#: gevent's own default, 5 s, retires them soon after each reward call, and a thread exiting at the instant Megatron-Core
+#: forks its checkpoint writer (every dist-checkpoint save forks) leaves the child deadlocked in CPython's after-fork
+#: cleanup: the writer never starts and its rank waits forever (seen on the aligner backend's final export, two ranks
+#: stuck in one save). 10⁶ s (~12 days): gevent refuses -1 and "inf". A value the user set wins.
+GEVENT_THREAD_IDLE_S = "1000000"
+
+
+def pytriton_client() -> types.ModuleType:
+    """``pytriton.client``: the one place the toolkit imports it, after keeping gevent's pool threads (above). gevent
+    reads the setting when its pool starts, which is a client's first call, so every client the toolkit makes gets it;
+    the processes it spawns inherit it."""
+    os.environ.setdefault("GEVENT_THREADPOOL_IDLE_TASK_TIMEOUT", GEVENT_THREAD_IDLE_S)
+    import pytriton.client
+
+    return pytriton.client
+
+
 @contextlib.contextmanager
 def quiet_pytriton_timeouts() -> Iterator[None]:
     """PyTriton warns on every client whose connect wait is shorter than its request timeout, which is how
@@ -158,7 +178,7 @@ class RemoteFactualityReward:
         self.retry = retry
 
     def _client(self) -> Any:
-        from pytriton.client import ModelClient
+        ModelClient = pytriton_client().ModelClient
 
         return ModelClient(self.url, self.model_name, init_timeout_s=self.init_timeout_s, inference_timeout_s=self.timeout_s)
 
@@ -168,7 +188,7 @@ class RemoteFactualityReward:
         return min(self.init_timeout_s, 5.0)
 
     def health(self) -> dict[str, str | None]:
-        from pytriton.client import ModelClient
+        ModelClient = pytriton_client().ModelClient
 
         try:
             with quiet_pytriton_timeouts(), ModelClient(self.url, self.model_name,

@@ -353,6 +353,16 @@ def _exposure(host: str) -> str:
 TRITON_LOG = logging.getLogger("nemo_factuality.serving.tritonserver")
 _TRITON_LEVELS = {"E": logging.ERROR, "W": logging.WARNING, "I": logging.DEBUG}
 _TRITON_PREFIX = re.compile(r"^([EWI])\d{4} ")  # glog: E0101 12:00:00.000000 123 file.cc:45] message
+#: tritonserver start-up lines logged as errors or warnings that are neither on a machine without a GPU, each at DEBUG:
+_TRITON_BENIGN = (
+    # every start on a machine without a CUDA driver: the server then runs its CPU (python-backend) models, as here
+    '"CudaDriverHelper has not been initialized."',
+    # PyTriton hands tritonserver each model's config in memory, not as a config.pbtxt file whose time it could read
+    '"Failed to set config modification time: model_config_content_name_ is empty"',
+    # (a warning) no CUDA driver, so no pinned host memory pool: only GPU models' transfers would use it
+    '"Unable to allocate pinned system memory, pinned memory pool will not be available: CUDA driver version is '
+    'insufficient for CUDA runtime version"',
+)
 
 
 def route_triton_output_to_logging(triton: Any) -> None:
@@ -362,8 +372,9 @@ def route_triton_output_to_logging(triton: Any) -> None:
     ``TritonServer(verbose=True)``, which ``Triton`` does not expose), so a server started in-process (the lab, the
     tests) printed Triton's log between pytest's dots or the lab's progress, e.g. the Python backend's traceback
     of a failed batch (``proxy/model.py(501): execute``), a character at a time. Here each whole line is logged,
-    errors and warnings as such and the rest at DEBUG; a continuation line (a traceback's) keeps the level of the
-    line it continues. PyTriton still keeps
+    errors and warnings as such and the rest at DEBUG, but for the start-up lines of ``_TRITON_BENIGN`` that every
+    successful CPU start prints as errors; a continuation line (a traceback's) keeps the level of the line it
+    continues. PyTriton still keeps
     the lines for its own crash report. A PyTriton without these hooks is left as it is."""
     initialize = getattr(triton, "_initialize_server", None)
     if initialize is None:
@@ -376,6 +387,8 @@ def route_triton_output_to_logging(triton: Any) -> None:
             match = _TRITON_PREFIX.match(line)
             if match:
                 level[0] = _TRITON_LEVELS[match.group(1)]
+                if level[0] >= logging.WARNING and line.rstrip().endswith(_TRITON_BENIGN):
+                    level[0] = logging.DEBUG
             if line.strip():
                 TRITON_LOG.log(level[0], "%s", line.rstrip())
 

@@ -260,51 +260,61 @@ def _server_class():
             return {"step": np.array([self.step], dtype=np.int64)}
 
         def save(self, extra_candidates=None, is_train_end=False, save_top_only=False):
-            """Every rank writes its shard of ``<checkpoints>/server_step_<n>/state``; rank 0 then records it in
-            ``latest.json`` (information only: a restart resumes from the step the run's committed checkpoint
-            names, ``_latest``) and prunes to the newest ``exp_manager.save_top_k`` and the committed one."""
-            self.model.prepare_for_training()  # Adam states back where the checkpoint reads them
-            name = f"server_step_{self.step:08d}"
-            self.trainer.save_checkpoint(str(self.checkpoints / name / "state.ckpt"))
-            torch.distributed.barrier()
-            if torch.distributed.get_rank() == 0:
-                tmp = self.checkpoints / "latest.json.tmp"
-                tmp.write_text(json.dumps({"dir": name, "server_step": self.step}), encoding="utf-8")
-                os.replace(tmp, self.checkpoints / "latest.json")
-                _prune(self.checkpoints, self.keep)
-            torch.distributed.barrier()
-            self.model.finish_training()
+            save_server_checkpoint(self)
 
         def run_server(self):
             if torch.distributed.get_rank() != 0:
                 return self.run_subscriber_loop()
-            from pytriton.model_config import ModelConfig, Tensor
-            from pytriton.model_config.common import DynamicBatcher
-            from pytriton.triton import Triton, TritonConfig
-
-            from nemo_factuality.serving.server import ensure_python_backend_env
-
-            ensure_python_backend_env()
-            whole = ModelConfig(batching=False, max_batch_size=0, batcher=None)  # train/save/state: no batching
-            batcher = DynamicBatcher(max_queue_delay_microseconds=self.max_queue_delay_microseconds,
-                                     preferred_batch_size=self.preferred_batch_sizes)
-            triton_cfg = TritonConfig(allow_http=True, allow_grpc=False, allow_metrics=False,
-                                      http_address=os.environ.get("CRITIC_BIND_ADDRESS", "0.0.0.0"), http_port=self.port)
-            with Triton(config=triton_cfg) as triton:
-                triton.bind(model_name=MODELS["infer"], infer_func=self.server_infer, inputs=self.infer_inputs,
-                            outputs=self.infer_outputs,
-                            config=ModelConfig(batching=True, max_batch_size=9_999_999, batcher=batcher))
-                triton.bind(model_name=MODELS["train"], infer_func=self.server_train, inputs=self.train_inputs,
-                            outputs=self.train_outputs, config=whole)
-                triton.bind(model_name=MODELS["save"], infer_func=self.server_save, inputs=self.save_inputs,
-                            outputs=self.save_outputs, config=whole)
-                triton.bind(model_name=MODELS["state"], infer_func=self.server_state,
-                            inputs=(Tensor(name="dummy_var", shape=(1,), dtype=np.int64),),
-                            outputs=(Tensor(name="step", shape=(1,), dtype=np.int64),), config=whole)
-                log.info("critic server ready on port %d: %s", self.port, ", ".join(MODELS.values()))
-                triton.serve()
+            return serve_critic_models(self)
 
     return FactualityCriticServer
+
+
+def save_server_checkpoint(server: Any) -> None:
+    """Every rank writes its shard of ``<checkpoints>/server_step_<n>/state``; rank 0 then records it in
+    ``latest.json`` (information only: a restart resumes from the step the run's committed checkpoint names,
+    ``_latest``) and prunes to the newest ``exp_manager.save_top_k`` and the committed one."""
+    server.model.prepare_for_training()  # Adam states back where the checkpoint reads them
+    name = f"server_step_{server.step:08d}"
+    server.trainer.save_checkpoint(str(server.checkpoints / name / "state.ckpt"))
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        tmp = server.checkpoints / "latest.json.tmp"
+        tmp.write_text(json.dumps({"dir": name, "server_step": server.step}), encoding="utf-8")
+        os.replace(tmp, server.checkpoints / "latest.json")
+        _prune(server.checkpoints, server.keep)
+    torch.distributed.barrier()
+    server.model.finish_training()
+
+
+def serve_critic_models(server: Any) -> None:
+    """Rank 0's PyTriton server: ``critic_infer`` dynamically batched, ``critic_train`` / ``critic_save`` /
+    ``critic_state`` one request at a time (the other ranks follow in Aligner's subscriber loop)."""
+    import numpy as np
+    from pytriton.model_config import ModelConfig, Tensor
+    from pytriton.model_config.common import DynamicBatcher
+    from pytriton.triton import Triton, TritonConfig
+
+    from nemo_factuality.serving.server import ensure_python_backend_env
+
+    ensure_python_backend_env()
+    whole = ModelConfig(batching=False, max_batch_size=0, batcher=None)  # train/save/state: no batching
+    batcher = DynamicBatcher(max_queue_delay_microseconds=server.max_queue_delay_microseconds,
+                             preferred_batch_size=server.preferred_batch_sizes)
+    triton_cfg = TritonConfig(allow_http=True, allow_grpc=False, allow_metrics=False,
+                              http_address=os.environ.get("CRITIC_BIND_ADDRESS", "0.0.0.0"), http_port=server.port)
+    with Triton(config=triton_cfg) as triton:
+        triton.bind(model_name=MODELS["infer"], infer_func=server.server_infer, inputs=server.infer_inputs,
+                    outputs=server.infer_outputs, config=ModelConfig(batching=True, max_batch_size=9_999_999, batcher=batcher))
+        triton.bind(model_name=MODELS["train"], infer_func=server.server_train, inputs=server.train_inputs,
+                    outputs=server.train_outputs, config=whole)
+        triton.bind(model_name=MODELS["save"], infer_func=server.server_save, inputs=server.save_inputs,
+                    outputs=server.save_outputs, config=whole)
+        triton.bind(model_name=MODELS["state"], infer_func=server.server_state,
+                    inputs=(Tensor(name="dummy_var", shape=(1,), dtype=np.int64),),
+                    outputs=(Tensor(name="step", shape=(1,), dtype=np.int64),), config=whole)
+        log.info("critic server ready on port %d: %s", server.port, ", ".join(MODELS.values()))
+        triton.serve()
 
 
 def _prune(checkpoints: Path, keep: int) -> None:

@@ -447,13 +447,7 @@ class GRPOTrainer:
         return why
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from nemo_factuality.trainers.cli import run_stage
-
-    return run_stage("grpo", argv)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m nemo_factuality.trainers.grpo`: the command, as `nemo-factuality train grpo`
     from nemo_factuality.trainers.cli import exit_on_user_error
 
     raise SystemExit(exit_on_user_error("grpo"))

@@ -501,13 +501,7 @@ def _as_rollout(data: Mapping[str, torch.Tensor]) -> Rollout:
                    torch.ones(data["tokens"].shape[0], dtype=torch.bool))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from nemo_factuality.trainers.cli import run_stage
-
-    return run_stage("kto", argv)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m nemo_factuality.trainers.kto`: the command, as `nemo-factuality train kto`
     from nemo_factuality.trainers.cli import exit_on_user_error
 
     raise SystemExit(exit_on_user_error("kto"))

@@ -206,13 +206,7 @@ def _accumulate(totals: dict[str, float], result: Mapping[str, float], n_micro: 
         totals[k] = totals.get(k, 0.0) + v * (n_micro if k.startswith("loss/") else 1)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from nemo_factuality.trainers.cli import run_stage
-
-    return run_stage("ppo", argv)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m nemo_factuality.trainers.ppo`: the command, as `nemo-factuality train ppo`
     from nemo_factuality.trainers.cli import exit_on_user_error
 
     raise SystemExit(exit_on_user_error("ppo"))

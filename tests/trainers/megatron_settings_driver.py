@@ -295,7 +295,7 @@ def check_transformer_engine(args) -> dict:
     from megatron.bridge.models.gpt_provider import transformer_engine_layer_spec
 
     bridge = megatron_build.import_auto_bridge().from_hf_pretrained(args.hf, torch_dtype=torch.float32)
-    layout = megatron_build.Layout(args.tp, args.pp, 1)
+    layout = megatron_build.ParallelLayout(args.tp, args.pp, 1)
     chosen = {}
     available = megatron_build.transformer_engine_available
     try:

@@ -74,7 +74,7 @@ def test_generation_at_16_and_at_the_largest_batch_then_grpo_steps_with_the_spli
 def test_on_a_gpu_the_kit_runs_bf16_as_the_peer_does_and_float32_on_cpu(tmp_path):
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     try:
-        from gpu_smoke import shape
+        from gpu_smoke_common import shape
         from gpu_smoke_megatron import config_with_dtype
     finally:
         sys.path.remove(str(REPO_ROOT / "tools"))

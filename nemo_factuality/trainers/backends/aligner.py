@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -40,11 +40,17 @@ import torch
 from nemo_factuality.config import dotlist as _dotlist
 from nemo_factuality.config import merge_tree as _merge
 from nemo_factuality.trainers import reference as ref_record
+from nemo_factuality.trainers.backends.aligner_optimizer import (
+    offload_optimizer_states,
+    onload_optimizer_states,
+    restore_training_state,
+    shardable_adam_steps,
+)
 from nemo_factuality.trainers.backends.collectives import (
     ProcessGroupDataParallel,
     collective_device,
     group_timeout,
-    on_group_source,
+    on_megatron_model_parallel_source,
 )
 from nemo_factuality.trainers.config import TrainerConfig
 from nemo_factuality.trainers.interfaces import (
@@ -177,6 +183,34 @@ def model_overrides(model_cfg: Mapping[str, Any], runtime: AlignerRuntime, trt_l
     return _merge(out, runtime.model_overrides)
 
 
+def stage_forward_step(loss_fn: LossFn, need_entropy: bool, scale: float) -> Callable:
+    """Megatron's ``forward_step_func`` for the stage's loss: the micro batch's vocab-parallel logits → the response's
+    log-probs ``[b, S-1]`` (and entropy when the loss needs it) → ``loss_fn``; the loss scaled by ``scale`` (micro
+    batches × DP: Megatron averages over both, the stage's loss is already a share of the step's)."""
+    from nemo_aligner.utils.distributed import from_parallel_logits_to_logprobs
+
+    def fwd_output_and_loss_func(data_iterator, model):
+        batch = next(data_iterator)
+        batch = {k: v.to(torch.cuda.current_device()) if torch.is_tensor(v) else v for k, v in batch.items()}
+        parallel_logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=None)
+
+        def loss_func(parallel_logits):
+            # [b, S-1] for the stage's S: columns added for sequence parallelism are dropped
+            width = batch["mask"].shape[1] if "mask" in batch else batch["tokens"].shape[1] - 1
+            out = {"logprobs": from_parallel_logits_to_logprobs(vocab_parallel_logits=parallel_logits,
+                                                                target=batch["tokens"], higher_stability=True)[:, :width]}
+            if need_entropy:
+                out["entropy"] = _token_entropy(parallel_logits)[:, :width]
+            loss, metrics = loss_fn(out, batch)
+            reported = {k: torch.as_tensor(float(v)) for k, v in metrics.items()}
+            reported["loss"] = loss.detach().float()  # this micro batch's share of the step's loss
+            return loss * scale, reported
+
+        return parallel_logits, loss_func
+
+    return fwd_output_and_loss_func
+
+
 @functools.lru_cache(maxsize=1)
 def _stage_actor_class():
     """``MegatronGPTReinforceActorModel`` with the stage's loss in Aligner's forward/backward path."""
@@ -184,7 +218,6 @@ def _stage_actor_class():
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     from nemo_aligner.models.nlp.gpt.megatron_gpt_reinforce_actor import MegatronGPTReinforceActorModel
-    from nemo_aligner.utils.distributed import from_parallel_logits_to_logprobs
     from nemo_aligner.utils.train_utils import set_sync_funcs
 
     class StageReinforceActor(MegatronGPTReinforceActorModel):
@@ -205,29 +238,8 @@ def _stage_actor_class():
                 self.trtllm_stale = False
 
         def get_actor_forward_output_and_loss_func(self):
-            loss_fn, need_entropy = self.stage_loss_fn, self.stage_need_entropy
             scale = get_num_microbatches() * mpu.get_data_parallel_world_size()
-
-            def fwd_output_and_loss_func(data_iterator, model):
-                batch = next(data_iterator)
-                batch = {k: v.to(torch.cuda.current_device()) if torch.is_tensor(v) else v for k, v in batch.items()}
-                parallel_logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=None)
-
-                def loss_func(parallel_logits):
-                    # [b, S-1] for the stage's S: columns added for sequence parallelism are dropped
-                    width = batch["mask"].shape[1] if "mask" in batch else batch["tokens"].shape[1] - 1
-                    out = {"logprobs": from_parallel_logits_to_logprobs(vocab_parallel_logits=parallel_logits,
-                                                                        target=batch["tokens"], higher_stability=True)[:, :width]}
-                    if need_entropy:
-                        out["entropy"] = _token_entropy(parallel_logits)[:, :width]
-                    loss, metrics = loss_fn(out, batch)
-                    reported = {k: torch.as_tensor(float(v)) for k, v in metrics.items()}
-                    reported["loss"] = loss.detach().float()  # this micro batch's share of the step's loss
-                    return loss * scale, reported
-
-                return parallel_logits, loss_func
-
-            return fwd_output_and_loss_func
+            return stage_forward_step(self.stage_loss_fn, self.stage_need_entropy, scale)
 
         def offload_adam_states(self):
             # Aligner 0.7.0 offloads only Apex's distributed Adam (its bucket layout); Megatron-Core's distributed
@@ -278,46 +290,6 @@ def _stage_actor_class():
             return _step_metrics(reduced)
 
     return StageReinforceActor
-
-
-@dataclass
-class OffloadedTensors:
-    """Host copies of an optimizer's device tensors, and where each goes back (``onload_optimizer_states``)."""
-
-    states: list[tuple[dict, str, torch.device, torch.Tensor]] = field(default_factory=list)  # (state, key, device, host)
-    params: list[tuple[torch.nn.Parameter, torch.device, torch.Tensor]] = field(default_factory=list)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    host = t.detach().to("cpu", copy=True)  # a copy even on CPU: the device storage is released either way
-    return host.pin_memory() if t.is_cuda else host
-
-
-def offload_optimizer_states(optimizer: Any) -> OffloadedTensors:
-    """Move Megatron-Core's distributed optimizer's Adam moments and fp32 main-parameter shards to host memory
-    (around generation, where they are not needed); ``onload_optimizer_states`` brings them back bit-exactly.
-
-    Only main parameters that are separate fp32 copies of bf16/fp16 weights move: the shards of fp32 weights
-    are views of the weights generation uses."""
-    out = OffloadedTensors()
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for group in opt.shard_fp32_from_float16_groups:
-            for param in group:
-                out.params.append((param, param.device, _to_host(param.data)))
-                param.data = out.params[-1][2]
-        for state in opt.optimizer.state.values():
-            for key, value in state.items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    out.states.append((state, key, value.device, _to_host(value)))
-                    state[key] = out.states[-1][3]
-    return out
-
-
-def onload_optimizer_states(offloaded: OffloadedTensors) -> None:
-    for param, device, host in offloaded.params:
-        param.data = host.to(device, copy=True)
-    for state, key, device, host in offloaded.states:
-        state[key] = host.to(device, copy=True)
 
 
 def _step_metrics(reduced: list[dict[str, torch.Tensor]]) -> tuple[float, dict[str, float]]:
@@ -404,7 +376,7 @@ class AlignerActor(ProcessGroupDataParallel):
     def on_model_parallel_source(self, fn: Any) -> Any:
         """``fn()`` once per model replica (its model-parallel source rank), the result broadcast to the replica's
         other ranks: the stages score a rollout, which every rank of a replica holds, through this."""
-        return on_model_parallel_source(fn)
+        return on_megatron_model_parallel_source(fn)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -794,65 +766,3 @@ def load_preset(name: str, method: str) -> tuple[list[str], dict[str, Any]]:
     runtime.update(num_nodes=preset["nodes"], devices=preset["gpus_per_node"],
                    model_overrides=preset["common"].get("aligner", {}))
     return _dotlist(stage), runtime
-
-
-def on_model_parallel_source(fn: Any) -> Any:
-    """``fn()`` on the model-parallel group's source rank, its result (or its exception, raised on every rank, so
-    no rank waits forever for a broadcast) broadcast to the group's other ranks; ``fn()`` without a group."""
-    if not torch.distributed.is_initialized():
-        return fn()
-    from megatron.core import parallel_state as mpu
-
-    return on_group_source(fn, mpu.get_model_parallel_group())
-
-
-def restore_training_state(trainer: Any, scheduler: Any, state_dir: Path) -> None:
-    """Weights, optimiser and LR schedule from a NeMo distributed checkpoint, through the trainer's checkpoint
-    connector as Aligner's ``init_using_ptl`` resumes (called after ``shardable_adam_steps``, whose hooks the
-    optimiser's load needs)."""
-    connector = trainer._checkpoint_connector
-    connector.resume_start(str(state_dir))
-    connector.restore_model()
-    connector.restore_training_state()
-    connector.resume_end()
-    if scheduler.last_epoch > 0:  # as init_using_ptl: re-apply the restored LR to the optimiser
-        scheduler.step(scheduler.last_epoch)
-
-
-def shardable_adam_steps(optimizer: Any) -> None:
-    """Let torch's Adam/AdamW state go into NeMo 2.2's sharded checkpoint.
-
-    NeMo shards every per-parameter state tensor like its parameter; Adam's per-parameter ``step`` is a 0-dim
-    tensor, which Megatron's checkpointing rejects. Megatron's own optimizers keep the step in the parameter
-    group instead; these two hooks (torch's public optimizer hooks, nothing patched) do the same for a plain
-    torch Adam: ``state_dict()`` moves each group's step into the group (common, unsharded state) and
-    ``load_state_dict`` puts it back on every parameter. Other optimizers are left alone."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return
-    optimizer.register_state_dict_post_hook(_steps_into_param_groups)
-    optimizer.register_load_state_dict_pre_hook(_steps_from_param_groups)
-
-
-def _steps_into_param_groups(_optimizer: Any, state_dict: dict) -> dict:
-    state = {pid: dict(s) for pid, s in state_dict["state"].items()}  # copies: the inner dicts are the live state
-    groups = [dict(g) for g in state_dict["param_groups"]]
-    for group in groups:
-        steps = {float(state[p].pop("step")) for p in group["params"] if "step" in state.get(p, {})}
-        if len(steps) > 1:  # every parameter of a group steps together unless someone stepped a subset
-            raise ValueError(f"parameters of one optimizer group are at different Adam steps {sorted(steps)}")
-        if steps:
-            group["step"] = steps.pop()
-    return {**state_dict, "state": state, "param_groups": groups}
-
-
-def _steps_from_param_groups(_optimizer: Any, state_dict: dict) -> dict:
-    state = {pid: dict(s) for pid, s in state_dict["state"].items()}
-    groups = [dict(g) for g in state_dict["param_groups"]]
-    for group in groups:
-        if "step" not in group:
-            continue
-        step = float(group.pop("step"))
-        for p in group["params"]:
-            if p in state:
-                state[p]["step"] = torch.tensor(step, dtype=torch.float32)
-    return {**state_dict, "state": state, "param_groups": groups}

@@ -33,15 +33,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from nemo_factuality.trainers.backends.aligner import on_model_parallel_source
-from nemo_factuality.trainers.backends.collectives import relay_kind, relayed_result
+from nemo_factuality.trainers.backends.collectives import on_group_source, on_megatron_model_parallel_source
 from nemo_factuality.trainers.interfaces import LossFn, Rollout
 from nemo_factuality.types import ServerUnavailableError
 
@@ -104,9 +103,9 @@ class RemoteCritic:
     # ---- requests ------------------------------------------------------------------------------
     def _send(self, model: str, inputs: Mapping[str, np.ndarray], batched: bool,
               timeout_s: float | None = None) -> dict[str, np.ndarray]:
-        from pytriton.client import ModelClient
+        from nemo_factuality.serving.client import pytriton_client, quiet_pytriton_timeouts
 
-        from nemo_factuality.serving.client import quiet_pytriton_timeouts
+        ModelClient = pytriton_client().ModelClient
 
         init_s, infer_s = (self.init_timeout_s, self.timeout_s) if timeout_s is None else (timeout_s, timeout_s)
         with quiet_pytriton_timeouts(), ModelClient(self.url, model, init_timeout_s=init_s,
@@ -166,7 +165,7 @@ class RemoteCritic:
         width = tokens.shape[1]
         inputs = {"tokens": tokens.numpy().astype(np.int64),
                   "sequence_lengths": rollout.response_lengths.long().unsqueeze(1).numpy().astype(np.int64)}
-        out = on_model_parallel_source(lambda: self._request(INFER, inputs, batched=True)["values"])
+        out = on_megatron_model_parallel_source(lambda: self._request(INFER, inputs, batched=True)["values"])
         values = torch.from_numpy(np.array(out, dtype=np.float32))  # a copy: the response buffer is read-only
         assert values.shape[0] == tokens.shape[0] and values.shape[1] >= width - 1, (values.shape, tokens.shape)
         return values[:, : width - 1].contiguous()
@@ -183,8 +182,8 @@ class RemoteCritic:
         # the update's id: the server step it applies to. A resend after a timeout carries the same id, and a server
         # whose first request was only slow answers it from that update instead of applying a second one
         request_id = np.array([self.expected_step], dtype=np.int64)
-        loss = _on_rank0(lambda: float(self._request(TRAIN, {**_pad_and_concat(gathered), "request_id": request_id},
-                                                     batched=False)["loss_mean"].reshape(-1)[0]))
+        loss = on_group_source(lambda: float(self._request(TRAIN, {**_pad_and_concat(gathered), "request_id": request_id},
+                                                     batched=False)["loss_mean"].reshape(-1)[0]), None)
         self.expected_step = None if self.expected_step is None else self.expected_step + 1  # every rank counts it
         # the stages sum ``loss/*`` back over micro batches and data-parallel ranks (each backend reports its mean share)
         shares = max(1, -(-int(batch["tokens"].shape[0]) // micro_batch_size)) * _data_parallel_size()
@@ -192,7 +191,7 @@ class RemoteCritic:
 
     def server_step(self) -> int:
         """The server's optimiser step (asked on rank 0, the same on every rank); this run expects it from now on."""
-        self.expected_step = int(_on_rank0(lambda: _step_of(self._request(STATE, _NO_INPUT, batched=False))))
+        self.expected_step = int(on_group_source(lambda: _step_of(self._request(STATE, _NO_INPUT, batched=False)), None))
         return self.expected_step
 
     def _know_step(self) -> None:
@@ -219,7 +218,7 @@ class RemoteCritic:
             self._request(SAVE, _NO_INPUT, batched=False)
             return _step_of(self._request(STATE, _NO_INPUT, batched=False))
 
-        saved = _on_rank0(save_if_answering)
+        saved = on_group_source(save_if_answering, None)  # on global rank 0, relayed to every rank
         if saved is not None:
             self.expected_step = self.committed_step = saved
         if _rank() == 0:
@@ -262,25 +261,6 @@ def _data_parallel_size() -> int:
     from megatron.core import parallel_state as mpu
 
     return mpu.get_data_parallel_world_size()
-
-
-def _on_rank0(fn: Callable[[], Any]) -> Any:
-    """``fn()`` on global rank 0, its result — or its error, re-raised on every rank (so no rank waits in the
-    broadcast while rank 0 checkpoints or stops) — on every rank."""
-    if not torch.distributed.is_initialized():
-        return fn()
-    box: list[Any] = [None]
-    error: Exception | None = None
-    if _rank() == 0:
-        try:
-            box = [("ok", fn())]
-        except Exception as err:
-            error, box = err, [(relay_kind(err), f"{type(err).__name__}: {err}")]
-    torch.distributed.broadcast_object_list(box, src=0)
-    if error is not None:
-        raise error
-    return relayed_result(*box[0], 0)
-
 
 
 def _gather_to_rank0(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]] | None:

@@ -72,7 +72,10 @@ def _bounded_client_classes():
     import torch
     from nemo_aligner.models.nlp.gpt.reward_critic_clients import RemoteGPTRMClient, RMFutureResult
     from nemo_aligner.servers.http_communicator import HTTPCommunicator
-    from pytriton.client import FuturesModelClient
+
+    from nemo_factuality.serving.client import pytriton_client
+
+    FuturesModelClient = pytriton_client().FuturesModelClient  # before Aligner's communicator makes its clients
 
     class BoundedHTTPCommunicator(HTTPCommunicator):
         def __init__(self, init_timeout_s: float, inference_timeout_s: float) -> None:
@@ -142,8 +145,9 @@ def _bounded_client_classes():
         def _send_again(self, rollout_batch):
             """The same payload as ``infer_rm`` on a fresh synchronous client (the futures client's worker may hold
             the dropped connection)."""
-            from pytriton.client import ModelClient
+            from nemo_factuality.serving.client import pytriton_client
 
+            ModelClient = pytriton_client().ModelClient
             tokens = rollout_batch["response_tokens"].cpu()
             if self.pad_to_length is not None:
                 tokens = torch.nn.functional.pad(tokens, (0, self.pad_to_length - tokens.size(-1)), value=0)

@@ -96,10 +96,13 @@ def any_rank(flag: bool) -> bool:
 
 
 def on_group_source(fn: Callable[[], Any], group: Any) -> Any:
-    """``fn()`` on ``group``'s first rank, its result — or its error, raised on every rank of the group, so no rank
-    waits forever in the broadcast — on the group's other ranks; ``fn()`` alone without a group of several."""
+    """``fn()`` on ``group``'s first rank (``None``: the default group, whose first rank is global rank 0), its result —
+    or its error, raised on every rank of the group, so no rank waits forever in the broadcast — on the group's other
+    ranks; ``fn()`` alone without a group of several. The one source-rank relay: every backend's ``on_..._source``
+    is this over its group."""
     if not torch.distributed.is_initialized():
         return fn()
+    group = torch.distributed.group.WORLD if group is None else group
     ranks = torch.distributed.get_process_group_ranks(group)
     if len(ranks) == 1:
         return fn()
@@ -116,6 +119,16 @@ def on_group_source(fn: Callable[[], Any], group: Any) -> Any:
     if error is not None:
         raise error
     return relayed_result(status, value, ranks[0])
+
+
+def on_megatron_model_parallel_source(fn: Callable[[], Any]) -> Any:
+    """``on_group_source`` over Megatron-Core's model-parallel group (TP × PP of one replica), as ``parallel_state``
+    holds it for the NeMo-Aligner actor and its critic client; ``fn()`` without ``torch.distributed``."""
+    if not torch.distributed.is_initialized():
+        return fn()
+    from megatron.core import parallel_state as mpu
+
+    return on_group_source(fn, mpu.get_model_parallel_group())
 
 
 class ProcessGroupDataParallel:

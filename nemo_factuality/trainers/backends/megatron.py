@@ -154,7 +154,7 @@ class MegatronActor(MegatronModel):
         from megatron.core import tensor_parallel
 
         d = self.distribution
-        if self.layout.tensor > 1 and not need_entropy and not d.truncation():
+        if self.layout.tp > 1 and not need_entropy and not d.truncation():
             scaled = logits[:, :-1].float() / d.temperature
             return {"logprobs": -tensor_parallel.vocab_parallel_cross_entropy(scaled, tokens[:, 1:])}
         full = tensor_parallel.gather_from_tensor_model_parallel_region(logits)

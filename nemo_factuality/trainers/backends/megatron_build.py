@@ -44,13 +44,15 @@ import torch
 
 from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.backends.hf import lr_factor
+from nemo_factuality.trainers.backends.memory import ParallelLayout
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 
 _BRIDGE_HINT = ("megatron-bridge 0.3.1 imports transformer_engine.pytorch unconditionally (megatron/bridge/peft/"
-                "lora_layers.py): install Transformer Engine (the NGC PyTorch container has it), or, in tests, call "
-                "nemo_factuality.testing.megatron_cpu.apply() first")
+                "lora_layers.py): install Transformer Engine (the NGC PyTorch container has it; docs/cluster/megatron.md); "
+                "on a machine without a GPU, `bash tools/gpu_smoke.sh --cpu --backend megatron --skip-trl` runs this "
+                "backend on CPU")
 
 
 def import_auto_bridge() -> Any:
@@ -88,16 +90,7 @@ class Settings:
         return torch.bfloat16 if self.bf16 else torch.float32
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The job's parallel layout: tensor × pipeline model parallelism, the rest data parallelism."""
-
-    tensor: int
-    pipeline: int
-    data: int
-
-
-def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, timeout_s: float) -> Layout:
+def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, timeout_s: float) -> ParallelLayout:
     """torch.distributed (gloo on CPU, NCCL on GPU; one process: a single-rank group) and Megatron-Core's groups, each
     timing out after ``timeout_s`` (``trainer.distributed_timeout_s``; Megatron counts whole minutes, rounded up);
     Megatron's model-parallel RNG seeded. A second actor in the same process must ask for the same layout."""
@@ -105,8 +98,11 @@ def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, time
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if not torch.distributed.is_initialized():
-        from nemo_factuality.trainers.backends.collectives import (adopt_slurm_ranks, group_timeout,
-                                                                    init_from_environment)
+        from nemo_factuality.trainers.backends.collectives import (
+            adopt_slurm_ranks,
+            group_timeout,
+            init_from_environment,
+        )
 
         adopt_slurm_ranks()  # one srun task per GPU (the launcher's megatron jobs) as well as torchrun
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -128,7 +124,7 @@ def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, time
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
                                                  distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
         model_parallel_cuda_manual_seed(seed)
-    return Layout(tensor, pipeline, parallel_state.get_data_parallel_world_size())
+    return ParallelLayout(tensor, pipeline, parallel_state.get_data_parallel_world_size())
 
 
 def contiguous_tensor_parallel_scatter() -> None:
@@ -243,11 +239,11 @@ def local_block_spec(config: Any, vp_stage: int | None = None) -> Any:
 _RECOMPUTE = {"none": (None, None, None), "full": ("full", "uniform", 1), "selective": ("selective", None, None)}
 
 
-def configure_provider(provider: Any, layout: Layout, settings: Settings) -> Any:
+def configure_provider(provider: Any, layout: ParallelLayout, settings: Settings) -> Any:
     """Bridge's ``GPTModelProvider`` at ``layout`` with ``settings`` and this backend's loss accounting: the TE layer
     spec, or Megatron-Core's local one (``local_block_spec``) with the fusions that need Apex/TE/CUDA kernels off."""
-    provider.tensor_model_parallel_size = layout.tensor
-    provider.pipeline_model_parallel_size = layout.pipeline
+    provider.tensor_model_parallel_size = layout.tp
+    provider.pipeline_model_parallel_size = layout.pp
     provider.sequence_parallel = settings.sequence_parallel
     provider.params_dtype = provider.autocast_dtype = provider.pipeline_dtype = settings.dtype
     provider.bf16, provider.fp16 = settings.bf16, False
@@ -275,9 +271,9 @@ def configure_provider(provider: Any, layout: Layout, settings: Settings) -> Any
                        "bias_dropout_fusion", "apply_rope_fusion", "persist_layer_norm"):
             setattr(provider, fusion, False)
     provider.finalize()
-    if provider.vocab_size % layout.tensor:
+    if provider.vocab_size % layout.tp:
         raise ConfigError(f"the checkpoint's vocabulary ({provider.vocab_size}) does not split over "
-                          f"model.tensor_model_parallel_size={layout.tensor}")
+                          f"model.tensor_model_parallel_size={layout.tp}")
     return provider
 
 
@@ -317,7 +313,7 @@ def check_rope(provider: Any, path: str) -> None:
                                    f"checkpoint's config.json says {want:g}")
 
 
-def build_model(path: str, layout: Layout, settings: Settings, *, on_gpu: bool,
+def build_model(path: str, layout: ParallelLayout, settings: Settings, *, on_gpu: bool,
                 after_load: Callable[[list[Any]], list[Any]] | None = None) -> tuple[Any, list[Any]]:
     """(the ``AutoBridge`` of ``path``, this rank's model chunks — Megatron's DDP around, with bf16, its
     ``Float16Module`` around the ``GPTModel`` — with the HF weights). ``after_load(chunks)`` changes the unwrapped

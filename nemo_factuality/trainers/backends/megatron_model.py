@@ -25,6 +25,7 @@ import torch
 
 from nemo_factuality.trainers.backends import megatron_build as build
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device
+from nemo_factuality.trainers.backends.memory import ParallelLayout
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, check_train_batch, trim_to_longest
 from nemo_factuality.types import FactualityInputError
 
@@ -40,7 +41,7 @@ class MegatronModel(ProcessGroupDataParallel):
     """One trained Megatron-Core model per rank (the actor's policy, the critic's value model). A subclass builds
     ``layout``, ``settings``, ``chunks`` and ``model``, then calls ``_setup_training``."""
 
-    layout: build.Layout
+    layout: ParallelLayout
     settings: build.Settings  # model.dtype and model.megatron.*, as they reach Megatron's configs
     chunks: list[Any]  # this rank's model chunks in Megatron's DDP (one pipeline stage; no virtual pipelining)
     model: Any  # the GPTModel inside chunks[0]
@@ -75,7 +76,7 @@ class MegatronModel(ProcessGroupDataParallel):
         """``tensor`` as the last pipeline stage holds it, on every stage of this replica."""
         from megatron.core import parallel_state
 
-        if self.layout.pipeline == 1:
+        if self.layout.pp == 1:
             return tensor
         moved = tensor.to(collective_device())
         torch.distributed.broadcast(moved, src=parallel_state.get_pipeline_model_parallel_last_rank(),
@@ -92,7 +93,7 @@ class MegatronModel(ProcessGroupDataParallel):
         batch, width = micro_batches[0]["tokens"].shape
         # sequence parallelism splits the sequence over TP: the model sees it right-padded to a multiple of TP (causal
         # attention: the padding changes no earlier position), the losses see the outputs of the real positions
-        multiple = self.layout.tensor if self.settings.sequence_parallel else 1
+        multiple = self.layout.tp if self.settings.sequence_parallel else 1
         padded = -(-width // multiple) * multiple
         device = self._device()
         positions = torch.arange(padded, device=device).unsqueeze(0).expand(batch, padded)

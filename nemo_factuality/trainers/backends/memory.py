@@ -55,10 +55,19 @@ class Arch:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
+    """A job's parallel layout: tensor × pipeline model parallelism, the rest data parallelism (the one layout type:
+    the megatron backend builds its process groups to one, the memory tables below extend it)."""
+
     tp: int
     pp: int
     dp: int
+
+
+@dataclass(frozen=True)
+class Layout(ParallelLayout):
+    """A preset's layout as the memory arithmetic needs it: the parallel sizes and the batch shapes and settings."""
+
     micro_batch: int  # sequences per training micro batch
     seq_len: int  # prompt + response tokens in training
     rollout_micro_batch: int = 0  # sequences generated together (the aligner backend's own generation)
