@@ -38,7 +38,8 @@ def policy(tmp_path_factory):
 def drive(venv: Path, nemo: Path, out: Path, *, nproc: int = 1, timeout: float = 240, **args) -> list[dict]:
     """Run the driver; returns every rank's JSON, ordered by rank."""
     flags = [f"--{k}={v}" for k, v in args.items()]
-    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=timeout)
+    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=timeout,
+                              preload=True)
     assert res.returncode == 0, res.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

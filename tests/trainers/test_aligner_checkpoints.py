@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 def _drive(venv: Path, nemo: Path, out: Path, *, nproc: int, **args) -> list[dict]:
     flags = [f"--{k}={v}" for k, v in args.items()]
-    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=400)
+    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=400,
+                              preload=True)
     assert res.returncode == 0, res.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

@@ -158,7 +158,8 @@ def layout_run(request, served):
     t0 = time.monotonic()
     flags = [f"--{k}={v}" for k, v in layout.items()]
     res = run_in_aligner_venv(served["venv"], [DRIVER, f"--nemo={served['nemo']}", f"--out={out}", "--scenario=methods",
-                                               f"--plan={out / 'plan.json'}", *flags], nproc=2, timeout=600)
+                                               f"--plan={out / 'plan.json'}", *flags], nproc=2, timeout=600,
+                              preload=True)
     assert res.returncode == 0, res.stdout[-8000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     served_now = {m: tuple(now - then for now, then in zip(_served_counts(s), before[m], strict=True))

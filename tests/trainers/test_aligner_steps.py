@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 def drive(venv: Path, nemo: Path, out: Path, *, nproc: int = 1, timeout: float = 300, **args) -> list[dict]:
     flags = [f"--{k}={v}" for k, v in args.items()]
-    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=timeout)
+    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=timeout,
+                              preload=True)
     assert res.returncode == 0, res.stdout[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
