@@ -20,7 +20,7 @@ from nemo_factuality.config import REPO_ROOT
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
 ENV.pop("NEMO_FACTUALITY_DEBUG", None)
 FILES = ["bad.yaml", "empty.jsonl", "existing.txt", "hf_corrupt", "kb.sqlite", "kb.sqlite.bm25", "labelled.jsonl",
-         "no_documents.db", "not_sqlite.db", "unclosed.jsonl", "unlabelled.jsonl"]
+         "no_documents.db", "not_sqlite.db", "unclosed.jsonl", "unlabelled.jsonl", "wrong_fields.jsonl"]
 # a record whose closing brace is missing: Python's parser places the error at the end of the line, not column 1
 UNCLOSED = json.dumps({"id": 1, "prompt": "Tell me about Ada Varga.", "response": "Ada Varga was born in 1917."})[:-1]
 
@@ -54,6 +54,7 @@ def work(tmp_path_factory):
     (root / "hf_corrupt").mkdir()
     (root / "hf_corrupt" / "config.json").write_text('{"model_type": "qwen2", "hidden_size": ')
     (root / "unclosed.jsonl").write_text(UNCLOSED + "\n")
+    (root / "wrong_fields.jsonl").write_text(json.dumps({"id": 1, "question": "q"}) + "\n")
     (root / "not_sqlite.db").write_text("title,text\nAda,born 1917\n")
     with sqlite3.connect(root / "no_documents.db") as db:  # SQLite, but not FActScore's documents(title, text)
         db.execute("CREATE TABLE passages (title TEXT, text TEXT)")
@@ -104,6 +105,10 @@ CASES = {  # name: (argv, a phrase the one line must contain)
     "launch_malformed_override": (["launch", "cpu_standin", "--dry-run", "actor_nodes=[1,"], "override 'actor_nodes=[1,'"),
     "train_malformed_config_file": (["train", "grpo", "--config-name", "bad.yaml"], "config bad.yaml is not valid YAML"),
     # counts that would run nothing are config errors, not an untrained final/
+    # issue 43 item 9: every missing field named at once, with the fields the record has
+    "train_record_missing_fields": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "data.format=klcf",
+                                     "data.train=wrong_fields.jsonl", "model.path=hf_corrupt"],
+                                    "wrong_fields.jsonl:1: missing fields 'prompt', 'checklist' (the record has: 'id', 'question')"),
     "train_max_steps_zero": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "trainer.max_steps=0"],
                              "trainer.max_steps must be >= 1, got 0"),
     "train_max_steps_negative": (["train", "ppo", "--config-name", "tiny_cpu_rlfh", "trainer.max_steps=-1"],

@@ -82,7 +82,19 @@ def _needs_checking(raw: dict[str, Any]) -> bool:
 
 
 def _check_pipeline_fields(where: str, raw: dict[str, Any], cfg: EvalConfig) -> None:
-    """The fields the pipeline reads from an unlabelled record: topic a string or null, materials a list of strings or null."""
+    """The fields the pipeline reads from an unlabelled record: topic a string or null, materials a list of strings or
+    null, a response the segmenter takes (its ``max_chars``: refused here, naming the record, rather than by the
+    segmenter in the middle of fact-checking)."""
+    from nemo_factuality.text.segment import MAX_RESPONSE_CHARS
+
+    segmenter = cfg.pipeline.get("segmenter") or {}
+    limit = int(segmenter.get("max_chars", MAX_RESPONSE_CHARS)) if segmenter.get("name", "regex") == "regex" else None
+    response = raw.get("response")
+    if limit is not None and isinstance(response, str) and len(response) > limit:
+        record = f" (id {raw['id']!r})" if "id" in raw else ""
+        raise FactualityInputError(f"{where}{record}: response has {len(response)} characters, more than "
+                                   f"pipeline.segmenter.max_chars={limit}; shorten or drop that record, or raise the "
+                                   f"limit (pipeline.segmenter.max_chars={len(response)})")
     topic, materials = raw.get(cfg.topic_field), raw.get(cfg.materials_field)
     if topic is not None and not isinstance(topic, str):
         raise FactualityInputError(f"{where}: field {cfg.topic_field!r} must be a string or null, got {type(topic).__name__}")

@@ -128,6 +128,10 @@ def _append_trimmed(text: str, start: int, end: int, out: list[Span]) -> None:
         out.append(Span(start + left, start + right))
 
 
+#: The regex segmenter's default ``max_chars``: a response longer than this is refused (``segmenter.max_chars`` raises it).
+MAX_RESPONSE_CHARS = 200_000
+
+
 @SEGMENTERS.register("regex")
 class RegexSegmenter:
     """Rule-based sentence splitter (no model download), section-aware.
@@ -137,7 +141,7 @@ class RegexSegmenter:
             pathological inputs; raise it in config for very long documents).
     """
 
-    def __init__(self, max_chars: int = 200_000) -> None:
+    def __init__(self, max_chars: int = MAX_RESPONSE_CHARS) -> None:
         self.max_chars = max_chars
 
     def split(self, response: str) -> list[Sentence]:

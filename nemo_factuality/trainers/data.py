@@ -62,12 +62,25 @@ LOADERS: Registry[Callable[[Path], list[PromptRecord]]] = Registry("data format"
 
 
 def _require(obj: dict, key: str, where: str, kind: type | tuple[type, ...] = str) -> Any:
-    if key not in obj or obj[key] is None:
-        raise FactualityInputError(f"{where}: missing field {key!r}")
-    if not isinstance(obj[key], kind):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise FactualityInputError(f"{where}: field {key!r} must be {names}, got {type(obj[key]).__name__}")
-    return obj[key]
+    return _require_all(obj, {key: kind}, where)[0]
+
+
+def _require_all(obj: dict, fields: dict[str, type | tuple[type, ...]], where: str) -> list[Any]:
+    """The values of ``fields`` (name → type) in order; a record missing some, or holding a wrong type, is one error
+    naming every such field at once and the fields the record has (at most ten), so one fix mends the record."""
+    missing = [k for k in fields if obj.get(k) is None]
+    wrong = [f"{k!r} must be {_type_names(kind)}, got {type(obj[k]).__name__}" for k, kind in fields.items()
+             if k not in missing and not isinstance(obj[k], kind)]
+    if missing or wrong:
+        parts = [f"missing field{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))}"] if missing else []
+        parts += [f"field {w}" for w in wrong]
+        has = ", ".join(map(repr, list(obj)[:10])) + (", …" if len(obj) > 10 else "") if obj else "none"
+        raise FactualityInputError(f"{where}: {'; '.join(parts)} (the record has: {has})")
+    return [obj[k] for k in fields]
+
+
+def _type_names(kind: type | tuple[type, ...]) -> str:
+    return kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
 
 
 @LOADERS.register("jsonl")
@@ -84,8 +97,7 @@ def load_jsonl(path: Path) -> list[PromptRecord]:
 def load_klcf(path: Path) -> list[PromptRecord]:
     out = []
     for where, obj in iter_jsonl(path):
-        prompt = _require(obj, "prompt", where)
-        checklist = _require(obj, "checklist", where, list)
+        prompt, checklist = _require_all(obj, {"prompt": str, "checklist": list}, where)
         if not all(isinstance(c, str) for c in checklist):
             raise FactualityInputError(f"{where}: every checklist item must be a string")
         out.append(PromptRecord(prompt, [{"role": "user", "content": prompt}], columns={"checklist": checklist}, where=where))
@@ -96,8 +108,8 @@ def load_klcf(path: Path) -> list[PromptRecord]:
 def load_rlfh(path: Path) -> list[PromptRecord]:
     out = []
     for where, obj in iter_jsonl(path):
-        question = _require(obj, "question", where)
-        materials = list(_require(obj, "materials", where, list)) + list(obj.get("extra_materials") or [])
+        question, materials = _require_all(obj, {"question": str, "materials": list}, where)
+        materials = list(materials) + list(obj.get("extra_materials") or [])
         if not all(isinstance(m, str) for m in materials):
             raise FactualityInputError(f"{where}: materials and extra_materials must be lists of strings")
         titles = obj.get("titles") or []
@@ -148,8 +160,7 @@ def load_knowrl(path: Path) -> list[PromptRecord]:
         where = f"{path}:item {i}"
         if not isinstance(obj, dict):
             raise FactualityInputError(f"{where}: each item must be an object")
-        question = _require(obj, "question", where)
-        answers = _require(obj, "answers", where, (str, list))
+        question, answers = _require_all(obj, {"question": str, "answers": (str, list)}, where)
         gold = answers if isinstance(answers, str) else "; ".join(map(str, answers))
         messages = [{"role": "system", "content": KNOWRL_SYSTEM}, {"role": "user", "content": question}]
         out.append(PromptRecord(question, messages, columns={"ground_truth": gold, "topic": obj.get("title")}, where=where))

@@ -89,6 +89,10 @@ def test_group_by_and_demo(tmp_path):
     (b'{"id": ' + b"1" * 4301 + b', "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:1: a JSON integer has more than 4300 digits"),
     (b'{"id": 1, "prompt": "p", "response": "r", "materials": 1.5}\n', r"r.jsonl:1: field 'materials' must be a list of strings"),
     (b'{"id": 1, "prompt": "p", "response": "r", "topic": ["t"]}\n', r"r.jsonl:1: field 'topic' must be a string or null"),
+    # issue 43 item 9: a response past the segmenter's limit was refused mid-fact-checking, naming no record
+    (b'{"id": 1, "prompt": "p", "response": "r", "claims": []}\n{"id": "big", "prompt": "p", "response": "'
+     + b"x" * 200_001 + b'"}\n', r"r.jsonl:2 \(id 'big'\): response has 200001 characters, more than "
+     r"pipeline.segmenter.max_chars=200000"),
     (b'{"id": 1, "prompt": "p", "response": "r", "claims": []}\n{"id": 2, "prompt": "p", "response": "r", "claims": []}\n'
      b'{"id": "1", "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:3: id '1' repeats the id on \S*r.jsonl:1"),
     (b'{"id": [1], "prompt": "p", "response": "r", "claims": []}\n', r"r.jsonl:1: field 'id' must be a string or an integer"),
