@@ -76,6 +76,11 @@ class MegatronModelConfig:
     # inference_engine=dynamic: GiB (Megatron's buffer_size_gb, 1024³ bytes) of the paged KV cache allocated on each GPU
     # for the length of a generate call (freed after it); requests beyond what it holds wait
     inference_buffer_gb: float = 4.0
+    # inference_engine=dynamic: tokens per page of its KV cache; flash-attn 2's paged kernels need a multiple of 256
+    inference_block_tokens: int = 256
+    # inference_engine=dynamic: tokens one engine step takes (a longer prefill is chunked), a multiple of 64 (the context
+    # pads each step's tokens to one); null = Megatron-Core's default, 16384
+    inference_max_step_tokens: int | None = None
 
 
 @dataclass
@@ -434,6 +439,11 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
                         f"model.micro_batch_size ({m.micro_batch_size})")
     if m.megatron.inference_buffer_gb <= 0:
         problems.append(f"model.megatron.inference_buffer_gb must be > 0, got {m.megatron.inference_buffer_gb}")
+    if m.megatron.inference_block_tokens < 1:
+        problems.append(f"model.megatron.inference_block_tokens must be >= 1, got {m.megatron.inference_block_tokens}")
+    steps = m.megatron.inference_max_step_tokens
+    if steps is not None and (steps < 64 or steps % 64):
+        problems.append(f"model.megatron.inference_max_step_tokens must be null or a positive multiple of 64, got {steps}")
     if m.clip_ratio_c is not None and m.clip_ratio_c <= 1:
         problems.append(f"model.clip_ratio_c must be > 1 (dual clip) or null, got {m.clip_ratio_c}")
     rollout = _rollout_size(cfg)

@@ -213,7 +213,6 @@ def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams)
     from megatron.core.inference.contexts import dynamic_context
 
     from nemo_factuality.config import ConfigError
-    from nemo_factuality.trainers.backends import megatron_generate
 
     calls = {"varlen": 0, "kvcache": 0, "chunk": 0}
 
@@ -231,7 +230,7 @@ def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams)
     attention.flash_attn_varlen_func = counted("varlen", flash_attn_cpu.flash_attn_varlen_func)
     attention.flash_attn_with_kvcache = counted("kvcache", flash_attn_cpu.flash_attn_with_kvcache)
     m = actor.cfg
-    megatron_generate.KV_BLOCK_TOKENS, megatron_generate.MAX_STEP_TOKENS, m.megatron.inference_buffer_gb = 4, 64, 0.01
+    m.megatron.inference_block_tokens, m.megatron.inference_max_step_tokens, m.megatron.inference_buffer_gb = 4, 64, 0.01
     m.megatron.inference_engine, m.rollout_micro_batch_size = "dynamic", 2
     out = {"dynamic_greedy": _as_lists(actor.generate(prompts, greedy)), "greedy_chunks": calls["chunk"]}
     eos, actor.eos_id = actor.eos_id, 354  # reached at the second token of prompt 3 (and later by others)
@@ -240,11 +239,11 @@ def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams)
     out["static_eos_greedy"] = _as_lists(actor.generate(prompts, greedy))
     actor.eos_id = eos
     m.megatron.inference_engine, m.rollout_micro_batch_size = "dynamic", 64
-    megatron_generate.MAX_STEP_TOKENS = None  # Megatron's 16384: 64 prompts' prefill in one step
+    m.megatron.inference_max_step_tokens = None  # Megatron's 16384: 64 prompts' prefill in one step
     one = [[5, 17, 33, 8, 90]]
     sampled = actor.generate(one * 400, SamplingParams(max_new_tokens=1, temperature=0.7, top_k=8, top_p=0.9))
     out["dynamic_sampled"] = _first_token_counts(actor, sampled, len(one[0]))
-    megatron_generate.MAX_STEP_TOKENS = 64
+    m.megatron.inference_max_step_tokens = 64
     m.megatron.inference_buffer_gb = 1e-6  # Megatron's least: 2 pages, one of them its dummy page
     try:
         actor.generate(prompts, greedy)

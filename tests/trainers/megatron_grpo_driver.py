@@ -62,7 +62,9 @@ PRESET = ["model.dtype=bfloat16", "model.megatron.sequence_parallel=true", "mode
 
 
 # rollouts on the dynamic engine (2 requests in flight: each replica's 4 prompts at TP=2×DP=2 wait for slots), SP on
+# several KV pages per sequence (flash-attn's kernels need 256 tokens a page; the CPU stand-in takes any)
 DYNAMIC = ["model.megatron.inference_engine=dynamic", "model.megatron.inference_buffer_gb=0.01",
+           "model.megatron.inference_block_tokens=4",
            "model.megatron.sequence_parallel=true", "model.rollout_micro_batch_size=2"]
 
 
@@ -118,11 +120,6 @@ def main() -> int:
     ap.add_argument("--preset", action="store_true", help="the GPU presets' settings (PRESET)")
     ap.add_argument("--dynamic", action="store_true", help="rollouts on the dynamic inference engine (DYNAMIC)")
     args = ap.parse_args()
-    if args.dynamic:
-        from nemo_factuality.trainers.backends import megatron_generate
-
-        # several pages per sequence (flash-attn's kernels need 256 tokens a page; the stand-in takes any)
-        megatron_generate.KV_BLOCK_TOKENS = 4
     decodes = _count_decode_steps()
     out = Path(args.out)
     actor, _ = BACKENDS.get("megatron")(load_train_config(GRPOConfig, None, overrides(args, out / "init", 3)))

@@ -123,7 +123,9 @@ class MegatronActor(MegatronModel):
         generation mode (eval, no grad, no SP) only while the engine steps, not while the stage holds a chunk."""
         steps = generate_dynamic_chunks(self.model, self.tokenizer, self.eos_id, self.pad_id, prompt_ids, sampling,
                                         asked, max_requests=max(1, self.cfg.rollout_micro_batch_size),
-                                        buffer_gb=self.cfg.megatron.inference_buffer_gb)
+                                        buffer_gb=self.cfg.megatron.inference_buffer_gb,
+                                        block_tokens=self.cfg.megatron.inference_block_tokens,
+                                        max_step_tokens=self.cfg.megatron.inference_max_step_tokens)
         while True:
             self.model.eval()
             with torch.no_grad(), sequence_parallel_off(self.model):

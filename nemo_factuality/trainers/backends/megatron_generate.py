@@ -159,13 +159,6 @@ def generate_static_batch(model: Any, tokenizer: Any, eos_id: int, pad_id: int, 
                     eos_id, pad_id)
 
 
-# tokens per page of the dynamic engine's KV cache: flash-attn 2's paged kernels need a multiple of 256
-KV_BLOCK_TOKENS = 256
-# tokens one forward step of the dynamic engine takes (prefill beyond it is chunked); None: Megatron's default, 16384.
-# A multiple of 64: the context pads each step's tokens to one
-MAX_STEP_TOKENS: int | None = None
-
-
 def check_inference_engine(engine: str) -> None:
     """Start-up check of ``model.megatron.inference_engine``: ``dynamic`` needs the flash-attn kernels Megatron-Core's
     attention bound at import (flash-attn >= 2.7.3, or flash-attn 3). Refuses in one line naming the key."""
@@ -186,9 +179,10 @@ def check_inference_engine(engine: str) -> None:
                           "model.megatron.inference_engine=static")
 
 
-def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, buffer_gb: float) -> Any:
+def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, buffer_gb: float, block_tokens: int,
+                     max_step_tokens: int | None) -> Any:
     """A ``DynamicInferenceContext`` for this rank's stage of ``model``: its KV cache ``buffer_gb`` of pages of
-    ``KV_BLOCK_TOKENS`` tokens; CUDA graphs, unified memory and flashinfer's fused RoPE off (none is needed to
+    ``block_tokens`` tokens, ``max_step_tokens`` per engine step (None: Megatron's default); CUDA graphs, unified memory and flashinfer's fused RoPE off (none is needed to
     generate, and each is a CUDA-only path). Refuses a buffer too small for one sequence of ``max_sequence_length``."""
     from megatron.core.inference.contexts import DynamicInferenceContext
 
@@ -198,13 +192,13 @@ def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, bu
         num_attention_heads=config.num_query_groups or config.num_attention_heads,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size, max_sequence_length=max_sequence_length,
-        buffer_size_gb=buffer_gb, max_requests=max_requests, max_tokens=MAX_STEP_TOKENS,
-        block_size_tokens=KV_BLOCK_TOKENS, use_flashinfer_fused_rope=False, unified_memory_level=0)
-    pages = -(-max_sequence_length // KV_BLOCK_TOKENS)
+        buffer_size_gb=buffer_gb, max_requests=max_requests, max_tokens=max_step_tokens,
+        block_size_tokens=block_tokens, use_flashinfer_fused_rope=False, unified_memory_level=0)
+    pages = -(-max_sequence_length // block_tokens)
     if context.block_allocator.total_count - 1 < pages:  # one page is Megatron's dummy block
         need = _round_up((pages + 1) * context.block_size_bytes / 1024**3)  # Megatron's GB are GiB
         held = context.block_allocator.total_count - 1
-        raise ConfigError(f"model.megatron.inference_buffer_gb={buffer_gb} holds {held} KV pages of {KV_BLOCK_TOKENS} "
+        raise ConfigError(f"model.megatron.inference_buffer_gb={buffer_gb} holds {held} KV pages of {block_tokens} "
                           f"tokens; one sequence of {max_sequence_length} tokens needs {pages}: set it to at least "
                           f"{need:g}")
     return context
@@ -218,7 +212,8 @@ def _round_up(value: float, digits: int = 4) -> float:
 
 def generate_dynamic_chunks(model: Any, tokenizer: Any, eos_id: int, pad_id: int, prompt_ids: Sequence[Sequence[int]],
                             sampling: SamplingParams, distribution: SampledDistribution, *, max_requests: int,
-                            buffer_gb: float) -> Iterator[RolloutChunk]:
+                            buffer_gb: float, block_tokens: int = 256,
+                            max_step_tokens: int | None = None) -> Iterator[RolloutChunk]:
     """Every prompt of ``prompt_ids`` through one Megatron-Core ``DynamicInferenceEngine`` on ``model`` (the bare
     ``GPTModel`` of this rank's pipeline stage), at most ``max_requests`` in flight → ``RolloutChunk`` s of
     ``max_requests`` rows (the last one fewer) in the order the requests finish, each as soon as it is complete.
@@ -238,7 +233,7 @@ def generate_dynamic_chunks(model: Any, tokenizer: Any, eos_id: int, pad_id: int
         hidden_size=model.config.hidden_size, params_dtype=model.config.params_dtype,
         inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size, inference_max_requests=requests,
         inference_max_seq_length=longest)
-    context = _dynamic_context(model, requests, longest, buffer_gb)
+    context = _dynamic_context(model, requests, longest, buffer_gb, block_tokens, max_step_tokens)
     controller = _controller_class()(inference_wrapped_model=GPTInferenceWrapper(model, wrapper_config, context),
                                      tokenizer=_TokenizerAdapter(tokenizer, eos_id))
     controller.distribution, controller.greedy = distribution, sampling.use_greedy
