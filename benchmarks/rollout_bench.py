@@ -1,13 +1,17 @@
 """Rollout throughput: the vLLM engine against the native engine (the hf actor's ``generate``) on the same policy,
-at rollout batches from 16 up, and the seconds a refit costs — all in one run, so the two are compared on one
-machine under one load.
+at rollout batches from 16 up, and the seconds a refit costs — each engine measured alone on the machine at its best
+thread setting, whatever the caller's environment.
 
-For each batch size: generated tokens per second of each engine (greedy, ``--new-tokens`` per prompt, prompts of
-``--prompt-tokens``), and for vLLM the refit after one optimiser step, both ways (``rollout.vllm.refit``) on the same
-engine and weights: ``file`` (export, write one safetensors file, the engine reloads it) and ``broadcast`` (the
-tensors streamed into the engine's workers over the refit group, gloo on CPU / NCCL on GPUs, reload included); each
-the median of ``--refit-repeats``. Batches double from 16 until one fails or ``--max-batch`` is reached: on a GPU,
-the largest that fits.
+Fairness (issue 42): the native engine is measured first, with no engine process beside it, at every torch thread
+count of ``--native-threads`` (default 1 and every core), its best per batch reported; then the vLLM engine starts
+with ``OMP_NUM_THREADS`` set by this script, not inherited (CI sets 1), while the trainer process waits on it. An earlier version measured
+native beside the idle engine at torch's default threads: 836–917 tok/s against 5,050–7,660 alone with one thread,
+which made vLLM look 4.6× faster. vLLM is measured at every ``OMP_NUM_THREADS`` of ``--engine-threads`` (default 1
+and every core), a fresh engine each, its best per batch reported. For each batch: generated tokens per second, and ms per decode step (the batch's
+wall time over its new tokens: what one generated token of every sequence costs, the host-bound measure), greedy, the
+same prompts; whether the two engines' greedy tokens agree (the fraction of sequences equal token for token); and for
+vLLM the refit after one optimiser step both ways (``rollout.vllm.refit``), the median of ``--refit-repeats``.
+Batches double from 16 until one fails or ``--max-batch`` is reached. On CPU this says nothing about a GPU.
 
     python benchmarks/rollout_bench.py --vllm-python ~/.cache/nemo_factuality/vllm-venv-*/bin/python
     python benchmarks/rollout_bench.py --model /models/Qwen2.5-0.5B --device cuda --dtype bfloat16 --max-batch 1024
@@ -19,6 +23,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -34,14 +39,6 @@ from nemo_factuality.trainers.engines.vllm_rollout import VLLMRollout
 from nemo_factuality.trainers.interfaces import SamplingParams
 
 log = logging.getLogger("rollout_bench")
-
-
-def _tokens_per_s(generate, prompts, sampling) -> tuple[float, float]:
-    start = time.perf_counter()
-    rollout = generate(prompts, sampling)
-    seconds = time.perf_counter() - start
-    new = int((rollout.response_lengths - rollout.prompt_lengths).sum())
-    return new / seconds, seconds
 
 
 def _one_step(actor) -> None:
@@ -66,6 +63,51 @@ def _refit_seconds(rollout, engine, mode: str, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _batches(max_batch: int, prompt_tokens: int) -> list[tuple[int, list[list[int]]]]:
+    gen = torch.Generator().manual_seed(0)
+    out, batch = [], 16
+    while batch <= max_batch:
+        out.append((batch, torch.randint(5, 300, (batch, prompt_tokens), generator=gen).tolist()))
+        batch *= 2
+    return out
+
+
+def _measure(generate, batches, sampling, new_tokens: int, repeats: int = 3) -> dict[int, dict]:
+    """``{batch: {tok_s, ms_per_step, tokens}}`` for each batch that fits (stops at the first that does not), each
+    the median of ``repeats`` runs (one run on the shared 2 cores varied by up to 40 %)."""
+    out = {}
+    for batch, prompts in batches:
+        try:
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                rollout = generate(prompts, sampling)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+        except (RuntimeError, MemoryError) as err:  # past the largest batch that fits
+            log.info("batch %d does not fit: %s", batch, err)
+            break
+        new = int((rollout.response_lengths - rollout.prompt_lengths).sum())
+        tokens = [rollout.tokens[i, int(rollout.prompt_lengths[i]):int(rollout.response_lengths[i])].tolist()
+                  for i in range(batch)]
+        out[batch] = {"tok_s": new / seconds, "ms_per_step": 1000 * seconds / new_tokens, "tokens": tokens}
+    return out
+
+
+def _native_alone(actor, batches, sampling, args) -> dict[int, dict]:
+    """The native engine at each thread count, no other engine running; per batch its best thread count's result."""
+    best: dict[int, dict] = {}
+    for threads in args.native_threads:
+        torch.set_num_threads(threads)
+        actor.generate([[5] * args.prompt_tokens] * 4, sampling)  # warm-up at this thread count
+        for batch, result in _measure(actor.generate, batches, sampling, args.new_tokens, args.repeats).items():
+            log.info("native, %d threads, batch %d: %.0f tok/s, %.1f ms/step", threads, batch, result["tok_s"],
+                     result["ms_per_step"])
+            if batch not in best or result["tok_s"] > best[batch]["tok_s"]:
+                best[batch] = {**result, "threads": threads}
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="an HF folder (default: a tiny Qwen2 built here)")
@@ -78,6 +120,12 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--refit-repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="generation runs per engine, thread setting and batch (median)")
+    cores = len(os.sched_getaffinity(0))
+    ap.add_argument("--native-threads", type=lambda t: [int(x) for x in t.split(",")], default=sorted({1, cores}),
+                    help="torch thread counts the native engine is measured at (its best is reported)")
+    ap.add_argument("--engine-threads", type=lambda t: [int(x) for x in t.split(",")], default=sorted({1, cores}),
+                    help="OMP_NUM_THREADS values the vLLM engine is started with, one engine each (its best is reported)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -90,39 +138,49 @@ def main() -> int:
     cfg = load_train_config(GRPOConfig, None, [f"model.path={model}", f"model.dtype={args.dtype}", "remote_rm.url=http://x:1",
                                                "model.optim.name=sgd", "model.optim.lr=0.1", "model.rollout_micro_batch_size=100000"])
     actor = HFActor(cfg.model, max_steps=10, device=args.device)
-    engine = VLLMEngine(model, VLLMEngineConfig(python=args.vllm_python), dtype=args.dtype, log_dir=work / "engine").start()
-    rollout = VLLMRollout(actor, engine, weights_dir=work / "weights", chunk_size=100000)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, use_greedy=True)
-    gen = torch.Generator().manual_seed(0)
+    batches = _batches(args.max_batch, args.prompt_tokens)
+    native = _native_alone(actor, batches, sampling, args)
+    torch.set_num_threads(1)  # the trainer only waits while the engine generates
+    vllm: dict[int, dict] = {}
+    refit: dict[str, float] = {}
+    for threads in args.engine_threads:  # a fresh engine per setting: vLLM reads it when its processes start
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine's, whatever this process was started with
+        engine = VLLMEngine(model, VLLMEngineConfig(python=args.vllm_python), dtype=args.dtype,
+                            log_dir=work / f"engine_{threads}").start()
+        rollout = VLLMRollout(actor, engine, weights_dir=work / f"weights_{threads}", chunk_size=100000)
+        try:
+            rollout.generate([[5] * args.prompt_tokens] * 4, sampling)  # warm-up: the engine's first batch compiles
+            measured = _measure(rollout.generate, [(b, p) for b, p in batches if b in native], sampling, args.new_tokens,
+                                args.repeats)
+            for batch, result in measured.items():
+                log.info("vLLM, OMP_NUM_THREADS=%d, batch %d: %.0f tok/s, %.1f ms/step", threads, batch, result["tok_s"],
+                         result["ms_per_step"])
+                if batch not in vllm or result["tok_s"] > vllm[batch]["tok_s"]:
+                    vllm[batch] = {**result, "threads": threads}
+            if threads == args.engine_threads[-1]:  # the refit does not depend on the batch or the threads: once
+                _one_step(rollout)
+                refit = {mode: _refit_seconds(rollout, engine, mode, args.refit_repeats) for mode in ("file", "broadcast")}
+        finally:
+            engine.close()
     rows = []
-    try:
-        rollout.generate([[5] * args.prompt_tokens] * 4, sampling)  # warm-up: the engine's first batch compiles
-        batch = 16
-        while batch <= args.max_batch:
-            prompts = torch.randint(5, 300, (batch, args.prompt_tokens), generator=gen).tolist()
-            try:
-                native, native_s = _tokens_per_s(actor.generate, prompts, sampling)
-                vllm, vllm_s = _tokens_per_s(rollout.generate, prompts, sampling)
-            except (RuntimeError, MemoryError) as err:  # past the largest batch that fits
-                log.info("batch %d does not fit: %s", batch, err)
-                break
-            _one_step(rollout)
-            refit = {mode: _refit_seconds(rollout, engine, mode, args.refit_repeats) for mode in ("file", "broadcast")}
-            rows.append({"batch": batch, "native_tok_s": native, "vllm_tok_s": vllm, "speedup": vllm / native,
-                         "native_s": native_s, "vllm_s": vllm_s, "refit_file_s": refit["file"],
-                         "refit_broadcast_s": refit["broadcast"]})
-            log.info("batch %d: native %.0f tok/s, vLLM %.0f tok/s (×%.1f), refit file %.3f s, broadcast %.3f s", batch,
-                     native, vllm, vllm / native, refit["file"], refit["broadcast"])
-            batch *= 2
-    finally:
-        engine.close()
-    print(f"{'batch':>6} {'native tok/s':>13} {'vLLM tok/s':>11} {'speedup':>8} {'refit file s':>13} "
-          f"{'refit broadcast s':>18}")
+    for batch, v in vllm.items():
+        n = native[batch]
+        equal = sum(a == b for a, b in zip(n["tokens"], v["tokens"], strict=True)) / batch
+        rows.append({"batch": batch, "native_tok_s": n["tok_s"], "native_ms_per_step": n["ms_per_step"],
+                     "native_threads": n["threads"], "vllm_tok_s": v["tok_s"], "vllm_ms_per_step": v["ms_per_step"],
+                     "vllm_threads": v["threads"], "vllm_over_native": v["tok_s"] / n["tok_s"], "greedy_equal": equal})
+    print(f"{'batch':>6} {'native tok/s':>13} {'(threads)':>9} {'ms/step':>8} {'vLLM tok/s':>11} {'(threads)':>9} "
+          f"{'ms/step':>8} {'vLLM/native':>12} {'greedy equal':>13}")
     for r in rows:
-        print(f"{r['batch']:>6} {r['native_tok_s']:>13.0f} {r['vllm_tok_s']:>11.0f} {r['speedup']:>7.1f}x "
-              f"{r['refit_file_s']:>13.3f} {r['refit_broadcast_s']:>18.3f}")
+        print(f"{r['batch']:>6} {r['native_tok_s']:>13.0f} {r['native_threads']:>9} {r['native_ms_per_step']:>8.1f} "
+              f"{r['vllm_tok_s']:>11.0f} {r['vllm_threads']:>9} {r['vllm_ms_per_step']:>8.1f} "
+              f"{r['vllm_over_native']:>11.2f}x {r['greedy_equal']:>12.0%}")
+    if refit:
+        print(f"refit after one step: file {refit['file']:.3f} s, broadcast {refit['broadcast']:.3f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "model": model, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "model": model, "rows": rows,
+                                               "refit_s": refit}, indent=1))
     return 0
 
 
