@@ -153,6 +153,14 @@ def test_the_stages_reach_a_backend_only_through_the_interfaces_and_the_registry
         assert backends == [], f"{module} imports a backend's module: {backends}"
 
 
+def test_the_product_does_not_import_the_test_kit():
+    """``nemo_factuality.testing`` serves the tests; a command that imported it would ship test stand-ins."""
+    graph = import_graph(module_files(PACKAGE, "nemo_factuality"))
+    users = {name: sorted(t for t in targets if t.startswith("nemo_factuality.testing"))
+             for name, targets in graph.items() if not name.startswith("nemo_factuality.testing")}
+    assert {name: kit for name, kit in users.items() if kit} == {}
+
+
 def test_no_module_is_over_800_lines():
     long = {name: n for name, path in module_files(PACKAGE, "nemo_factuality").items()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}

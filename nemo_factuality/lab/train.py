@@ -59,9 +59,9 @@ def lab_reward(transport: str, spec: dict[str, Any], tokenizer_dir: Path,
     if transport == "inprocess":
         yield build_reward(spec, str(tokenizer_dir)), ["+reward=" + _json(spec)]
         return
+    from nemo_factuality.ports import free_ports
     from nemo_factuality.serving.config import ServeConfig
     from nemo_factuality.serving.server import FactualityRewardServer
-    from nemo_factuality.testing.ports import free_ports
     from nemo_factuality.trainers.config import GRPOConfig
     from nemo_factuality.trainers.runtime import build_reward as stage_reward
 

@@ -27,12 +27,13 @@ import importlib
 import os
 import runpy
 import signal
-import socket
 import sys
 import threading
 import time
 import traceback
 import uuid
+
+from nemo_factuality.ports import free_ports
 
 
 def _preload(specs: list[str]) -> None:
@@ -41,12 +42,6 @@ def _preload(specs: list[str]) -> None:
         imported = importlib.import_module(module)
         if function:
             getattr(imported, function)()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, nproc: int, port: int, run_id: str, program: list[str]) -> None:
@@ -75,7 +70,7 @@ def _rank_main(rank: int, nproc: int, port: int, run_id: str, program: list[str]
 
 def _run_program(program: list[str], nproc: int, grace: float) -> int:
     """Fork ``nproc`` ranks running ``program``; 0 when all exit 0, else 1 after stopping the rest (torchrun's rule)."""
-    port, run_id = _free_port(), uuid.uuid4().hex[:12]
+    port, run_id = free_ports(1)[0], uuid.uuid4().hex[:12]
     sys.stdout.flush()
     sys.stderr.flush()
     pids = {}
