@@ -79,40 +79,29 @@ def _run_program(program: list[str], nproc: int, grace: float) -> int:
         if pid == 0:
             _rank_main(rank, nproc, port, run_id, program)
         pids[pid] = rank
-    failed = None
     while pids:
         pid, status = os.wait()
         rank = pids.pop(pid)
         code = os.waitstatus_to_exitcode(status)
-        if code != 0 and failed is None:
-            failed = (rank, code)
+        if code != 0:
             print(f"forkrun: rank {rank} of {program[0]} exited {code}; stopping the other ranks", file=sys.stderr)
-            _stop(list(pids), grace)
-    return 0 if failed is None else 1
+            _stop(list(pids), grace)  # reaps them all
+            return 1
+    return 0
 
 
 def _stop(pids: list[int], grace: float) -> None:
+    """SIGTERM ``pids``, SIGKILL those still running after ``grace`` seconds; every one of them reaped."""
     for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        os.kill(pid, signal.SIGTERM)  # not reaped yet, so still ours even if it exited
+    running = set(pids)
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+    while running and time.monotonic() < deadline:
+        running = {pid for pid in running if os.waitpid(pid, os.WNOHANG)[0] == 0}
         time.sleep(0.1)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        return False
-    return done == 0
+    for pid in running:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
 
 
 def split_programs(argv: list[str]) -> list[list[str]]:
