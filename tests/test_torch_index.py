@@ -54,9 +54,10 @@ def _run(tmp_path: Path, index: str, *, gpu: bool = False, **env: str) -> tuple[
     conf.write_text("")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "NEMO_FACTUALITY_TORCH"))}
     base.update(PATH=f"{bin_dir}:{base['PATH']}", PIP_CONFIG_FILE=str(conf), NEMO_FACTUALITY_TORCH_INDEX=index, **env)
-    out = [subprocess.run(["bash", str(SCRIPT), flag], capture_output=True, text=True, timeout=60, env=base, check=True)
-           .stdout.strip() for flag in ("--pip-args", "--describe")]
-    return out[0].split(), out[1]
+    args, why = (subprocess.run(["bash", str(SCRIPT), flag], capture_output=True, text=True, timeout=60, env=base,
+                                check=True) for flag in ("--pip-args", "--describe"))
+    assert args.stderr.strip() == f"torch: {why.stdout.strip()}"  # --pip-args says its choice too (one probe)
+    return args.stdout.split(), why.stdout.strip()
 
 
 def test_without_a_gpu_the_cpu_index_is_added_when_it_answers(tmp_path, cpu_index):

@@ -29,8 +29,8 @@ python -m pip install -q -U pip
 # torch first, so nothing that depends on it pulls another build: on a machine without a GPU the CPU build, from
 # PyTorch's CPU index when it answers (PyPI's Linux torch is the multi-GB CUDA build); tools/torch_index.sh says which
 # source it chose, and NEMO_FACTUALITY_TORCH=cpu|cuda overrides the detection (docs/getting_started.md)
+step "installing torch 2.13.0 (the next line says from where)"
 read -r -a torch_sources <<<"$(bash tools/torch_index.sh --pip-args)"
-step "installing torch 2.13.0: $(bash tools/torch_index.sh --describe)"
 # --no-compile: pip byte-compiles every module it installs (torch alone: about 2 min of a shared core); Python compiles
 # the ones a command imports, once, on first import
 python -m pip install -q --no-compile "${torch_sources[@]}" torch==2.13.0

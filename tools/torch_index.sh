@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where a CPU-only machine gets torch's CPU build: prints installer arguments (pip's and uv's spelling is the same).
 #
-#   tools/torch_index.sh --pip-args     # e.g. "--extra-index-url https://download.pytorch.org/whl/cpu"
+#   tools/torch_index.sh --pip-args     # e.g. "--extra-index-url https://download.pytorch.org/whl/cpu" (and, on stderr,
+#                                       # the --describe line, prefixed "torch: ")
 #   tools/torch_index.sh --describe     # one line saying which source was chosen and why
 #
 # On PyPI, torch 2.13.0 for Linux is the CUDA build (several GB of nvidia-* wheels). PyTorch's CPU index holds
@@ -14,6 +15,10 @@
 # A machine with an NVIDIA GPU (nvidia-smi lists one) gets no CPU index: its torch is the CUDA build, as usual.
 # NEMO_FACTUALITY_TORCH=cpu|cuda overrides the detection.
 set -euo pipefail
+case "${1:-}" in
+  --pip-args | --describe) ;;
+  *) echo "usage: tools/torch_index.sh --pip-args|--describe" >&2; exit 2 ;;
+esac
 PY=${PYTHON:-python3}
 index=${NEMO_FACTUALITY_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 
@@ -42,8 +47,9 @@ if [ "$want" = cpu ]; then
     why="no GPU, but $index did not answer: torch's CPU build only if a configured wheel folder or index has it (else PyPI's CUDA build)"
   fi
 fi
-case "${1:-}" in
-  --pip-args) echo "${args[*]}" ;;
-  --describe) echo "$why" ;;
-  *) echo "usage: tools/torch_index.sh --pip-args|--describe" >&2; exit 2 ;;
-esac
+if [ "$1" = --pip-args ]; then
+  echo "torch: $why" >&2  # the one probe's answer said once, so a caller need not probe again to tell the user
+  echo "${args[*]}"
+else
+  echo "$why"
+fi

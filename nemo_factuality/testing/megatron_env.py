@@ -24,7 +24,7 @@ def megatron_venv() -> Path | None:
 
 def skip_reason() -> str:
     return (f"the Megatron-Core/Bridge venv is not built: run `bash tools/setup_stack_env.sh {STACK}` "
-            f"(~1 min, ~1.5 GB; .ci/run does) or point ${ENV_VAR} at one")
+            f"(about 1 min with uv, 0.9 GB; .ci/run does) or point ${ENV_VAR} at one")
 
 
 #: What a megatron driver imports before its first line of work (``preload=PRELOAD``: paid once for all its ranks by

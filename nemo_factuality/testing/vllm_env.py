@@ -19,4 +19,4 @@ def vllm_venv() -> Path | None:
 
 def skip_reason() -> str:
     return (f"the vLLM test venv is not built: run `bash tools/setup_stack_env.sh {STACK}` "
-            f"(~3 min, ~3.5 GB; .ci/run does) or point ${ENV_VAR} at one")
+            f"(about 1 min with uv, 3.1 GB; .ci/run does) or point ${ENV_VAR} at one")
