@@ -42,7 +42,7 @@ def cpu_index():
     server.server_close()
 
 
-def _run(tmp_path: Path, index: str, *, gpu: bool = False, **env: str) -> tuple[list[str], str]:
+def _run(tmp_path: Path, index: str, *, gpu: bool = False, flag: str = "--pip-args", **env: str) -> tuple[list[str], str]:
     """(the installer arguments, the one-line description) with pip configured with nothing."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -55,7 +55,7 @@ def _run(tmp_path: Path, index: str, *, gpu: bool = False, **env: str) -> tuple[
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "NEMO_FACTUALITY_TORCH"))}
     base.update(PATH=f"{bin_dir}:{base['PATH']}", PIP_CONFIG_FILE=str(conf), NEMO_FACTUALITY_TORCH_INDEX=index, **env)
     args, why = (subprocess.run(["bash", str(SCRIPT), flag], capture_output=True, text=True, timeout=60, env=base,
-                                check=True) for flag in ("--pip-args", "--describe"))
+                                check=True) for flag in (flag, "--describe"))
     assert args.stderr.strip() == f"torch: {why.stdout.strip()}"  # --pip-args says its choice too (one probe)
     return args.stdout.split(), why.stdout.strip()
 
@@ -82,15 +82,18 @@ def test_a_machine_with_a_gpu_keeps_the_default_index(tmp_path, cpu_index):
 
 
 def test_pips_configured_wheel_folders_and_indexes_are_passed_on(tmp_path, cpu_index):
-    """uv does not read pip's configuration: a machine's local wheel folder or mirror reaches it through these."""
+    """uv does not read pip's configuration: a machine's local wheel folder or mirror reaches it through these; pip
+    reads them itself and is not given them twice."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    args, _ = _run(tmp_path, cpu_index, PIP_FIND_LINKS=f"{wheels} {tmp_path / 'absent'}",
-                   PIP_EXTRA_INDEX_URL="file:///srv/mirror/simple")
+    pip_config = {"PIP_FIND_LINKS": f"{wheels} {tmp_path / 'absent'}", "PIP_EXTRA_INDEX_URL": "file:///srv/mirror/simple"}
+    args, _ = _run(tmp_path, cpu_index, flag="--uv-args", **pip_config)
     assert args == ["--find-links", str(wheels), "--extra-index-url", "file:///srv/mirror/simple",
                     "--extra-index-url", cpu_index]
+    args, _ = _run(tmp_path, cpu_index, **pip_config)
+    assert args == ["--extra-index-url", cpu_index]
 
 
 def test_the_set_up_scripts_take_torch_from_it():
     assert "tools/torch_index.sh --pip-args" in (REPO_ROOT / "tools" / "setup_env.sh").read_text()
-    assert "tools/torch_index.sh --pip-args" in (REPO_ROOT / "tools" / "setup_stack_env.sh").read_text()
+    assert 'tools/torch_index.sh "--$installer-args"' in (REPO_ROOT / "tools" / "setup_stack_env.sh").read_text()

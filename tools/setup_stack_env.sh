@@ -86,9 +86,9 @@ start=$(date +%s)
 step() { echo "[$1/3 after $(( $(date +%s) - start )) s] $2" >&2; }
 # Low priority on a shared machine; the test command raises it when the build runs beside the tests it gates.
 niceness=${NEMO_FACTUALITY_BUILD_NICE:-19}
-read -r -a sources <<<"$(NEMO_FACTUALITY_TORCH=cpu bash tools/torch_index.sh --pip-args)"
 installer=${NEMO_FACTUALITY_STACK_INSTALLER:-}
 [ -n "$installer" ] || { command -v uv >/dev/null && installer=uv || installer=pip; }
+read -r -a sources <<<"$(NEMO_FACTUALITY_TORCH=cpu bash tools/torch_index.sh "--$installer-args")"
 if [ "$installer" = uv ]; then
   # unsafe-best-match: look at every index for a version, as pip does (uv's default stops at the first index that has
   # the package, which would take PyPI's CUDA torch over the CPU index's +cpu build)
