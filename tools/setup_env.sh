@@ -30,7 +30,9 @@ python -m pip install -q -U pip
 # PyTorch's CPU index when it answers (PyPI's Linux torch is the multi-GB CUDA build); tools/torch_index.sh says which
 # source it chose, and NEMO_FACTUALITY_TORCH=cpu|cuda overrides the detection (docs/getting_started.md)
 step "installing torch 2.13.0 (the next line says from where)"
-read -r -a torch_sources <<<"$(bash tools/torch_index.sh --pip-args)"
+# (assigned first: a failure inside `read <<<"$(...)"` would go unnoticed and torch would come from PyPI)
+torch_args=$(bash tools/torch_index.sh --pip-args)
+read -r -a torch_sources <<<"$torch_args"
 # --no-compile: pip byte-compiles every module it installs (torch alone: about 2 min of a shared core); Python compiles
 # the ones a command imports, once, on first import
 python -m pip install -q --no-compile "${torch_sources[@]}" torch==2.13.0
