@@ -9,11 +9,12 @@ import os
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
-from nemo_factuality.testing.forkrun import split_programs
-from nemo_factuality.testing.venvs import run_bounded
+from nemo_factuality.testing.forkrun import program_nproc, split_programs
+from nemo_factuality.testing.venvs import run_batch_in_venv, run_bounded
 
 PROGRAM = textwrap.dedent("""
     import json, os, sys, time
@@ -89,7 +90,36 @@ def test_a_ranks_daemonic_helpers_end_with_it(tmp_path):
     assert time.monotonic() - start < 60
 
 
+def test_a_batch_runs_every_program_at_its_own_size_and_reports_each_outcome_apart(tmp_path):
+    """``run_batch_in_venv`` (``--keep-going --logs``): a failing program does not stop the next; each program runs
+    at its own ``--nproc``; each outcome carries that program's output only; a program the batch never finished (it
+    ran out of time) has no exit code rather than a made-up one."""
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    (tmp_path / "sibling.py").write_text("")
+    venv = Path(sys.executable).parent.parent
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    programs = {"fails": (2, [str(script), str(tmp_path / "a"), "fail"]),
+                "two": (2, [str(script), str(tmp_path / "b"), "ok"]),
+                "one": (1, [str(script), str(tmp_path / "c"), "ok"])}
+    runs = run_batch_in_venv(venv, programs, env=env, preload=("torch",), logs=tmp_path / "logs", timeout=90)
+    assert runs["fails"].code == 1 and "rank 1 of" in runs["fails"].output and "exited 3" in runs["fails"].output
+    assert (runs["two"].code, runs["one"].code) == (0, 0)
+    assert [json.loads((tmp_path / f"b.rank{r}.json").read_text())["sum"] for r in range(2)] == [3.0, 3.0]
+    assert json.loads((tmp_path / "c.rank0.json").read_text())["sum"] == 1.0 and not (tmp_path / "c.rank1.json").exists()
+    assert "exited 3" not in runs["two"].output
+    with pytest.raises(AssertionError, match="fails: exit 1"):
+        runs["fails"].check("fails")
+    # out of time inside the first program (its rank 0 sleeps 60 s): no program has an outcome
+    late = run_batch_in_venv(venv, {"slow": (2, [str(script), str(tmp_path / "d"), "fail"])}, env=env,
+                             preload=("torch",), logs=tmp_path / "late", timeout=1)
+    assert late["slow"].code is None and "killed" in late["slow"].output
+
+
 def test_program_lists_split_on_next():
+    assert program_nproc(["--nproc=2", "b.py", "y"], 1) == (2, ["b.py", "y"]) and program_nproc(["a.py"], 3) == (3, ["a.py"])
+    with pytest.raises(SystemExit, match="before the program"):
+        program_nproc(["--nproc=2"], 1)
     assert split_programs(["a.py", "x", "--next", "b.py", "y"]) == [["a.py", "x"], ["b.py", "y"]]
     with pytest.raises(SystemExit, match="empty program"):
         split_programs(["a.py", "--next"])

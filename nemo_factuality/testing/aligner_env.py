@@ -11,9 +11,9 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from nemo_factuality.testing.venvs import built_venv, run_bounded, run_in_venv, venv_env
+from nemo_factuality.testing.venvs import ProgramRun, built_venv, run_batch_in_venv, run_bounded, run_in_venv, venv_env
 
-__all__ = ["aligner_env", "aligner_venv", "run_bounded", "run_in_aligner_venv", "skip_reason"]
+__all__ = ["aligner_env", "aligner_venv", "run_batch_in_aligner_venv", "run_bounded", "run_in_aligner_venv", "skip_reason"]
 
 STACK = "aligner"  # tools/setup_stack_env.sh builds its venv
 ENV_VAR = "NEMO_FACTUALITY_ALIGNER_VENV"
@@ -44,3 +44,10 @@ def run_in_aligner_venv(venv: Path, args: list[str], *, nproc: int = 1, timeout:
     import paid once for all ranks and for ``then``'s programs too (``testing.forkrun``)."""
     return run_in_venv(venv, args, env=aligner_env(**env), nproc=nproc, timeout=timeout,
                        preload=PRELOAD if preload else (), then=then)
+
+
+def run_batch_in_aligner_venv(venv: Path, programs: dict[str, tuple[int, list[str]]], *, logs: Path, timeout: float,
+                              **env: str) -> dict[str, ProgramRun]:
+    """Independent driver programs (name → (nproc, args)) in one launch that imports NeMo once for all of them
+    (``venvs.run_batch_in_venv``); each program's outcome by name."""
+    return run_batch_in_venv(venv, programs, env=aligner_env(**env), preload=PRELOAD, logs=logs, timeout=timeout)

@@ -13,7 +13,14 @@ parallel state, patched functions) reaches the next program, as with a new torch
 a setting's run and the new process that resumes its checkpoint.
 
 Like torchrun, the first rank that fails ends its program: the other ranks get SIGTERM, then SIGKILL after
-``--grace`` seconds, and the launcher exits 1 without starting the next program. What torchrun adds and this does not
+``--grace`` seconds, and the launcher exits 1 without starting the next program. For a batch of independent programs
+(one launch feeding a test module's checks, so the import is paid once for all of them):
+
+    forkrun --nproc 1 --preload … --keep-going --logs DIR -- A.py … --next --nproc=2 B.py … --next C.py …
+
+``--nproc=N`` at the start of a program overrides the launcher's for it; ``--keep-going`` runs every program whatever
+the earlier ones gave (exit 1 if any failed); ``--logs DIR`` sends program *i*'s ranks' output to ``DIR/i.log`` and
+writes its exit code to ``DIR/i.exit`` once it ends, so each check reads its own program's outcome and output. What torchrun adds and this does not
 (restarts, rendezvous, its own signal handling) none of the programs it runs use; fault tests keep torchrun.
 
 Forking after the imports is sound here because the parent has started no thread, process group or CUDA context
@@ -68,8 +75,9 @@ def _rank_main(rank: int, nproc: int, port: int, run_id: str, program: list[str]
     raise SystemExit(code)
 
 
-def _run_program(program: list[str], nproc: int, grace: float) -> int:
-    """Fork ``nproc`` ranks running ``program``; 0 when all exit 0, else 1 after stopping the rest (torchrun's rule)."""
+def _run_program(program: list[str], nproc: int, grace: float, log: str | None = None) -> int:
+    """Fork ``nproc`` ranks running ``program``; 0 when all exit 0, else 1 after stopping the rest (torchrun's rule).
+    ``log``: the ranks' stdout and stderr go to that file (appended) instead of the launcher's."""
     port, run_id = free_ports(1)[0], uuid.uuid4().hex[:12]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -77,6 +85,11 @@ def _run_program(program: list[str], nproc: int, grace: float) -> int:
     for rank in range(nproc):
         pid = os.fork()
         if pid == 0:
+            if log is not None:
+                fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                os.close(fd)
             _rank_main(rank, nproc, port, run_id, program)
         pids[pid] = rank
     while pids:
@@ -84,7 +97,11 @@ def _run_program(program: list[str], nproc: int, grace: float) -> int:
         rank = pids.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            print(f"forkrun: rank {rank} of {program[0]} exited {code}; stopping the other ranks", file=sys.stderr)
+            message = f"forkrun: rank {rank} of {program[0]} exited {code}; stopping the other ranks"
+            print(message, file=sys.stderr)
+            if log is not None:
+                with open(log, "a") as f:
+                    f.write(message + "\n")
             _stop(list(pids), grace)  # reaps them all
             return 1
     return 0
@@ -102,6 +119,16 @@ def _stop(pids: list[int], grace: float) -> None:
     for pid in running:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def program_nproc(program: list[str], default: int) -> tuple[int, list[str]]:
+    """``[--nproc=2, b.py, y]`` → ``(2, [b.py, y])``; a program without the prefix runs at ``default``."""
+    if program and program[0].startswith("--nproc="):
+        nproc = int(program[0].split("=", 1)[1])
+        if nproc < 1 or len(program) == 1:
+            raise SystemExit(f"forkrun: bad program {program}: --nproc=N (N ≥ 1) comes before the program's path")
+        return nproc, program[1:]
+    return default, program
 
 
 def split_programs(argv: list[str]) -> list[list[str]]:
@@ -128,16 +155,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, required=True)
     ap.add_argument("--preload", action="append", default=[])
     ap.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL for the other ranks")
+    ap.add_argument("--keep-going", action="store_true", help="run every program whatever the earlier ones gave")
+    ap.add_argument("--logs", help="a folder: program i's output to <logs>/i.log, its exit code to <logs>/i.exit")
     args = ap.parse_args(argv[:cut])
+    programs = [program_nproc(p, args.nproc) for p in split_programs(argv[cut + 1:])]  # bad syntax: before the imports
     _preload(args.preload)
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
     if others:  # a fork would copy a lock one of them may hold, without the thread that releases it
         raise SystemExit(f"forkrun: the preloaded modules started threads ({[t.name for t in others]}); use torchrun")
-    for program in split_programs(argv[cut + 1:]):
-        code = _run_program(program, args.nproc, args.grace)
-        if code:
+    failed = 0
+    for i, (nproc, program) in enumerate(programs):
+        log = os.path.join(args.logs, f"{i}.log") if args.logs else None
+        code = _run_program(program, nproc, args.grace, log)
+        if args.logs:
+            with open(os.path.join(args.logs, f"{i}.exit"), "w") as f:
+                f.write(f"{code}\n")
+        if code and not args.keep_going:
             return code
-    return 0
+        failed |= code
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

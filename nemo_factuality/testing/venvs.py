@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from nemo_factuality.testing.paths import REPO_ROOT
@@ -168,3 +169,43 @@ def run_in_venv(venv: Path, args: list[str], *, env: dict[str, str], nproc: int 
         cmd = [python, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--nnodes=1",
                f"--master_port={free_ports(1)[0]}", "--master_addr=127.0.0.1", *args]
     return run_bounded(["nice", "-n", "10", *cmd] if nice else cmd, timeout=timeout, env=env, cwd=REPO_ROOT)
+
+
+@dataclass(frozen=True)
+class ProgramRun:
+    """One program of a batch (``run_batch_in_venv``): its exit code, None when the batch ended before it did (the
+    launcher failed or the batch ran out of time), and its ranks' output (the launcher's when it never ran)."""
+
+    code: int | None
+    output: str
+
+    def check(self, name: str) -> None:
+        """Fail the calling test with the program's output unless it exited 0."""
+        if self.code != 0:
+            raise AssertionError(f"{name}: exit {self.code}\n{self.output[-6000:]}")
+
+
+def run_batch_in_venv(venv: Path, programs: dict[str, tuple[int, list[str]]], *, env: dict[str, str],
+                      preload: tuple[str, ...], logs: Path, timeout: float, nice: bool = False) -> dict[str, ProgramRun]:
+    """Run independent programs (name → (nproc, args)) one after another in a single ``testing.forkrun`` launch, so
+    the preloaded stack's import is paid once for all of them; every program runs whatever the others gave
+    (``--keep-going``), each in new ranks. Returns each program's outcome by name: one expensive launch feeding a
+    module's checks, each check failing on its own program's output only."""
+    logs.mkdir(parents=True, exist_ok=True)
+    names = list(programs)
+    argv = [arg for name in names
+            for arg in ("--next", f"--nproc={programs[name][0]}", *programs[name][1])][1:]
+    cmd = [str(venv / "bin" / "python"), "-m", "nemo_factuality.testing.forkrun", "--nproc=1", "--keep-going",
+           f"--logs={logs}", *(f"--preload={p}" for p in preload), "--", *argv]
+    try:
+        res = run_bounded(["nice", "-n", "10", *cmd] if nice else cmd, timeout=timeout, env=env, cwd=REPO_ROOT)
+        launcher = f"[the batch launcher exited {res.returncode}]\n{res.stdout[-4000:]}"
+    except TimeoutError as overrun:  # the programs that ended keep their outcome; the one running and the rest: None
+        launcher = f"[the batch was killed] {overrun}"
+    out = {}
+    for i, name in enumerate(names):
+        log, exit_file = logs / f"{i}.log", logs / f"{i}.exit"
+        output = log.read_text(errors="replace") if log.exists() else ""
+        code = int(exit_file.read_text()) if exit_file.exists() else None
+        out[name] = ProgramRun(code, output if code is not None else f"{output}\n{launcher}")
+    return out

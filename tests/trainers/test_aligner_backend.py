@@ -6,6 +6,9 @@ rollouts and log-probs agree with Hugging Face on the same weights, training mov
 direction of the advantages while the reference (``cpu_weight_swap``) stays put, TP=2, PP=2 and DP=2 give
 what world 1 gives, and save → load → step equals the uninterrupted step. Skips with the reason when
 the venv is absent (``tools/setup_stack_env.sh aligner`` builds it; ``.ci/run`` does).
+
+Every driver run of the module is one program of a single batch (``runs``): NeMo is imported once for all eleven,
+each program still runs in new processes at its own world size, and each test reads its own programs' outcome.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_factuality.testing.aligner_env import run_in_aligner_venv
+from nemo_factuality.testing.aligner_env import run_batch_in_aligner_venv
 from nemo_factuality.testing.servers import convert_checkpoint
 from nemo_factuality.testing.tiny_models import build_tiny_causal_lm, build_tiny_tokenizer
 
@@ -35,12 +38,41 @@ def policy(tmp_path_factory):
     return hf, root / "policy"
 
 
-def drive(venv: Path, nemo: Path, out: Path, *, nproc: int = 1, timeout: float = 240, **args) -> list[dict]:
-    """Run the driver; returns every rank's JSON, ordered by rank."""
-    flags = [f"--{k}={v}" for k, v in args.items()]
-    res = run_in_aligner_venv(venv, [DRIVER, f"--nemo={nemo}", f"--out={out}", *flags], nproc=nproc, timeout=timeout,
-                              preload=True)
-    assert res.returncode == 0, res.stdout[-6000:]
+#: The module's driver runs: name → (ranks, policy ("policy" or "stage_policy"), the driver's flags)
+PROGRAMS: dict[str, tuple[int, str, dict]] = {
+    "world1": (1, "policy", {}),
+    "tp2": (2, "policy", {"tp": 2}),
+    "pp2": (2, "policy", {"pp": 2}),
+    "dp2": (2, "policy", {}),
+    "resume": (1, "policy", {"scenario": "resume", "momentum": 0.9}),
+    "stage": (1, "policy", {"scenario": "stage"}),
+    "learn": (1, "stage_policy", {"scenario": "learn", "optim": "adamw", "lr": 3e-3}),
+    "adamw": (1, "policy", {"scenario": "resume", "optim": "adamw", "lr": 1e-3}),
+    "stage_dp": (2, "policy", {"scenario": "stage_dp"}),
+    "kto_dp2": (2, "policy", {"scenario": "kto_dp"}),
+    "kto_world1": (1, "policy", {"scenario": "kto_dp"}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(venv, policy, stage_policy, tmp_path_factory) -> dict[str, tuple[Path, int, object]]:
+    """Every program of ``PROGRAMS`` in one launch: name → (its output folder, its ranks, its ``ProgramRun``)."""
+    root = tmp_path_factory.mktemp("aligner_runs")
+    nemo = {"policy": policy[1], "stage_policy": stage_policy}
+    programs, outs = {}, {}
+    for name, (nproc, which, args) in PROGRAMS.items():
+        outs[name] = root / name
+        outs[name].mkdir()
+        flags = [f"--{k}={v}" for k, v in args.items()]
+        programs[name] = (nproc, [DRIVER, f"--nemo={nemo[which]}", f"--out={outs[name]}", *flags])
+    results = run_batch_in_aligner_venv(venv, programs, logs=root / "logs", timeout=2400)
+    return {name: (outs[name], PROGRAMS[name][0], results[name]) for name in PROGRAMS}
+
+
+def ranks_of(runs: dict, name: str) -> list[dict]:
+    """Program ``name``'s JSON per rank, ordered by rank; fails with its output when it did not exit 0."""
+    out, nproc, result = runs[name]
+    result.check(name)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
@@ -56,8 +88,8 @@ def assert_close(a: list[list[float]], b: list[list[float]], atol: float) -> Non
 
 
 @pytest.fixture(scope="module")
-def world1(venv, policy, tmp_path_factory):
-    return drive(venv, policy[1], tmp_path_factory.mktemp("world1"))[0]
+def world1(runs):
+    return ranks_of(runs, "world1")[0]
 
 
 def _hf_logprobs(hf: Path, tokens: torch.Tensor) -> torch.Tensor:
@@ -108,8 +140,8 @@ def test_training_follows_the_advantages_and_the_reference_stays(world1):
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
-def test_tensor_or_pipeline_parallel_2_equals_world_1(venv, policy, world1, tmp_path, layout):
-    ranks = drive(venv, policy[1], tmp_path, nproc=2, **layout)
+def test_tensor_or_pipeline_parallel_2_equals_world_1(runs, world1, layout):
+    ranks = ranks_of(runs, "tp2" if "tp" in layout else "pp2")
     for result in ranks:  # every rank holds the broadcast rollouts, log-probs and metrics
         assert result["dp_size"] == 1 and result["tokens"] == world1["tokens"]
         for key in ("lp0", "lp1", "ref1"):
@@ -118,8 +150,8 @@ def test_tensor_or_pipeline_parallel_2_equals_world_1(venv, policy, world1, tmp_
         assert result["entropy_step"]["loss"] == pytest.approx(world1["entropy_step"]["loss"], abs=1e-5)
 
 
-def test_data_parallel_2_equals_world_1(venv, policy, world1, tmp_path):
-    ranks = drive(venv, policy[1], tmp_path, nproc=2)
+def test_data_parallel_2_equals_world_1(runs, world1):
+    ranks = ranks_of(runs, "dp2")
     assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and all(r["dp_size"] == 2 for r in ranks)
     for result in ranks:
         rows = slice(result["start"], result["start"] + len(result["prompts"]))
@@ -128,15 +160,15 @@ def test_data_parallel_2_equals_world_1(venv, policy, world1, tmp_path):
             assert_close(action_values(result, key), action_values(sliced, key), atol=2e-5)
 
 
-def test_save_load_resumes_exactly_and_the_trained_policy_converts_back_to_hugging_face(venv, policy, tmp_path):
+def test_save_load_resumes_exactly_and_the_trained_policy_converts_back_to_hugging_face(runs, policy, tmp_path):
     """SGD with momentum (optimiser state to restore): step, save, step → A; load, step → B == A (AdamW: the
     test below). Then HF → .nemo → train →
     .nemo (``export``) → HF (``convert nemo-to-hf``): HF's log-probs equal the trained actor's."""
-    result = drive(venv, policy[1], tmp_path, scenario="resume", momentum=0.9)[0]
+    result = ranks_of(runs, "resume")[0]
     assert result["metrics_a"] == result["metrics_b"]
     assert_close(action_values(result, "lp_b"), action_values(result, "lp_a"), atol=0.0)
     back = tmp_path / "hf_back"
-    convert_checkpoint("nemo-to-hf", "--nemo", str(tmp_path / "trained.nemo"), "--out", str(back))
+    convert_checkpoint("nemo-to-hf", "--nemo", str(runs["resume"][0] / "trained.nemo"), "--out", str(back))
     hf = _hf_logprobs(back, torch.tensor(result["tokens"])).tolist()
     assert_close(action_values({**result, "hf": hf}, "hf"), action_values(result, "lp_a"), atol=2e-5)
     before = _hf_logprobs(policy[0], torch.tensor(result["tokens"])).tolist()
@@ -146,13 +178,13 @@ def test_save_load_resumes_exactly_and_the_trained_policy_converts_back_to_huggi
     assert AutoTokenizer.from_pretrained(str(back)).encode("Paris") == AutoTokenizer.from_pretrained(str(policy[0])).encode("Paris")
 
 
-def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(venv, policy, tmp_path):
+def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(runs):
     """``GRPOTrainer`` (the stage itself, toy reward) for 2 steps, then a rerun to 3 resumes from step 2's
     NeMo checkpoint and equals 3 uninterrupted steps from the same weights and seed; the run ends with an
     exported ``.nemo``."""
     import tarfile
 
-    result = drive(venv, policy[1], tmp_path, scenario="stage", timeout=300)[0]
+    result = ranks_of(runs, "stage")[0]
     assert result["first_run_steps"] == 2 and [m["step"] for m in result["metrics"]] == [1, 2, 3]
     assert {"step_000002", "step_000003", "latest"} <= set(result["checkpoints"])
     for m in result["metrics"]:
@@ -161,18 +193,18 @@ def test_the_grpo_stage_runs_on_the_aligner_actor_checkpoints_and_resumes(venv, 
     # resumed = uninterrupted: the same samples, rewards, losses and gradients at every step
     keys = ("reward/score", "loss/policy", "kl", "grad_norm", "response_length/mean")
     assert [{k: m[k] for k in keys} for m in result["metrics"]] == [{k: m[k] for k in keys} for m in result["uninterrupted"]]
-    names = tarfile.open(tmp_path / "run" / "final").getnames()
+    names = tarfile.open(runs["stage"][0] / "run" / "final").getnames()
     assert "./model_config.yaml" in names and "./tokenizer/tokenizer_config.json" in names
 
 
-def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(venv, stage_policy, tmp_path):
+def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(runs):
     """The hf backend's learning check (tests/trainers/test_grpo.py) on this backend: same policy, reward,
     batch shapes, optimiser (AdamW, lr 3e-3) and criterion; the stage checkpoints at the end."""
     import math
 
     import numpy as np
 
-    history = drive(venv, stage_policy, tmp_path, scenario="learn", optim="adamw", lr=3e-3, timeout=300)[0]["metrics"]
+    history = ranks_of(runs, "learn")[0]["metrics"]
     rewards = [h["reward/score"] for h in history]
     start, end = np.mean(rewards[:3]), np.mean(rewards[-3:])
     noise = np.std(rewards[:3]) + 1e-3
@@ -180,22 +212,22 @@ def test_grpo_on_the_aligner_actor_raises_a_known_reward_well_outside_noise(venv
     assert all(math.isfinite(h["loss/policy"]) and math.isfinite(h["loss/kl"]) for h in history)
 
 
-def test_adamw_state_goes_into_nemos_sharded_checkpoint_and_resumes_exactly(venv, policy, tmp_path):
+def test_adamw_state_goes_into_nemos_sharded_checkpoint_and_resumes_exactly(runs):
     """torch AdamW (the stages' default optimiser): its per-parameter 0-dim ``step`` is kept in the parameter
     group for NeMo's sharded checkpoint; step, save, step → A equals load, step → B, moments and step included."""
-    result = drive(venv, policy[1], tmp_path, scenario="resume", optim="adamw", lr=1e-3)[0]
+    result = ranks_of(runs, "adamw")[0]
     assert result["metrics_a"] == result["metrics_b"] and result["metrics_a"]["grad_norm"] > 0
     assert_close(action_values(result, "lp_b"), action_values(result, "lp_a"), atol=0.0)
 
 
-def test_the_grpo_stage_shards_prompts_over_data_parallel_ranks_and_rank_0_writes(venv, policy, tmp_path):
+def test_the_grpo_stage_shards_prompts_over_data_parallel_ranks_and_rank_0_writes(runs):
     """``GRPOTrainer`` at DP=2 (torchrun, TP=1): 4 prompts per step, 2 per rank; 2 steps, then a rerun to 3
     resumes from step 2's checkpoint. Each rank trains on its contiguous half of the step's global draw,
     both ranks return the same (all-reduced) metrics and ``metrics.jsonl`` holds them once, the checkpoints
     are complete (every rank's files, no leftovers) and the two replicas end with identical weights."""
     from nemo_factuality.trainers.data import PromptSampler
 
-    ranks = drive(venv, policy[1], tmp_path, nproc=2, scenario="stage_dp", timeout=420)
+    ranks = ranks_of(runs, "stage_dp")
     r0, r1 = sorted(ranks, key=lambda r: r["dp_rank"])
     assert (r0["dp_size"], r1["dp_size"]) == (2, 2)
     sampler = PromptSampler(8, r0["seed"])
@@ -216,7 +248,7 @@ def test_the_grpo_stage_shards_prompts_over_data_parallel_ranks_and_rank_0_write
     assert not [f for f in r0["step3_files"] if f.startswith("reference.rank")]
     assert r0["weight_sum"] == r1["weight_sum"]
     assert r0["fixed_logprobs"] == r1["fixed_logprobs"]
-    assert (tmp_path / "run" / "final").is_file()
+    assert (runs["stage_dp"][0] / "run" / "final").is_file()
     # validation: 5 prompts split 2 + 3 over the ranks, each scored once; the gathered metrics are the whole set's
     v0, v1 = r0["validation"], r1["validation"]
     assert v0["scored_here"] == ["question 0", "question 1"] and v1["scored_here"] == [f"question {i}" for i in (2, 3, 4)]
@@ -224,7 +256,7 @@ def test_the_grpo_stage_shards_prompts_over_data_parallel_ranks_and_rank_0_write
     assert v0["whole"] == v1["whole"]
 
 
-def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_examples(venv, policy, tmp_path):
+def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_examples(runs):
     """``KTOTrainer`` at DP=2: each rank samples and labels its half of the iteration's prompts (one sample
     left unlabelled: 4 + 3 examples), every rank then holds the same 7 gathered examples, 2 optimiser steps
     (minibatches of 4 and 3, the second padded for the split) with the same reduced metrics on both ranks,
@@ -232,8 +264,7 @@ def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_
     7 examples: its trained policy, losses and z0 must equal DP=2's."""
     from nemo_factuality.trainers.data import PromptSampler
 
-    r0, r1 = sorted(drive(venv, policy[1], tmp_path / "dp2", nproc=2, scenario="kto_dp", timeout=420),
-                    key=lambda r: r["dp_rank"])
+    r0, r1 = sorted(ranks_of(runs, "kto_dp2"), key=lambda r: r["dp_rank"])
     drawn = [f"question {i}" for i in PromptSampler(4, r0["seed"]).take(4)]
     assert sorted(set(r0["labelled"])) == sorted(drawn[:2]) and sorted(set(r1["labelled"])) == sorted(drawn[2:])
     assert r0["data_tokens"] == r1["data_tokens"] and len(r0["data_tokens"]) == 7
@@ -246,7 +277,7 @@ def test_the_kto_stage_labels_per_data_parallel_rank_and_trains_on_the_gathered_
     # the reference log-probs once per iteration, split over the ranks: 7 examples + the z0 pairs of the minibatches
     # of 4 and 3 = 14 sequences, 7 per rank in one forward each (was: every rank 7, then its pairs at every step)
     assert r0["reference_rows"] == r1["reference_rows"] == [7]
-    world1 = drive(venv, policy[1], tmp_path / "world1", scenario="kto_dp", timeout=400)[0]
+    world1 = ranks_of(runs, "kto_world1")[0]
     assert world1["data_tokens"] == r0["data_tokens"] and world1["reference_rows"] == [14]
     for ours, theirs in zip(r0["metrics"], world1["metrics"], strict=True):
         for key in ("loss/kto", "loss/fkto", "kto/z0", "kto/z0_f", "grad_norm"):
