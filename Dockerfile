@@ -82,7 +82,7 @@ COPY tools ./tools
 RUN pip freeze | grep -iE '^(megatron-core|megatron-bridge|transformers|tokenizers|huggingface-hub)==' \
     >> /opt/base-constraints.txt \
  && pip install --no-cache-dir -c /opt/base-constraints.txt -e ".[serve,train,retrieval]" \
- && python -c "import nemo_factuality.trainers.backends.megatron, nemo_factuality.trainers.engines.vllm_engine"
+ && python -c "import nemo_factuality.trainers.backends.megatron.actor, nemo_factuality.trainers.engines.vllm_engine"
 ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 
 # ---------------------------------------------------------------------------------------- trainer (default)
@@ -118,5 +118,5 @@ COPY tools ./tools
 RUN pip freeze | grep -iE '^(nemo-toolkit|nemo.aligner|megatron-core|nvidia-pytriton|transformers|lightning|pangu|pyarrow)==' \
     >> /opt/base-constraints.txt \
  && pip install --no-cache-dir -c /opt/base-constraints.txt -e ".[serve,megatron,train,retrieval]" \
- && python -c "import nemo_factuality.trainers.backends.aligner, nemo_factuality.serving.server"
+ && python -c "import nemo_factuality.trainers.backends.aligner.actor, nemo_factuality.serving.server"
 ENV HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

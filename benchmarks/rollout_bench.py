@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from nemo_factuality.algorithms import response_mask
-from nemo_factuality.trainers.backends.hf import HFActor
+from nemo_factuality.trainers.backends.hf.actor import HFActor
 from nemo_factuality.trainers.config import GRPOConfig, VLLMEngineConfig, load_train_config
 from nemo_factuality.trainers.engines.vllm_engine import VLLMEngine
 from nemo_factuality.trainers.engines.vllm_rollout import VLLMRollout

@@ -105,7 +105,7 @@ def _stage(stage: str, policy: Path, run_dir: Path, reward: list[str], data: Pat
     import torch
 
     from nemo_factuality.trainers import config as schemas
-    from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
+    from nemo_factuality.trainers.backends.hf.actor import HFActor, HFCritic
     from nemo_factuality.trainers.data import load_prompts
     from nemo_factuality.trainers.runtime import build_reward
 
@@ -226,7 +226,7 @@ def rollout_worker(nemo: Path, out: Path, rounds: int) -> None:
     aligner_cpu.apply()
     import torch
 
-    from nemo_factuality.trainers.backends.aligner import build_actor
+    from nemo_factuality.trainers.backends.aligner.actor import build_actor
     from nemo_factuality.trainers.config import GRPOConfig, load_train_config
     from nemo_factuality.trainers.interfaces import SamplingParams
 
@@ -307,7 +307,7 @@ def bench_kto(tmp: Path, policy: Path, args) -> dict:
     import torch
 
     from nemo_factuality.testing.training import half_good_labeller, prompts
-    from nemo_factuality.trainers.backends.hf import HFActor
+    from nemo_factuality.trainers.backends.hf.actor import HFActor
     from nemo_factuality.trainers.config import KTOConfig
     from nemo_factuality.trainers.kto import KTOTrainer
 
@@ -365,7 +365,7 @@ def bench_onpolicy(tmp: Path, policy: Path, args) -> dict:
     import torch
 
     from nemo_factuality.testing.training import good_fraction, prompts
-    from nemo_factuality.trainers.backends.hf import HFActor
+    from nemo_factuality.trainers.backends.hf.actor import HFActor
     from nemo_factuality.trainers.config import GRPOConfig
     from nemo_factuality.trainers.grpo import GRPOTrainer
 

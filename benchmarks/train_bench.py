@@ -24,7 +24,7 @@ PHASES = ("generate", "reward", "logprobs", "train", "step")
 
 
 def run(policy: Path, reward, args, run_dir: Path, remote_url: str | None = None) -> list[dict]:
-    from nemo_factuality.trainers.backends.hf import HFActor
+    from nemo_factuality.trainers.backends.hf.actor import HFActor
     from nemo_factuality.trainers.config import GRPOConfig
     from nemo_factuality.trainers.data import load_prompts
     from nemo_factuality.trainers.grpo import GRPOTrainer

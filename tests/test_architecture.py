@@ -1,6 +1,9 @@
 """The house keeps its shape (docs/architecture.md): imports follow the layers, no import circle, no module over 800 lines,
 and the architecture page's picture names the modules that exist.
 
+Each training backend is a package of its own (``trainers/backends/<name>/``): one room, whose ``__init__`` imports
+nothing (naming a backend loads none of its stack), reached by the stages only through the registry.
+
 Imports are read from the source (``ast``), function-level ones included: a lazy import is still a dependency, and a
 circle of lazy imports is still a circle (it only moves the failure from import time to call time). What a module runs
 as a script (its ``if __name__ == "__main__":`` block) is an entry point above every layer and does not count.
@@ -21,6 +24,10 @@ MAX_LINES = 800
 STAGE_SIDE = ("nemo_factuality.trainers.grpo", "nemo_factuality.trainers.ppo", "nemo_factuality.trainers.kto",
               "nemo_factuality.trainers.runtime", "nemo_factuality.trainers.parallel", "nemo_factuality.trainers.scoring",
               "nemo_factuality.trainers.interfaces", "nemo_factuality.trainers.data", "nemo_factuality.trainers.reference")
+BACKENDS_DIR = PACKAGE / "trainers" / "backends"
+REGISTRY = "nemo_factuality.trainers.backends"
+#: One package per backend (its room); the modules beside them in ``backends/`` are shared.
+BACKEND_PACKAGES = ("aligner", "hf", "megatron")
 
 
 def _is_main_block(node: ast.AST) -> bool:
@@ -146,10 +153,63 @@ def test_the_tools_scripts_have_no_import_circle():
     assert cycles(import_graph(tools)) == []
 
 
+def room(module: str) -> str:
+    """The room a module lives in: a backend's package for any of its modules, else the module itself."""
+    parts = module.split(".")
+    depth = len(REGISTRY.split("."))
+    if module.startswith(REGISTRY + ".") and parts[depth] in BACKEND_PACKAGES:
+        return ".".join(parts[: depth + 1])
+    return module
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """``graph`` with each backend package collapsed into one node (its room)."""
+    out: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        out.setdefault(room(name), set()).update(room(t) for t in targets if room(t) != room(name))
+    return out
+
+
+def test_each_backend_is_a_package_the_registry_names():
+    packages = sorted(p.parent.name for p in BACKENDS_DIR.glob("*/__init__.py"))
+    assert packages == sorted(BACKEND_PACKAGES)
+    from nemo_factuality.trainers.backends import BACKENDS
+
+    assert sorted(BACKENDS.names()) == sorted(BACKEND_PACKAGES)
+
+
+def test_a_backend_packages_init_imports_nothing():
+    """The lazy-import design: ``import nemo_factuality.trainers.backends.<name>`` loads none of the backend's stack,
+    so the package's ``__init__`` holds a docstring and no import (not even a re-export of its modules)."""
+    for name in BACKEND_PACKAGES:
+        tree = ast.parse((BACKENDS_DIR / name / "__init__.py").read_text(encoding="utf-8"))
+        imports = [ast.unparse(node) for node in _imports(tree)
+                   if not (isinstance(node, ast.ImportFrom) and node.module == "__future__")]
+        assert imports == [], f"backends/{name}/__init__.py imports {imports}"
+
+
+def test_the_rooms_have_no_import_circle():
+    """With each backend package taken as one room, no circle either: one backend may use another's module (megatron
+    uses hf's sampled distribution), never both ways."""
+    graph = room_graph(import_graph(module_files(PACKAGE, "nemo_factuality")))
+    assert {room(f"{REGISTRY}.{name}.actor") for name in BACKEND_PACKAGES} <= set(graph)
+    assert cycles(graph) == []
+
+
+def test_the_room_graph_collapses_a_backend_package():
+    """The negative control: two backend packages that import each other's modules are one circle of rooms even
+    though no module circle exists."""
+    graph = {f"{REGISTRY}.hf.actor": {f"{REGISTRY}.megatron.memory"},
+             f"{REGISTRY}.megatron.memory": set(),
+             f"{REGISTRY}.megatron.actor": {f"{REGISTRY}.hf.actor"}}
+    assert cycles(graph) == []
+    assert cycles(room_graph(graph)) == [[f"{REGISTRY}.hf", f"{REGISTRY}.megatron"]]
+
+
 def test_the_stages_reach_a_backend_only_through_the_interfaces_and_the_registry():
     graph = import_graph(module_files(PACKAGE, "nemo_factuality"))
     for module in STAGE_SIDE:
-        backends = sorted(t for t in graph[module] if t.startswith("nemo_factuality.trainers.backends."))
+        backends = sorted(t for t in graph[module] if t.startswith(REGISTRY + "."))
         assert backends == [], f"{module} imports a backend's module: {backends}"
 
 
@@ -169,9 +229,9 @@ def test_no_module_is_over_800_lines():
 
 def test_the_architecture_page_names_every_backend_module_and_only_those_that_exist():
     page = (REPO_ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
-    named = set(re.findall(r"\b((?:backends|engines)/[a-z_]+\.py)\b", page))
-    present = {f"{path.parent.name}/{path.name}" for folder in ("backends", "engines")
-               for path in (PACKAGE / "trainers" / folder).glob("*.py") if path.name != "__init__.py"}
+    named = set(re.findall(r"\b((?:backends|engines)/(?:[a-z_]+/)?[a-z_]+\.py)\b", page))
+    present = {path.relative_to(PACKAGE / "trainers").as_posix() for folder in ("backends", "engines")
+               for path in (PACKAGE / "trainers" / folder).rglob("*.py") if path.name != "__init__.py"}
     assert named == present, (sorted(present - named), sorted(named - present))
 
 

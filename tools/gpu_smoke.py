@@ -12,7 +12,7 @@ One run builds a Qwen2-shaped model from a config (``qwen2-0.5b``: Qwen2.5-0.5B'
   ``megatron_amp_O2``, Megatron-Core's distributed optimizer, full recompute, Adam-state offload; TP=1, so no
   sequence parallelism): generation tokens/s at rollout batch 16 and at the largest batch the memory formula
   allows (halved on an out-of-memory error), then ``--steps`` GRPO steps of the real stage on a toy reward,
-  with the step-time split from ``metrics.jsonl`` and peak GPU memory against ``aligner_memory``'s prediction;
+  with the step-time split from ``metrics.jsonl`` and peak GPU memory against ``backends.aligner.memory``'s prediction;
 * **megatron** (``--backend megatron``, instead of aligner): the megatron backend's actor from the HF folder itself
   (no ``.nemo`` step), measured the same way (``tools/gpu_smoke_megatron.py`` says how it differs);
 * **trl**: TRL's ``GRPOTrainer`` on the same HF weights, prompts, group size, completion length and reward.
@@ -54,7 +54,7 @@ PRESET = "qwen2.5-7b"  # whose GPU settings the aligner run takes (TP=1 here)
 def _model_overrides(cpu: bool) -> dict:
     import yaml
 
-    from nemo_factuality.trainers.backends.aligner import PRESET_DIR
+    from nemo_factuality.trainers.backends.aligner.actor import PRESET_DIR
 
     gpu = dict(yaml.safe_load((PRESET_DIR / f"{PRESET}.yaml").read_text())["common"]["aligner"])
     gpu["sequence_parallel"] = False  # TP=1
@@ -81,8 +81,8 @@ def run_aligner(args, nemo: Path, run_dir: Path) -> dict:
         aligner_cpu.apply()
     else:
         apex_free.apply()
-    from nemo_factuality.trainers.backends.aligner import build_actor
-    from nemo_factuality.trainers.backends.aligner_memory import (
+    from nemo_factuality.trainers.backends.aligner.actor import build_actor
+    from nemo_factuality.trainers.backends.aligner.memory import (
         GIB,
         Arch,
         Layout,

@@ -6,7 +6,8 @@ largest batch that fits, ``--steps`` GRPO steps of the real stage with the step-
 * Transformer Engine: a bare GPU machine has none, and Bridge 0.3.1 imports ``transformer_engine.pytorch``
   unconditionally. ``nemo_factuality.testing.megatron_cpu.apply()`` imports Bridge with a throw-away TE stand-in that is
   visible only while Bridge imports (on CUDA it does nothing else); production code never imports it and, without TE,
-  stops with ``megatron_build._BRIDGE_HINT``. Megatron-Core then reports no TE, so the backend builds its local spec.
+  stops with ``backends.megatron.build._BRIDGE_HINT``. Megatron-Core then reports no TE, so the backend builds its
+  local spec.
 * dtype: float32 on CPU (the backend's CI setting); ``model.dtype=bfloat16`` on a GPU (bf16 mixed precision with fp32
   main weights, the presets' setting), as the TRL peer runs.
 * Largest batch: no memory formula covers this backend's rollouts yet (fp32 or bf16 weights, Megatron's static engine
@@ -76,9 +77,9 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
     import torch
     from gpu_smoke_common import MODELS, fit_toy_grpo, measure_generation, peak_gib, prompts, shape, step_split
 
-    from nemo_factuality.trainers.backends import megatron_build
-    from nemo_factuality.trainers.backends.aligner_memory import GIB, Arch
-    from nemo_factuality.trainers.backends.megatron import build_megatron
+    from nemo_factuality.trainers.backends.aligner.memory import GIB, Arch
+    from nemo_factuality.trainers.backends.megatron import build as megatron_build
+    from nemo_factuality.trainers.backends.megatron.actor import build_megatron
 
     s = shape(args)
     cfg, dtype = config_with_dtype(args, hf, run_dir, s)

@@ -227,7 +227,7 @@ def _schemas() -> list[tuple[str, str, list[tuple[str, type]]]]:
     from nemo_factuality.pipeline import JudgeConfig, PipelineConfig
     from nemo_factuality.rewards.base import GuardConfig
     from nemo_factuality.serving.config import ServeConfig
-    from nemo_factuality.trainers.backends.aligner import AlignerRuntime
+    from nemo_factuality.trainers.backends.aligner.actor import AlignerRuntime
     from nemo_factuality.trainers.config import GRPOConfig, KTOConfig, PPOConfig
 
     return [
@@ -236,8 +236,8 @@ def _schemas() -> list[tuple[str, str, list[tuple[str, type]]]]:
          "(`grpo`, `ppo`, `kto`) and PPO's `critic`.",
          [("grpo", GRPOConfig), ("ppo", PPOConfig), ("kto", KTOConfig)]),
         ("Aligner preset runtime", "The `runtime:` part of a model preset in `conf/train/aligner/` "
-         "(`AlignerRuntime` in `nemo_factuality/trainers/backends/aligner.py`): NeMo's trainer and model settings "
-         "the stage schema does not carry.", [("preset", AlignerRuntime)]),
+         "(`AlignerRuntime` in `nemo_factuality/trainers/backends/aligner/actor.py`): NeMo's trainer and model "
+         "settings the stage schema does not carry.", [("preset", AlignerRuntime)]),
         ("Reward server", "`nemo-factuality serve`; files in `conf/serve/` "
          "(`nemo_factuality/serving/config.py`).", [("serve", ServeConfig)]),
         ("Fact-checking pipeline", "The `pipeline:` block of a reward or of `conf/eval/*.yaml` "

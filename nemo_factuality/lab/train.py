@@ -159,7 +159,7 @@ def train_stage(stage: str, cfg: Any, base: Path, run_dir: Path, reward: Any, re
     the stage's per-step metrics, the validator with its log)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
+    from nemo_factuality.trainers.backends.hf.actor import HFActor, HFCritic
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)

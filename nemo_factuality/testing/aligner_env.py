@@ -35,7 +35,7 @@ def aligner_env(**extra: str) -> dict[str, str]:
 
 
 #: What an aligner driver imports before its first line of work: preloaded once by ``forkrun`` (``preload=True``).
-PRELOAD = ("nemo_factuality.testing.aligner_cpu:apply", "nemo_factuality.trainers.backends.aligner")
+PRELOAD = ("nemo_factuality.testing.aligner_cpu:apply", "nemo_factuality.trainers.backends.aligner.actor")
 
 
 def run_in_aligner_venv(venv: Path, args: list[str], *, nproc: int = 1, timeout: float = 300, preload: bool = False,

@@ -6,7 +6,7 @@ machine where only these Python packages could be carried; ``aligner_cpu.apply()
 device layer. Each patch is a failure observed without those CUDA-built packages:
 
 * Transformer Engine: a stub so Megatron decides it is absent (the spec itself is production's choice,
-  ``trainers/backends/aligner_spec.py``); the local spec's torch norms refuse ``sequence_parallel`` — built and marked for the TP all-reduce
+  ``trainers/backends/aligner/spec.py``); the local spec's torch norms refuse ``sequence_parallel`` — built and marked for the TP all-reduce
   as TE's norms are; megatron-core 0.12's distributed optimizer "quantizes" fp8 parameters after every step and
   raises without TE even when there are none.
 * Apex: names NeMo imports (``FusedLayerNorm``, ``MixedFusedRMSNorm``, ``listify_model``, ``amp_C`` kernels
@@ -107,7 +107,7 @@ def _patch_nemo_model_building() -> None:
     if not hasattr(nlp_overrides, "MegatronDistributedFusedAdam"):
         nlp_overrides.MegatronDistributedFusedAdam = type("MegatronDistributedFusedAdam", (), {})
     build_module.set_defaults_if_not_set_tensor_model_parallel_attributes = set_defaults_if_not_set_tensor_model_parallel_attributes
-    # (the layer spec is production's: trainers/backends/aligner_spec.py builds the one the config asks for)
+    # (the layer spec is production's: trainers/backends/aligner/spec.py builds the one the config asks for)
 
 
 def _patch_checkpoint_writer() -> None:

@@ -1,7 +1,7 @@
 """A torchrun stand-in for the CPU tests' driver programs that pays a heavy stack's import once per run, not per rank.
 
     python -m nemo_factuality.testing.forkrun --nproc 2 --preload nemo_factuality.testing.aligner_cpu:apply \\
-        --preload nemo_factuality.trainers.backends.aligner -- DRIVER.py ARGS… [--next DRIVER.py ARGS…]
+        --preload nemo_factuality.trainers.backends.aligner.actor -- DRIVER.py ARGS… [--next DRIVER.py ARGS…]
 
 NeMo's import costs ~17 s of CPU per process and Megatron-Bridge's ~8; a torchrun program of four ranks paid it four
 times for a check that takes seconds. This launcher imports the ``--preload`` modules once (``module:function`` also

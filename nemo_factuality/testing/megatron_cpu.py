@@ -20,7 +20,7 @@ Never imported by production code. Called first thing in a test program that run
   the aligner tests' device mapping (``aligner_cpu``) cover most of them; this adds events, nvtx and memory stats.
 
 What is NOT here, because it is wrong on any device and the backend fixes it itself
-(``trainers/backends/megatron_build.py``): the non-contiguous scatter of row-parallel weights, the tensor-parallel
+(``trainers/backends/megatron/build.py``): the non-contiguous scatter of row-parallel weights, the tensor-parallel
 attributes Bridge's ``perform_initialization=False`` leaves unset, the fused cross-entropy's bf16 gradient, and exported
 tensors that alias live parameters.
 """

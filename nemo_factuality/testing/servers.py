@@ -149,7 +149,7 @@ def critic_server(venv: Path, overrides: list[str], port: int, log: Path, *,
     """The critic server in its own process group, ready within ``ready_timeout_s``; that group (and only it)
     killed after. ``overrides`` are the server's arguments (``[--config-name NAME] key=value…``)."""
     from nemo_factuality.testing.aligner_env import aligner_env
-    from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic, RemoteCriticError
+    from nemo_factuality.trainers.backends.aligner.critic import RemoteCritic, RemoteCriticError
 
     home = tempfile.mkdtemp(prefix="pyt_")  # short: Triton's Unix sockets (108-byte path limit)
     env = aligner_env(CRITIC_BIND_ADDRESS="127.0.0.1", PYTRITON_HOME=home)

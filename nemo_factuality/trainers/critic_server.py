@@ -52,7 +52,7 @@ def critic_optimizer_steps(cfg: PPOConfig) -> int:
 
 def critic_model_overrides(cfg: PPOConfig) -> dict[str, Any]:
     """Aligner's critic ``model`` section from the stage config (wins over the checkpoint's config)."""
-    from nemo_factuality.trainers.backends.aligner import (
+    from nemo_factuality.trainers.backends.aligner.actor import (
         _PRECISION,
         CONVERTED_CHECKPOINT_KEYS,
         _merge,
@@ -137,7 +137,7 @@ def build_server(cfg: PPOConfig, *, devices: int, num_nodes: int):
     from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo
     from omegaconf import OmegaConf
 
-    from nemo_factuality.trainers.backends.aligner import (
+    from nemo_factuality.trainers.backends.aligner.actor import (
         AlignerRuntime,
         nemo_trainer,
         restore_training_state,

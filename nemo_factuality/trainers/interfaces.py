@@ -1,8 +1,8 @@
 """One contract per role in a training stage: the policy actor and the critic (NeMo-RL style ``interfaces``).
 
 The stages (``grpo.py``, ``ppo.py``, ``kto.py``) only call these methods, so the same reward →
-advantage → loss code drives a tiny HF model on CPU (``backends/hf.py``) and NeMo-Aligner's
-Megatron actors with TP/PP/DP (``backends/aligner.py``).
+advantage → loss code drives a tiny HF model on CPU (``backends/hf/actor.py``) and NeMo-Aligner's
+Megatron actors with TP/PP/DP (``backends/aligner/actor.py``).
 
 Tensor layout (NeMo-Aligner's, so its actors need no reshaping):
 

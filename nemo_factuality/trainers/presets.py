@@ -1,6 +1,6 @@
 """Model presets (``conf/train/<backend>/<name>.yaml``): a model's layout, batch sizes and settings per method on
 8×H100-80GB nodes, with their per-GPU memory arithmetic beside them, for the backends that train at that scale —
-``aligner`` (a ``.nemo`` policy; ``backends/aligner.py`` also hands NeMo the settings the stage schema lacks) and
+``aligner`` (a ``.nemo`` policy; ``backends/aligner/actor.py`` also hands NeMo the settings the stage schema lacks) and
 ``megatron`` (an HF policy; every setting is a stage key). ``--preset NAME`` looks in the folder of the stage's
 ``trainer.backend``: the same model has a preset per backend, so the backend chooses which.
 
@@ -54,7 +54,7 @@ def load_preset(backend: str, name: str, method: str) -> tuple[list[str], dict[s
         raise ConfigError(f"--preset {name}: trainer.backend={backend} has no presets; {where}: "
                           f"add {' or '.join(f'trainer.backend={b}' for b in have or PRESET_BACKENDS)}")
     if backend == "aligner":
-        from nemo_factuality.trainers.backends.aligner import load_preset as load_aligner_preset
+        from nemo_factuality.trainers.backends.aligner.actor import load_preset as load_aligner_preset
 
         try:
             return load_aligner_preset(name, method)

@@ -120,7 +120,7 @@ def test_every_metric_a_stage_logs_is_in_the_catalogue(tmp_path):
         prompts,
         read_metrics,
     )
-    from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
+    from nemo_factuality.trainers.backends.hf.actor import HFActor, HFCritic
     from nemo_factuality.trainers.config import GRPOConfig, KTOConfig, PPOConfig
     from nemo_factuality.trainers.data import PreferencePair
     from nemo_factuality.trainers.grpo import GRPOTrainer

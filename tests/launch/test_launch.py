@@ -189,7 +189,7 @@ def test_every_module_a_rendered_script_runs_exists(stage_name):
 @pytest.mark.parametrize("stage_name", ALIGNER_STAGES)
 def test_aligner_stage_starts_one_task_per_gpu_of_its_preset(stage_name, monkeypatch):
     """Nodes, tasks per node and TP/PP as the trainer itself reads the preset (load_preset), not as the renderer does."""
-    from nemo_factuality.trainers.backends.aligner import load_preset
+    from nemo_factuality.trainers.backends.aligner.actor import load_preset
 
     monkeypatch.setattr(render_module, "missing_modules", lambda stage: [])  # existence: the test above
     stage = load_config(LaunchConfig, stage_name, group="launch")
@@ -226,7 +226,7 @@ def test_trainer_command_is_a_complete_valid_stage_config(stage_name, monkeypatc
     """The rendered trainer command (plus its preset's overrides) loads into the stage schema and passes its
     validation: the policy and the data are the launch params (hf: model.path on the GPU; aligner: the .nemo)."""
     from nemo_factuality.trainers import config as schemas
-    from nemo_factuality.trainers.backends.aligner import load_preset
+    from nemo_factuality.trainers.backends.aligner.actor import load_preset
     from nemo_factuality.trainers.cli import STAGES as TRAIN_STAGES
 
     monkeypatch.setattr(render_module, "missing_modules", lambda stage: [])

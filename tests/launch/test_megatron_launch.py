@@ -34,10 +34,10 @@ def _trainer_step(text: str) -> tuple[str, str]:
 @pytest.mark.parametrize("stage_name", STAGES)
 def test_the_job_is_sized_as_the_trainer_reads_its_preset(stage_name):
     """Nodes, trainer tasks per node and TP/PP from the trainer's own reading of the preset (``trainers.presets`` +
-    ``megatron_memory.plan``), not the launcher's; the image, the exports and the devices the tasks see."""
+    ``backends.megatron.memory.plan``), not the launcher's; the image, the exports and the devices the tasks see."""
     import yaml
 
-    from nemo_factuality.trainers.backends.megatron_memory import plan
+    from nemo_factuality.trainers.backends.megatron.memory import plan
 
     stage = load_config(LaunchConfig, stage_name, group="launch")
     method = python_modules(stage.trainer_command)[0].rsplit(".", 1)[-1]
@@ -109,7 +109,7 @@ def test_each_rank_gives_its_engine_the_gpus_the_job_writes_out(stage_name):
     LOCAL_WORLD_SIZE and the CUDA_VISIBLE_DEVICES the job sets): the same GPUs as the rendered split, rank by rank."""
     import yaml
 
-    from nemo_factuality.trainers.backends.megatron_memory import plan
+    from nemo_factuality.trainers.backends.megatron.memory import plan
     from nemo_factuality.trainers.engines.vllm_rollout import engine_devices
 
     stage = load_config(LaunchConfig, stage_name, group="launch")

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from nemo_factuality.algorithms.advantages import response_mask  # noqa: E402
 from nemo_factuality.algorithms.losses import ppo_policy_loss  # noqa: E402
-from nemo_factuality.trainers.backends.aligner import AlignerActor, build_actor  # noqa: E402
+from nemo_factuality.trainers.backends.aligner.actor import AlignerActor, build_actor  # noqa: E402
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
 from nemo_factuality.trainers.interfaces import Rollout, SamplingParams  # noqa: E402
 
@@ -425,7 +425,7 @@ def ppo(actor: AlignerActor, args) -> dict:
     """RLFH PPO for 2 steps, then a rerun to 3 that resumes (the critic server must be at the saved step); records
     what each critic_train request held so the test can recompute Aligner's value loss."""
     from nemo_factuality.testing.training import good_tokens_dense, prompts, read_metrics
-    from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic, RemoteCriticError
+    from nemo_factuality.trainers.backends.aligner.critic import RemoteCritic, RemoteCriticError
     from nemo_factuality.trainers.config import PPOConfig
     from nemo_factuality.trainers.ppo import PPOTrainer
 
@@ -515,7 +515,7 @@ def _method_stage(actor: AlignerActor, step: dict) -> dict:
             pairs = load_pairs(cfg.data.general_pairs) if cfg.data.general_pairs else []
             trainer = KTOTrainer(cfg, actor, reward, data, general_pairs=pairs, run_dir=run_dir)
         else:
-            from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic
+            from nemo_factuality.trainers.backends.aligner.critic import RemoteCritic
             from nemo_factuality.trainers.ppo import PPOTrainer
 
             critic = RemoteCritic(cfg.critic)

@@ -174,7 +174,7 @@ def restore(cfg):
     trainer = resolve_and_create_trainer(cfg, "reinforce")
     exp_manager(trainer, cfg.exp_manager)
     logger = _recording_logger_class()(trainer.loggers)
-    from nemo_factuality.trainers.backends.aligner_spec import use_checkpoint_layer_specs
+    from nemo_factuality.trainers.backends.aligner.spec import use_checkpoint_layer_specs
 
     # NeMo 2.2's get_specs cannot build a spec without TE (it builds every spec eagerly): the layer spec this
     # toolkit installs on every path it builds a model (nemo_trainer), here for Aligner's own script
@@ -205,7 +205,7 @@ def run(args) -> dict:
         init_using_ptl,
     )
 
-    from nemo_factuality.trainers.backends.aligner_reward import remote_reward_client
+    from nemo_factuality.trainers.backends.aligner.reward import remote_reward_client
 
     cfg = build_cfg(args)
     trainer, model, logger = restore(cfg)

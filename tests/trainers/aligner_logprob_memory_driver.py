@@ -1,5 +1,5 @@
 """Runs in the NeMo-Aligner venv (python, one gloo rank, CPU): the bytes the aligner backend's log-prob forward
-allocates per logit, for ``aligner_memory.LOGPROB_BYTES_PER_LOGIT``.
+allocates per logit, for ``backends.aligner.memory.LOGPROB_BYTES_PER_LOGIT``.
 
     python tests/trainers/aligner_logprob_memory_driver.py --b 2 --s 64 --v 4096
 

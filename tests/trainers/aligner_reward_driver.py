@@ -32,7 +32,7 @@ def main() -> int:
 
     mpu.initialize_model_parallel(1, 1)
     from nemo_factuality.serving.client import RemoteRewardError
-    from nemo_factuality.trainers.backends.aligner_reward import remote_reward_client
+    from nemo_factuality.trainers.backends.aligner.reward import remote_reward_client
 
     remote_rm = SimpleNamespace(url=f"http://127.0.0.1:{port}", init_timeout_s=3.0, timeout_s=5.0,
                                 reward_model=SimpleNamespace(name="reward_model", ip=None, port=port))

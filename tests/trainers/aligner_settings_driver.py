@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 from nemo_factuality.algorithms.advantages import response_mask  # noqa: E402
 from nemo_factuality.algorithms.losses import ppo_policy_loss  # noqa: E402
-from nemo_factuality.trainers.backends.aligner import AlignerActor, build_actor  # noqa: E402
+from nemo_factuality.trainers.backends.aligner.actor import AlignerActor, build_actor  # noqa: E402
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
 from nemo_factuality.trainers.interfaces import Rollout, SamplingParams  # noqa: E402
 
@@ -55,7 +55,7 @@ def _install_probes() -> None:
     import megatron.core.tensor_parallel.mappings as mappings
     from megatron.core import tensor_parallel
 
-    from nemo_factuality.trainers.backends import aligner
+    from nemo_factuality.trainers.backends.aligner import actor as aligner_actor
 
     def counting(key, fn):
         def wrapper(*args, **kwargs):
@@ -66,15 +66,15 @@ def _install_probes() -> None:
 
     tensor_parallel.checkpoint = counting("recompute", tensor_parallel.checkpoint)
     mappings.dist_reduce_scatter_func = counting("reduce_scatter", mappings.dist_reduce_scatter_func)
-    aligner.offload_optimizer_states = counting("offload", aligner.offload_optimizer_states)
-    aligner.onload_optimizer_states = counting("onload", aligner.onload_optimizer_states)
+    aligner_actor.offload_optimizer_states = counting("offload", aligner_actor.offload_optimizer_states)
+    aligner_actor.onload_optimizer_states = counting("onload", aligner_actor.onload_optimizer_states)
 
 
 def setting_overrides(setting: str, preset: str, tp: int) -> tuple[str, dict]:
     """(stage ``model.dtype``, NeMo model overrides) for one setting of a preset's ``common`` block."""
     import yaml
 
-    from nemo_factuality.trainers.backends.aligner import PRESET_DIR
+    from nemo_factuality.trainers.backends.aligner.actor import PRESET_DIR
 
     common = yaml.safe_load((PRESET_DIR / f"{preset}.yaml").read_text())["common"]
     cpu = dict(aligner_cpu.CPU_MODEL_OVERRIDES)

@@ -24,7 +24,7 @@ aligner_cpu.apply()
 import torch  # noqa: E402
 from megatron.core.models.gpt import gpt_layer_specs  # noqa: E402
 
-from nemo_factuality.trainers.backends.aligner import PRESET_DIR, build_actor  # noqa: E402
+from nemo_factuality.trainers.backends.aligner.actor import PRESET_DIR, build_actor  # noqa: E402
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
 from nemo_factuality.trainers.interfaces import Rollout  # noqa: E402
 

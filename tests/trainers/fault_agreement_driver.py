@@ -164,7 +164,7 @@ def main() -> int:
     out = Path(args.out)
     cfg = load_train_config(GRPOConfig, None, overrides(args, out / "init", 3))
     if args.nemo:
-        from nemo_factuality.trainers.backends.aligner import build_actor
+        from nemo_factuality.trainers.backends.aligner.actor import build_actor
 
         actor = build_actor(cfg, max_steps=10, rollout_micro_batch_size=4,
                             model_overrides=dict(aligner_cpu.CPU_MODEL_OVERRIDES))

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from nemo_factuality.trainers.backends.collectives import init_from_environment  # noqa: E402
-from nemo_factuality.trainers.backends.hf import HFActor, HFCritic  # noqa: E402
+from nemo_factuality.trainers.backends.hf.actor import HFActor, HFCritic  # noqa: E402
 from nemo_factuality.trainers.config import PPOConfig, load_train_config  # noqa: E402
 
 ROWS, WIDTH = 8, 9

@@ -91,7 +91,7 @@ def value_loss_fn(global_tokens: float):
 
 def hf_reference(args, cfg: PPOConfig) -> dict:
     """``HFCritic`` at world 1 on the whole batch (under torchrun it would sum its gradient over the job's ranks)."""
-    from nemo_factuality.trainers.backends.hf import HFCritic
+    from nemo_factuality.trainers.backends.hf.actor import HFCritic
 
     class WorldOneCritic(HFCritic):
         data_parallel_size = 1
@@ -131,8 +131,9 @@ def put_bug(name: str, critic) -> None:
 
 
 def parity(args) -> dict:
-    from nemo_factuality.trainers.backends import BACKENDS, megatron_critic
-    from nemo_factuality.trainers.backends.megatron_critic import MegatronCritic
+    from nemo_factuality.trainers.backends import BACKENDS
+    from nemo_factuality.trainers.backends.megatron import critic as megatron_critic
+    from nemo_factuality.trainers.backends.megatron.critic import MegatronCritic
 
     if args.bug == "tied":  # the value head installed, the model left tied
         install = megatron_critic.install_value_head
@@ -176,7 +177,7 @@ def checkpoints(args, cfg, critic_cls, mine, tokens, batch) -> dict:
     checkpoint first; step, save, step, load, step again."""
     adam = config(args, "critic.optim.name=adamw", "critic.optim.lr=0.01", "trainer.gradient_clip_val=1.0",
                   f"model.megatron.use_distributed_optimizer={args.distributed_optimizer}")
-    from nemo_factuality.trainers.backends import megatron_build as build
+    from nemo_factuality.trainers.backends.megatron import build
 
     critic = critic_cls(adam.critic, adam.model.path, tensor=args.tp, pipeline=args.pp, max_steps=10,
                         distributed_timeout_s=adam.trainer.distributed_timeout_s, gradient_clip_val=1.0,

@@ -13,8 +13,8 @@ against transformers on the same tiny HF checkpoint. Each command writes ``<out>
   ``generate`` (transformers' ``generate``); 400 sampled first tokens against the probabilities the actor's log-probs
   give them (temperature 0.7, top-k 8, top-p 0.9); the same with ``model.megatron.inference_engine=dynamic`` (the
   flash-attn stand-in of ``testing/flash_attn_cpu.py``), and its start-up refusals where flash-attn is missing or old.
-* ``parity --unfixed scatter|tp-attributes``: the same with one of the backend's fixes undone (``megatron_build``), to
-  show the checks above catch what it fixes.
+* ``parity --unfixed scatter|tp-attributes``: the same with one of the backend's fixes undone
+  (``backends.megatron.build``), to show the checks above catch what it fixes.
 * ``train``: a fixed batch of 8 sequences, each rank its contiguous 8/DP rows, the loss normalised by the global token
   count: step 1 (AdamW), logits; export → transformers reloads it → its logits; save; step 2 → log-probs; load → step 2
   again → log-probs (exactly equal); the reference reset to the current policy and saved with it; with ``--resume`` a
@@ -127,8 +127,8 @@ def hf_model(path: str):
 
 
 def undo_fix(name: str) -> None:
-    """Build without one of ``megatron_build``'s fixes (the checks must then fail)."""
-    from nemo_factuality.trainers.backends import megatron_build
+    """Build without one of ``backends.megatron.build``'s fixes (the checks must then fail)."""
+    from nemo_factuality.trainers.backends.megatron import build as megatron_build
 
     if name == "scatter":
         megatron_build.contiguous_tensor_parallel_scatter = lambda: None
@@ -138,7 +138,7 @@ def undo_fix(name: str) -> None:
 
 
 def parity(args) -> dict:
-    from nemo_factuality.trainers.backends.hf import token_logprobs
+    from nemo_factuality.trainers.backends.hf.actor import token_logprobs
 
     if args.unfixed:
         undo_fix(args.unfixed)
@@ -169,7 +169,7 @@ def parity(args) -> dict:
 
 def generations(args, actor) -> dict:
     """Greedy rollouts of the actor and of the hf backend (transformers' generate); sampled first tokens."""
-    from nemo_factuality.trainers.backends.hf import HFActor
+    from nemo_factuality.trainers.backends.hf.actor import HFActor
 
     cfg = load_train_config(GRPOConfig, None, [f"model.path={args.reference_hf or args.hf}", "remote_rm.url=http://127.0.0.1:9"])
     prompts = [[5, 17, 33, 8], [9, 60], [120, 7, 7, 41, 300, 12], [2, 44, 31], [77, 3, 250, 18, 9, 61, 140, 2, 33],
@@ -263,7 +263,7 @@ def _refusals(attention) -> dict:
     """``check_inference_engine("dynamic")`` (the actor's start-up check) where Megatron found no flash-attn kernels and
     where their version is below Megatron's minimum: each a one-line ``ConfigError``."""
     from nemo_factuality.config import ConfigError
-    from nemo_factuality.trainers.backends.megatron_generate import check_inference_engine
+    from nemo_factuality.trainers.backends.megatron.generate import check_inference_engine
 
     def refusal() -> str | None:
         try:

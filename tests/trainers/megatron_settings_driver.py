@@ -76,7 +76,7 @@ def install_probes() -> None:
 
 def unfix(name: str) -> None:
     if name == "sp-norm":  # the norms exactly as Megatron's WrappedTorchNorm builds them, minus its SP assertion
-        from nemo_factuality.trainers.backends import megatron_build
+        from nemo_factuality.trainers.backends.megatron import build as megatron_build
 
         build_norm = megatron_build.SequenceParallelTorchNorm.__new__
 
@@ -284,7 +284,7 @@ def check_transformer_engine(args) -> dict:
     the key. And the spec choice: Megatron-Core's TE layer spec (through Bridge) where TE is available, the local
     block spec otherwise (the TE spec itself can only be built where TE is)."""
     from nemo_factuality.config import ConfigError
-    from nemo_factuality.trainers.backends import megatron_build
+    from nemo_factuality.trainers.backends.megatron import build as megatron_build
 
     out = {}
     try:

@@ -22,7 +22,7 @@ import torch
 from nemo_factuality.testing.aligner_env import run_in_aligner_venv
 from nemo_factuality.testing.ports import free_ports
 from nemo_factuality.testing.servers import critic_server, ppo_overrides
-from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic, RemoteCriticError
+from nemo_factuality.trainers.backends.aligner.critic import RemoteCritic, RemoteCriticError
 from nemo_factuality.trainers.interfaces import Rollout
 
 pytestmark = pytest.mark.slow

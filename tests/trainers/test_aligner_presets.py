@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nemo_factuality.trainers.backends.aligner_memory import (
+from nemo_factuality.trainers.backends.aligner.memory import (
     GIB,
     H100_BUDGET_GIB,
     LOGPROB_BYTES_PER_LOGIT,
@@ -164,7 +164,7 @@ STAGES = {"grpo": ("GRPOConfig", "klcf"), "ppo": ("PPOConfig", "rlfh"), "kto": (
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])
 def test_preset_overrides_validate_against_the_stage_schemas(path):
     from nemo_factuality.trainers import config as schemas
-    from nemo_factuality.trainers.backends.aligner import AlignerRuntime, load_preset
+    from nemo_factuality.trainers.backends.aligner.actor import AlignerRuntime, load_preset
 
     for method, (schema, config_name) in STAGES.items():
         overrides, runtime = load_preset(path.stem, method)
@@ -186,8 +186,8 @@ def test_the_aligner_backend_modules_import_light():
     import subprocess
     import sys
 
-    code = ("import sys, nemo_factuality.trainers.backends.aligner, nemo_factuality.trainers.backends.aligner_reward, "
-            "nemo_factuality.trainers.backends.aligner_memory; "
+    code = ("import sys, nemo_factuality.trainers.backends.aligner.actor, "
+            "nemo_factuality.trainers.backends.aligner.reward, nemo_factuality.trainers.backends.aligner.memory; "
             "print([m for m in sys.modules if m.split('.')[0] in ('nemo', 'nemo_aligner', 'megatron', 'pytriton', 'lightning')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
@@ -363,7 +363,7 @@ def test_the_log_prob_terms_hand_computed():
 def test_both_backends_charge_the_log_prob_logits_through_the_shared_formula():
     """``memory.logprob_logits_bytes`` with each backend's bytes per logit: the megatron presets' 14 (an estimate of
     its temperature-scaled fp32 copy and Megatron's cross-entropy buffers), the aligner presets' 12 (measured below)."""
-    from nemo_factuality.trainers.backends import megatron_memory
+    from nemo_factuality.trainers.backends.megatron import memory as megatron_memory
     from nemo_factuality.trainers.backends.memory import logprob_logits_bytes
 
     arch = Arch(hidden=5120, layers=64, heads=40, kv_heads=8, ffn=27648, vocab=152064)

@@ -14,7 +14,7 @@ import pytest
 from nemo_factuality.serving.client import RemoteRewardError
 from nemo_factuality.testing.aligner_env import aligner_venv, run_in_aligner_venv, skip_reason
 from nemo_factuality.testing.ports import free_ports
-from nemo_factuality.trainers.backends.aligner_reward import _endpoint, check_reward_server
+from nemo_factuality.trainers.backends.aligner.reward import _endpoint, check_reward_server
 
 
 def test_a_closed_port_fails_within_the_timeout_naming_the_url():

@@ -80,7 +80,7 @@ def test_the_critic_resumes_from_the_step_the_committed_checkpoint_names(tmp_pat
 def test_saving_with_the_critic_server_gone_keeps_the_committed_pairing_without_a_second_window(tmp_path):
     pytest.importorskip("pytriton")
     from nemo_factuality.testing.ports import free_ports
-    from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic
+    from nemo_factuality.trainers.backends.aligner.critic import RemoteCritic
 
     cfg = SimpleNamespace(url=f"http://127.0.0.1:{free_ports(1)[0]}", timeout_s=600, init_timeout_s=2,
                           micro_batch_size=4, retry=RetryConfig(max_wait_s=600))

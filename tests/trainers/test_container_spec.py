@@ -66,7 +66,7 @@ def test_presets_build_transformer_engine_spec_for_actor_and_critic(path):
 
 
 def test_transformer_engine_requested_without_it_is_one_line(venv, tmp_path):
-    code = ("from nemo_factuality.trainers.backends.aligner_spec import use_checkpoint_layer_specs\n"
+    code = ("from nemo_factuality.trainers.backends.aligner.spec import use_checkpoint_layer_specs\n"
             "from nemo_factuality.types import FactualityInputError\n"
             "try:\n    use_checkpoint_layer_specs(True)\nexcept FactualityInputError as e:\n    print('ERR', e)\n")
     res = run_in_aligner_venv(venv, ["-c", code], timeout=120)

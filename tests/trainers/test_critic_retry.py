@@ -24,7 +24,7 @@ import torch
 
 from nemo_factuality.testing.ports import free_ports
 from nemo_factuality.testing.servers import subprocess_env
-from nemo_factuality.trainers.backends.aligner_critic import (
+from nemo_factuality.trainers.backends.aligner.critic import (
     CriticServerRestarted,
     CriticServerUnavailable,
     RemoteCritic,

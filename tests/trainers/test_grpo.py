@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_factuality.testing.training import good_fraction, grpo_test_config, prompts, read_metrics
-from nemo_factuality.trainers.backends.hf import HFActor
+from nemo_factuality.trainers.backends.hf.actor import HFActor
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.grpo import GRPOTrainer
 from nemo_factuality.trainers.interfaces import Rollout

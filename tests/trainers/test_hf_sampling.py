@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from nemo_factuality.trainers.backends.hf import HFActor
+from nemo_factuality.trainers.backends.hf.actor import HFActor
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.interfaces import SamplingParams
 
@@ -121,7 +121,7 @@ LOGITS = PROBS.log()
 
 
 def _dist(**kw):
-    from nemo_factuality.trainers.backends.hf import SampledDistribution
+    from nemo_factuality.trainers.backends.hf.actor import SampledDistribution
 
     return SampledDistribution(**kw)
 
@@ -150,7 +150,7 @@ def test_truncated_logprobs_hand_computed(kw, kept, expected):
 
 
 def test_token_logprobs_gather_the_truncated_distribution_at_every_position():
-    from nemo_factuality.trainers.backends.hf import token_logprobs
+    from nemo_factuality.trainers.backends.hf.actor import token_logprobs
 
     logits = LOGITS.repeat(1, 3, 1)  # [1, 3, 5]: the same next-token distribution at each position
     tokens = torch.tensor([[4, 0, 3]])  # next tokens 0 (kept) and 3 (cut by top-k 3)

@@ -1,6 +1,6 @@
 """The 7B–32B megatron presets (``conf/train/megatron/``): every memory and checkpoint line written next to them is
-what ``megatron_memory`` computes from the preset's own stage overrides, every GPU (trainer and vLLM engine, as
-placed) fits an H100-80GB's budget, the layouts are ones Megatron and the placement accept, the placement is stated
+what ``backends.megatron.memory`` computes from the preset's own stage overrides, every GPU (trainer and vLLM engine,
+as placed) fits an H100-80GB's budget, the layouts are ones Megatron and the placement accept, the placement is stated
 with its reason, and ``--preset`` gives the stage exactly those settings (refusing another backend's preset)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import yaml
 from nemo_factuality import placement
 from nemo_factuality.config import REPO_ROOT, ConfigError
 from nemo_factuality.trainers import config as schemas
-from nemo_factuality.trainers.backends import megatron_memory as mm
+from nemo_factuality.trainers.backends.megatron import memory as mm
 from nemo_factuality.trainers.backends.memory import GIB, H100_BUDGET_GIB, Arch
 from nemo_factuality.trainers.parallel import data_parallel_problems
 from nemo_factuality.trainers.presets import load_preset

@@ -57,9 +57,9 @@ def test_what_the_megatron_backend_cannot_do_is_refused_naming_the_setting(extra
 
 def test_the_gpu_settings_pass_the_stage_cli_and_become_the_backends_settings():
     """The presets' combination through the stage command's parser (``nemo-factuality train grpo``), then what the
-    backend hands Megatron (``megatron_build.Settings``; that they reach Megatron's configs is
+    backend hands Megatron (``backends.megatron.build.Settings``; that they reach Megatron's configs is
     test_megatron_gpu_settings' job, in the megatron venv)."""
-    from nemo_factuality.trainers.backends.megatron_build import Settings
+    from nemo_factuality.trainers.backends.megatron.build import Settings
     from nemo_factuality.trainers.cli import parse_stage_config
 
     cfg, _ = parse_stage_config("grpo", [
@@ -103,7 +103,7 @@ def test_a_critic_apart_from_the_policy_is_refused_naming_the_setting(extra, nam
 
 def test_the_backend_is_registered_and_importing_it_loads_no_megatron():
     code = ("import sys; from nemo_factuality.trainers.backends import BACKENDS; "
-            "import nemo_factuality.trainers.backends.megatron as m; "
+            "import nemo_factuality.trainers.backends.megatron.actor as m; "
             "assert 'megatron' in BACKENDS.names(), BACKENDS.names(); "
             "loaded = [k for k in sys.modules if k.split('.')[0] == 'megatron']; assert not loaded, loaded")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -114,7 +114,7 @@ def test_the_backend_is_registered_and_importing_it_loads_no_megatron():
 def test_megatrons_generations_become_the_stages_rollout_layout():
     """Megatron's static engine returns each generation without its EOS, shorter than the budget when EOS ended it:
     the rollout holds the EOS in the response (is_end), as the hf backend's does, right-padded with the pad id."""
-    from nemo_factuality.trainers.backends.megatron_generate import _rollout
+    from nemo_factuality.trainers.backends.megatron.generate import _rollout
 
     eos, pad = 3, 4
     rollout = _rollout([[7, 8, 9], [5]], [[11, 12], [13, 14, 15]], max_new_tokens=3, eos_id=eos, pad_id=pad)

@@ -1,7 +1,8 @@
 """The megatron presets' memory arithmetic checked against what does not come from it (issue 39, item 8).
 
-``test_megatron_presets.py`` checks that the presets' comments and the docs table are what ``megatron_memory`` computes;
-this module checks ``megatron_memory``'s inputs and terms against independent sources:
+``test_megatron_presets.py`` checks that the presets' comments and the docs table are what
+``backends.megatron.memory`` computes; this module checks ``backends.megatron.memory``'s inputs and terms against
+independent sources:
 
 * the parameter count: the real transformers model of each preset's architecture, built on the meta device (no
   memory), counted parameter by parameter — and the model cards' published sizes;
@@ -23,7 +24,7 @@ import torch
 import yaml
 
 from nemo_factuality.config import REPO_ROOT
-from nemo_factuality.trainers.backends.megatron_memory import Engine, engine_bytes, plan
+from nemo_factuality.trainers.backends.megatron.memory import Engine, engine_bytes, plan
 from nemo_factuality.trainers.backends.memory import Arch, parameter_states
 
 PRESETS = sorted((REPO_ROOT / "conf" / "train" / "megatron").glob("*.yaml"))

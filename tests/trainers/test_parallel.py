@@ -198,7 +198,7 @@ def test_the_critic_servers_micro_batch_splits_the_gathered_minibatch_not_each_r
     in-process critic (hf, megatron) must split each rank's share (its check refused the aligner PPO at DP=2)."""
     from types import SimpleNamespace
 
-    from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic
+    from nemo_factuality.trainers.backends.aligner.critic import RemoteCritic
     from nemo_factuality.trainers.ppo import PPOTrainer
 
     cfg = SimpleNamespace(critic=SimpleNamespace(micro_batch_size=4))

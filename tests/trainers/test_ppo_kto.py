@@ -10,7 +10,7 @@ import torch
 
 from nemo_factuality.algorithms import response_mask
 from nemo_factuality.testing.training import GOOD, good_tokens_dense, prompts, read_metrics
-from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
+from nemo_factuality.trainers.backends.hf.actor import HFActor, HFCritic
 from nemo_factuality.trainers.config import KTOConfig, PPOConfig
 from nemo_factuality.trainers.data import PreferencePair
 from nemo_factuality.trainers.interfaces import Rollout

@@ -369,7 +369,7 @@ def test_served_fspo_and_knowrl_rewards_vary_within_a_group_and_fspo_flips(tiny_
 
     from nemo_factuality.serving.client import RemoteFactualityReward
     from nemo_factuality.testing.servers import reward_server
-    from nemo_factuality.trainers.backends.hf import HFActor
+    from nemo_factuality.trainers.backends.hf.actor import HFActor
     from nemo_factuality.trainers.config import GRPOConfig, load_train_config
     from nemo_factuality.trainers.data import load_prompts
     from nemo_factuality.trainers.grpo import GRPOTrainer

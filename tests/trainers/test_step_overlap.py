@@ -17,7 +17,7 @@ import torch
 
 from nemo_factuality.testing.training import good_fraction, good_tokens_dense, half_good_labeller, prompts, set_dotted
 from nemo_factuality.trainers import kto as kto_module
-from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
+from nemo_factuality.trainers.backends.hf.actor import HFActor, HFCritic
 from nemo_factuality.trainers.config import GRPOConfig, KTOConfig, PPOConfig
 from nemo_factuality.trainers.grpo import GRPOTrainer
 from nemo_factuality.trainers.interfaces import Rollout, RolloutChunk, assemble_rollout

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from nemo_factuality.testing.training import write_jsonl
-from nemo_factuality.trainers.backends.aligner import AlignerRuntime, model_overrides, trt_llm_section
+from nemo_factuality.trainers.backends.aligner.actor import AlignerRuntime, model_overrides, trt_llm_section
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config
 
 
@@ -95,7 +95,7 @@ def _without_hf_config(nemo, out):
 def test_the_engines_model_type_is_the_checkpoints_family(converted, tmp_path):
     """Qwen2 (QKV biases) → qwen, Llama → llama, from the converter's hf_config.json or, once NeMo re-saved the
     checkpoint without it, from model_config.yaml; an explicit rollout.trtllm_model_type wins. No NeMo needed."""
-    from nemo_factuality.trainers.backends.aligner import trtllm_model_type
+    from nemo_factuality.trainers.backends.aligner.actor import trtllm_model_type
 
     qwen, llama = converted["qwen2"], converted["llama"]
     assert qwen.is_dir() and llama.is_file()  # an extracted checkpoint and a tar, both read in place
@@ -108,7 +108,7 @@ def test_the_engines_model_type_is_the_checkpoints_family(converted, tmp_path):
 
 
 def test_a_checkpoint_of_neither_family_is_one_line(tmp_path):
-    from nemo_factuality.trainers.backends.aligner import trtllm_model_type
+    from nemo_factuality.trainers.backends.aligner.actor import trtllm_model_type
     from nemo_factuality.types import FactualityInputError
 
     (tmp_path / "model_config.yaml").write_text("mcore_gpt: true\nbias: true\n")

@@ -27,7 +27,7 @@ from nemo_factuality.algorithms import response_mask
 from nemo_factuality.testing.fake_openai import ScriptedOpenAIServer
 from nemo_factuality.testing.methods import FACTS, build_kb, method_judge
 from nemo_factuality.testing.training import good_fraction, grpo_test_config, prompts, read_metrics, write_jsonl
-from nemo_factuality.trainers.backends.hf import HFActor
+from nemo_factuality.trainers.backends.hf.actor import HFActor
 from nemo_factuality.trainers.config import GRPOConfig, VLLMEngineConfig
 from nemo_factuality.trainers.engines.vllm_engine import EngineUnavailable, VLLMEngine
 from nemo_factuality.trainers.engines.vllm_rollout import VLLMRollout

@@ -1,4 +1,4 @@
-"""Per-GPU memory arithmetic both Megatron backends' presets share (``aligner_memory.py``, ``megatron_memory.py``):
+"""Per-GPU memory arithmetic both Megatron backends' presets share (``aligner/memory.py``, ``megatron/memory.py``):
 a model's parameters, its resident states and a training step's peak.
 
 Bytes per parameter, per GPU (P parameters, model-parallel size M = TP·PP, data-parallel size DP):
@@ -18,7 +18,7 @@ The loss needs ``s·b·V/TP`` fp32 logits about three times (logits, log-softmax
 
 The no-grad log-prob forward (old and reference log-probs, ``model.forward_micro_batch_size`` sequences at once) keeps
 no activations; its peak is the logits' ``B·s·b·V/TP`` bytes (``logprob_logits_bytes``), ``B`` the bytes per logit the
-backend's log-prob path holds at once: each backend states its own (``aligner_memory``, ``megatron_memory``).
+backend's log-prob path holds at once: each backend states its own (``aligner.memory``, ``megatron.memory``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ def build_hf(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Any, An
     """(actor, critic or None) for a stage config with ``trainer.backend=hf`` (``runtime`` is the aligner
     presets'; the CLI refuses a preset on this backend, so it is always empty here)."""
     from nemo_factuality.trainers.backends.collectives import init_from_environment
-    from nemo_factuality.trainers.backends.hf import HFActor, HFCritic
+    from nemo_factuality.trainers.backends.hf.actor import HFActor, HFCritic
 
     t = cfg.trainer
     device = init_from_environment(t.device, t.distributed_timeout_s)  # data parallelism under torchrun: one full replica per rank
@@ -28,7 +28,7 @@ def build_hf(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Any, An
 def build_aligner_backend(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Any, Any]:
     """(actor, None) on NeMo-Aligner's Megatron REINFORCE actor (TP/PP/DP from ``model.*`` and the launcher);
     ``runtime``: ``AlignerRuntime`` fields from ``--preset`` (devices, num_nodes, model_overrides, ...)."""
-    from nemo_factuality.trainers.backends.aligner import build_aligner
+    from nemo_factuality.trainers.backends.aligner.actor import build_aligner
 
     return build_aligner(cfg, critic=critic, max_steps=_optimizer_steps(cfg), **runtime)
 
@@ -38,7 +38,7 @@ def build_megatron_backend(cfg: Any, *, critic: bool = False, **runtime: Any) ->
     """(actor, critic or None) on Megatron-Core built from the HF checkpoints at ``model.path`` (and ``critic.path``) by
     Megatron-Bridge (TP/PP from ``model.*``, DP over the rest of the torchrun/srun job); ``runtime`` is the aligner
     presets' (always empty here)."""
-    from nemo_factuality.trainers.backends.megatron import build_megatron
+    from nemo_factuality.trainers.backends.megatron.actor import build_megatron
 
     return build_megatron(cfg, critic=critic, max_steps=_optimizer_steps(cfg))
 

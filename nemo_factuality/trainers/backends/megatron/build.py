@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from nemo_factuality.config import ConfigError
-from nemo_factuality.trainers.backends.hf import lr_factor
+from nemo_factuality.trainers.backends.hf.actor import lr_factor
 from nemo_factuality.trainers.backends.memory import ParallelLayout
 from nemo_factuality.types import FactualityInputError
 

@@ -14,7 +14,7 @@ TP/PP/DP process groups, its vocabulary output layer replaced by a scalar value 
 * Tensor parallelism: the head is replicated over the TP ranks (its input, the final-norm output, is the same on each
   with sequence parallelism off), not split: Megatron counts a replicated parameter's gradient once in the norm (on TP
   rank 0), and each rank computes the same gradient for its copy, so the copies stay equal.
-* Optimiser and checkpoints: ``megatron_model.MegatronModel``, as the actor's — its own optimiser and schedule from
+* Optimiser and checkpoints: ``model.MegatronModel``, as the actor's — its own optimiser and schedule from
   ``critic.optim``, clipped at ``trainer.gradient_clip_val``, the distributed optimizer with
   ``model.megatron.use_distributed_optimizer``; ``save`` writes ``critic/`` inside the stage's checkpoint directory
   (one commit with the actor's files: the checkpointer renames the directory when both are written).
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from nemo_factuality.trainers.backends import megatron_build as build
-from nemo_factuality.trainers.backends.megatron_model import MegatronModel
+from nemo_factuality.trainers.backends.megatron import build
+from nemo_factuality.trainers.backends.megatron.model import MegatronModel
 from nemo_factuality.trainers.interfaces import LossFn, Rollout
 
 CRITIC_DIR = "critic"

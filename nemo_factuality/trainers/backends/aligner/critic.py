@@ -95,7 +95,7 @@ class RemoteCritic:
         self.expected_step: int | None = None  # the server's optimiser step as this run knows it
         self.committed_step: int | None = None  # the server step the last checkpoint paired with (None: none yet)
         if check:
-            from nemo_factuality.trainers.backends.aligner_reward import check_reward_server
+            from nemo_factuality.trainers.backends.aligner.reward import check_reward_server
 
             check_reward_server(self.url, INFER, timeout_s=self.init_timeout_s, hint=_what_to_check(self.url),
                                 error=RemoteCriticError, what="critic server")

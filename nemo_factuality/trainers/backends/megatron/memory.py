@@ -1,13 +1,14 @@
 """Per-GPU memory arithmetic and checkpoint bytes of the megatron presets (``conf/train/megatron/*.yaml``).
 
-The trainer's states and training step are ``memory.py``'s (shared with the aligner presets): bf16 weights ``2P/M``,
-fp32 gradient buffer ``4P/M`` (``grad_reduce_in_fp32``), Adam's fp32 main weights and moments ``12P/(M·DP)`` (the
-distributed optimizer), recomputed activations and ``3 × fp32`` loss logits, plus a 4 GiB overhead. What differs here:
+The trainer's states and training step are ``backends/memory.py``'s (shared with the aligner presets): bf16 weights
+``2P/M``, fp32 gradient buffer ``4P/M`` (``grad_reduce_in_fp32``), Adam's fp32 main weights and moments ``12P/(M·DP)``
+(the distributed optimizer), recomputed activations and ``3 × fp32`` loss logits, plus a 4 GiB overhead. What differs
+here:
 
 * **No rollouts in the trainer**: a vLLM engine generates (``rollout.engine=vllm``). The trainer's second peak is the
   log-prob forward (old and reference log-probs, ``model.forward_micro_batch_size`` sequences): no activations kept,
-  its logits ``14 B`` each over ``s·b·V/TP`` (``memory.logprob_logits_bytes``, shared with the aligner presets at
-  their measured 12): the bf16 output, the fp32 copy divided by the temperature, the fp32 temporary of ``.float()``
+  its logits ``14 B`` each over ``s·b·V/TP`` (``backends.memory.logprob_logits_bytes``, shared with the aligner presets
+  at their measured 12): the bf16 output, the fp32 copy divided by the temperature, the fp32 temporary of ``.float()``
   and Megatron's vocab-parallel cross-entropy's buffer — the path without top-k/top-p truncation, as every stage
   config samples; truncation gathers the whole vocabulary on each TP rank. An estimate, not measured.
 * **The reference** is a copy of the initial weights: on the GPU (``2P/M``) with ``model.reference=copy``, in host
@@ -21,7 +22,8 @@ distributed optimizer), recomputed activations and ``3 × fp32`` loss logits, pl
   GPU holds the trainer's peak plus the share; ``separate``: the engine's GPUs hold only the share.
 
 A preset fits when every GPU stays within ``H100_BUDGET_GIB`` (85% of 79 GiB). Nothing here was measured on a GPU at
-the presets' sizes; the one GPU measurement of the shared formula is the aligner backend's (``aligner_memory.py``).
+the presets' sizes; the one GPU measurement of the shared formula is the aligner backend's
+(``backends/aligner/memory.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The aligner actor's optimizer state, apart from its model: Megatron-Core's distributed optimizer's Adam moments and
 fp32 main shards moved to host memory around generation and back (the presets' ``offload_adam_states``), torch Adam's
 per-parameter steps made shardable for NeMo 2.2's distributed checkpoint, and a resume through PTL's checkpoint
-connector as Aligner's ``init_using_ptl`` does. ``backends/aligner.py`` uses these; nothing here imports NeMo."""
+connector as Aligner's ``init_using_ptl`` does. ``backends/aligner/actor.py`` uses these; nothing here imports NeMo."""
 
 from __future__ import annotations
 

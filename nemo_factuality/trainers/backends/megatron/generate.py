@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from nemo_factuality.config import ConfigError
-from nemo_factuality.trainers.backends.hf import SampledDistribution
+from nemo_factuality.trainers.backends.hf.actor import SampledDistribution
 from nemo_factuality.trainers.interfaces import Rollout, RolloutChunk, SamplingParams
 
 # Megatron-Core 0.16.1's attention asserts this flash-attn version for dynamic batching (core/transformer/attention.py)

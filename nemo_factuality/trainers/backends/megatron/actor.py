@@ -1,22 +1,22 @@
 """The ``megatron`` backend: a ``PolicyActor`` on Megatron-Core 0.16 built from an HF checkpoint by Megatron-Bridge 0.3
 (``trainer.backend=megatron``), at any TP/PP; data parallelism over the rest of the torchrun/srun job.
 
-* Build (``megatron_build.py``): ``AutoBridge`` turns ``model.path`` (an HF folder) into Megatron-Core's ``GPTModel``
+* Build (``build.py``): ``AutoBridge`` turns ``model.path`` (an HF folder) into Megatron-Core's ``GPTModel``
   for this rank's TP/PP shard, wrapped in Megatron's DDP, with ``get_megatron_optimizer`` (Megatron's distributed
   optimizer with ``model.megatron.use_distributed_optimizer``) and every backend's LR schedule.
-* Settings (``megatron_build.Settings``): ``model.dtype=bfloat16`` (bf16 weights and activations, fp32 main weights and
+* Settings (``build.Settings``): ``model.dtype=bfloat16`` (bf16 weights and activations, fp32 main weights and
   gradient reduction), ``model.megatron.sequence_parallel`` (the batch right-padded to a multiple of TP for it),
   ``model.megatron.recompute``, ``model.megatron.transformer_engine`` (the TE layer spec or the local one).
-* Rollouts (``megatron_generate.py``): Megatron-Core's static inference engine with a KV cache, sampling from the
+* Rollouts (``generate.py``): Megatron-Core's static inference engine with a KV cache, sampling from the
   distribution the log-probs here are of (temperature, top-k, top-p as transformers applies them); sequence
   parallelism is off while it runs (the engine has none for dense models).
-* Log-probs and training (``megatron_model.py``, shared with the critic, ``megatron_critic.py``): Megatron's
+* Log-probs and training (``model.py``, shared with the critic, ``critic.py``): Megatron's
   forward/backward schedule (pipelined at PP > 1), the gradient the plain sum over micro batches and data-parallel
   ranks (the stages' losses are normalised by the global counts); metrics as the aligner backend reports them.
 * Reference policy: a copy of this rank's shard of the initial weights (``model.reference``: ``copy`` keeps it on the
   model's device, ``cpu_weight_swap`` in host memory), swapped into the policy for the reference log-probs.
 * Checkpoints: a Megatron distributed checkpoint of weights and optimiser (``megatron/``: every tensor once, whatever
-  the layout; it loads at another TP/PP/DP; ``megatron_build.load_optimizer_state`` works around Megatron's distributed
+  the layout; it loads at another TP/PP/DP; ``build.load_optimizer_state`` works around Megatron's distributed
   optimizer failing to load torch AdamW's step) plus the LR schedule (``MegatronModel.save_model``). The reference is
   not written while it is the initial HF checkpoint (``reference.json`` records ``model.path`` and its fingerprint, as
   the hf backend does); after ``reset_reference`` (KTO) it is a distributed checkpoint of its own (``reference/``).
@@ -36,16 +36,16 @@ from typing import Any
 import torch
 
 from nemo_factuality.trainers import reference as ref_record
-from nemo_factuality.trainers.backends import megatron_build as build
 from nemo_factuality.trainers.backends.collectives import on_group_source
-from nemo_factuality.trainers.backends.hf import SampledDistribution, token_logprobs
-from nemo_factuality.trainers.backends.megatron_generate import (
+from nemo_factuality.trainers.backends.hf.actor import SampledDistribution, token_logprobs
+from nemo_factuality.trainers.backends.megatron import build
+from nemo_factuality.trainers.backends.megatron.generate import (
     check_inference_engine,
     generate_dynamic_chunks,
     generate_static_batch,
     sequence_parallel_off,
 )
-from nemo_factuality.trainers.backends.megatron_model import MegatronModel
+from nemo_factuality.trainers.backends.megatron.model import MegatronModel
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.types import FactualityInputError
 
@@ -317,13 +317,13 @@ class MegatronActor(MegatronModel):
 
 def build_megatron(cfg: Any, *, critic: bool = False, max_steps: int) -> tuple[MegatronActor, Any]:
     """(actor, critic or None) for a stage config with ``trainer.backend=megatron`` (the ``BACKENDS`` builder shape); the
-    critic (PPO) is a second Megatron-Core model on the actor's layout (``megatron_critic.py``)."""
+    critic (PPO) is a second Megatron-Core model on the actor's layout (``critic.py``)."""
     t, m = cfg.trainer, cfg.model
     actor = MegatronActor(m, max_steps=max_steps, distributed_timeout_s=t.distributed_timeout_s,
                           gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device)
     if not critic:
         return actor, None
-    from nemo_factuality.trainers.backends.megatron_critic import MegatronCritic
+    from nemo_factuality.trainers.backends.megatron.critic import MegatronCritic
 
     value_model = MegatronCritic(cfg.critic, m.path, tensor=m.tensor_model_parallel_size,
                                  pipeline=m.pipeline_model_parallel_size, max_steps=max_steps,

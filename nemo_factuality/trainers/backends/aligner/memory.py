@@ -1,6 +1,6 @@
 """Per-GPU memory arithmetic for the aligner presets (``conf/train/aligner/*.yaml``): training, rollout and log-prob
 peaks
-(the states, activations and training step are ``memory.py``'s, shared with the megatron presets; NeMo's own
+(the states, activations and training step are ``backends/memory.py``'s, shared with the megatron presets; NeMo's own
 generation and the checkpoint's bytes are this backend's).
 
 Bytes per parameter, per GPU (P parameters, model-parallel size M = TP·PP, data-parallel size DP):
@@ -26,7 +26,7 @@ the budget.
 The log-prob forward (old and reference log-probs, ``get_inference_log_probs``, ``forward_micro_batch_size``
 sequences at once, no grad) runs inside ``prepare_for_inference``, which offloads the Adam states exactly as around
 generation (``AlignerActor._inference``): weights and the grad buffer stay, the optimizer term is 0. Its peak is the
-logits, ``LOGPROB_BYTES_PER_LOGIT = 12`` bytes each (``memory.logprob_logits_bytes``): Megatron-Core's
+logits, ``LOGPROB_BYTES_PER_LOGIT = 12`` bytes each (``backends.memory.logprob_logits_bytes``): Megatron-Core's
 ``Float16Module`` returns the last stage's output as fp32 (the bf16 ``[b, s, V/TP]`` is released), and Aligner's
 ``from_parallel_logits_to_logprobs(higher_stability=True)`` then holds two more fp32 tensors of that shape at once
 (``logits - max`` and its ``exp()``; then the log-softmax and its clone) — three fp32 copies. Measured on CPU with

@@ -40,7 +40,7 @@ import torch
 from nemo_factuality.config import dotlist as _dotlist
 from nemo_factuality.config import merge_tree as _merge
 from nemo_factuality.trainers import reference as ref_record
-from nemo_factuality.trainers.backends.aligner_optimizer import (
+from nemo_factuality.trainers.backends.aligner.optimizer import (
     offload_optimizer_states,
     onload_optimizer_states,
     restore_training_state,
@@ -678,7 +678,7 @@ def nemo_trainer(model_cfg: Any, runtime: AlignerRuntime, section: str = "reinfo
     from nemo_aligner.utils.train_script_utils import resolve_and_create_trainer
     from omegaconf import OmegaConf
 
-    from nemo_factuality.trainers.backends.aligner_spec import use_checkpoint_layer_specs
+    from nemo_factuality.trainers.backends.aligner.spec import use_checkpoint_layer_specs
 
     use_checkpoint_layer_specs(bool(model_cfg.get("transformer_engine", False)))  # before any model is built
     accelerator = runtime.accelerator if runtime.accelerator != "auto" else ("gpu" if torch.cuda.is_available() else "cpu")
@@ -702,7 +702,7 @@ def build_aligner(cfg: Any, *, critic: bool = False, **runtime: Any) -> tuple[Al
     actor = build_actor(cfg, **runtime)
     if not critic:
         return actor, None
-    from nemo_factuality.trainers.backends.aligner_critic import RemoteCritic
+    from nemo_factuality.trainers.backends.aligner.critic import RemoteCritic
 
     return actor, RemoteCritic(cfg.critic)
 
@@ -745,7 +745,7 @@ def require_trtllm() -> None:
                           "runs in the NeMo-Aligner container); use rollout.engine=megatron here")
 
 
-PRESET_DIR = Path(__file__).resolve().parents[3] / "conf" / "train" / "aligner"
+PRESET_DIR = Path(__file__).resolve().parents[4] / "conf" / "train" / "aligner"
 
 
 def load_preset(name: str, method: str) -> tuple[list[str], dict[str, Any]]:

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from nemo_factuality.trainers.backends import megatron_build as build
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device
+from nemo_factuality.trainers.backends.megatron import build
 from nemo_factuality.trainers.backends.memory import ParallelLayout
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, check_train_batch, trim_to_longest
 from nemo_factuality.types import FactualityInputError
