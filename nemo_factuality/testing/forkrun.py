@@ -43,7 +43,7 @@ import uuid
 from nemo_factuality.ports import free_ports
 
 
-def _preload(specs: list[str]) -> None:
+def preload_modules(specs: list[str]) -> None:
     for spec in specs:
         module, _, function = spec.partition(":")
         imported = importlib.import_module(module)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--logs", help="a folder: program i's output to <logs>/i.log, its exit code to <logs>/i.exit")
     args = ap.parse_args(argv[:cut])
     programs = [program_nproc(p, args.nproc) for p in split_programs(argv[cut + 1:])]  # bad syntax: before the imports
-    _preload(args.preload)
+    preload_modules(args.preload)
     others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
     if others:  # a fork would copy a lock one of them may hold, without the thread that releases it
         raise SystemExit(f"forkrun: the preloaded modules started threads ({[t.name for t in others]}); use torchrun")

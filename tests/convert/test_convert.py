@@ -20,15 +20,28 @@ from nemo_factuality.convert.hf_config import read_rope  # noqa: E402
 from nemo_factuality.convert.mapping import fuse_qkv, spec_from_hf_config, split_qkv  # noqa: E402
 from nemo_factuality.convert.nemo_format import hf_tensors, mcore_state  # noqa: E402
 from nemo_factuality.testing.paths import parity_dir  # noqa: E402
+from nemo_factuality.testing.preloaded import CONVERTERS, PreloadedCommands  # noqa: E402
 from nemo_factuality.testing.tiny_models import LLAMA3_SCALING, build_tiny_causal_lm, build_tiny_tokenizer  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
 
 
+COMMANDS: PreloadedCommands | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preloaded_commands():
+    """The converters' stack imported once for the module (``testing.preloaded``), not once per command."""
+    global COMMANDS
+    with PreloadedCommands(CONVERTERS, ENV) as COMMANDS:
+        yield
+    COMMANDS = None
+
+
 def _run(*args: str, timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
-    """Converters run in subprocesses: Megatron's process group and CPU shims stay out of the test process."""
-    return subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", *args], env=dict(ENV, **env),
-                          capture_output=True, text=True, timeout=timeout)
+    """``nemo-factuality convert ARGS…`` in a new process (Megatron's process group and CPU shims stay out of the
+    test process), forked from one that imported the converters' stack once for the module."""
+    return COMMANDS.run(["convert", *args], timeout=timeout, **env)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])

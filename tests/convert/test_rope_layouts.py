@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from nemo_factuality.convert.hf_config import LLAMA3_FIXED, Rope, installed_layout, read_rope, to_installed_layout
+from nemo_factuality.testing.preloaded import CONVERTERS, PreloadedCommands
 from nemo_factuality.types import FactualityInputError
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
@@ -75,9 +75,21 @@ MODELS = {  # name: (family, build kwargs)
 }
 
 
+COMMANDS: PreloadedCommands | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _preloaded_commands():
+    """The converters' stack imported once for the module (``testing.preloaded``), not once per command."""
+    global COMMANDS
+    with PreloadedCommands(CONVERTERS, ENV) as COMMANDS:
+        yield
+    COMMANDS = None
+
+
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "convert", *args], env=ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    """``nemo-factuality convert ARGS…`` in a new process forked from the module's preloaded one."""
+    return COMMANDS.run(["convert", *args], timeout=timeout)
 
 
 @pytest.fixture(scope="module")

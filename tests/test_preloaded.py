@@ -1,0 +1,73 @@
+"""``testing.preloaded``, the tests' fork server for command lines: each command is a new process with the request's
+arguments, environment and folder, its stdout, stderr and exit code apart; past its timeout the command and what it
+started are killed and the server goes on serving; closing the client ends the server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from nemo_factuality.testing.preloaded import PreloadedCommands
+from nemo_factuality.testing.venvs import proc_stat
+
+COMMAND = textwrap.dedent("""
+    import os, subprocess, sys, time
+    print("pid", os.getpid(), "preloaded", "json" in sys.modules and "email.message" in sys.modules)
+    print("argv", sys.argv[1:], "cwd", os.getcwd(), "color", os.environ.get("COLOR"))
+    print("to stderr", file=sys.stderr)
+    if sys.argv[1] == "hang":
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        print("child", child.pid, flush=True)
+        time.sleep(120)
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+@pytest.fixture
+def commands(tmp_path):
+    (tmp_path / "fake_cli.py").write_text(COMMAND)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", COLOR="blue")
+    with PreloadedCommands(("email.message",), env, module="fake_cli") as client:
+        yield client
+
+
+def _field(stdout: str, name: str) -> str:
+    return next(line for line in stdout.splitlines() if line.startswith(name + " ")).split(" ", 1)[1]
+
+
+def test_each_command_is_a_new_process_with_its_own_arguments_environment_folder_and_output(commands, tmp_path):
+    first = commands.run(["0", "x"], cwd=tmp_path)
+    second = commands.run(["3"], COLOR="red")
+    assert (first.returncode, second.returncode) == (0, 3)
+    assert _field(first.stdout, "pid") != _field(second.stdout, "pid") and _field(first.stdout, "pid").endswith("True")
+    assert _field(first.stdout, "argv") == f"['0', 'x'] cwd {tmp_path} color blue"
+    assert _field(second.stdout, "argv").endswith("color red")
+    assert first.stderr == second.stderr == "to stderr\n" and "to stderr" not in first.stdout
+
+
+def test_a_command_past_its_timeout_is_killed_with_what_it_started_and_the_server_serves_on(commands):
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as overrun:
+        commands.run(["hang"], timeout=3)
+    assert time.monotonic() - start < 30
+    child = int(_field(overrun.value.output, "child"))
+    deadline = time.monotonic() + 10
+    while (stat := proc_stat(child)) and stat[0] != "Z" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stat or stat[0] == "Z", "the command's own child outlived the timeout"
+    assert commands.run(["0"]).returncode == 0
+
+
+def test_closing_the_client_ends_the_server(tmp_path):
+    (tmp_path / "fake_cli.py").write_text(COMMAND)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    client = PreloadedCommands(("email.message",), env, module="fake_cli", python=sys.executable)
+    assert client.run(["0"]).returncode == 0
+    server = client._proc
+    client.close()
+    assert server.poll() is not None
