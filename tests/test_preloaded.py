@@ -15,6 +15,8 @@ import pytest
 from nemo_factuality.testing.preloaded import PreloadedCommands
 from nemo_factuality.testing.venvs import proc_stat
 
+NOISY = 'import sys; print("noisy import", file=sys.stderr); print("noisy stdout")\n'
+
 COMMAND = textwrap.dedent("""
     import os, subprocess, sys, time
     print("pid", os.getpid(), "preloaded", "json" in sys.modules and "email.message" in sys.modules)
@@ -31,8 +33,9 @@ COMMAND = textwrap.dedent("""
 @pytest.fixture
 def commands(tmp_path):
     (tmp_path / "fake_cli.py").write_text(COMMAND)
+    (tmp_path / "noisy.py").write_text(NOISY)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", COLOR="blue")
-    with PreloadedCommands(("email.message",), env, module="fake_cli") as client:
+    with PreloadedCommands(("email.message", "noisy"), env, module="fake_cli") as client:
         yield client
 
 
@@ -47,7 +50,9 @@ def test_each_command_is_a_new_process_with_its_own_arguments_environment_folder
     assert _field(first.stdout, "pid") != _field(second.stdout, "pid") and _field(first.stdout, "pid").endswith("True")
     assert _field(first.stdout, "argv") == f"['0', 'x'] cwd {tmp_path} color blue"
     assert _field(second.stdout, "argv").endswith("color red")
-    assert first.stderr == second.stderr == "to stderr\n" and "to stderr" not in first.stdout
+    # what the preload printed comes first, as a new interpreter importing it would print it: once per command
+    assert first.stderr == second.stderr == "noisy import\nto stderr\n" and "to stderr" not in first.stdout
+    assert first.stdout.startswith("noisy stdout\npid ") and second.stdout.count("noisy stdout") == 1
 
 
 def test_a_command_past_its_timeout_is_killed_with_what_it_started_and_the_server_serves_on(commands):

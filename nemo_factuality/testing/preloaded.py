@@ -6,9 +6,10 @@ a module of tests that runs forty of them paid the import forty times. ``Preload
 (``python -m nemo_factuality.testing.preloaded --preload MOD…``) that imports the modules, then for each request forks
 a child that runs ``nemo_factuality.cli`` as ``__main__`` with the request's arguments, environment and working folder,
 its stdout and stderr in files, and exits as an interpreter does (atexit handlers run). Every command is a new process
-and nothing it builds reaches the next. What it does not reproduce is the interpreter's start: the preloaded modules'
-import-time output goes to the server, not to the command's stderr, so a test about a command's import warnings or
-its start-up time runs the command as its own process instead.
+and nothing it builds reaches the next. What the preloaded imports printed (a library's import-time warning) is put in
+front of every command's captured stdout and stderr, so a check that a command prints one line, or nothing, sees at
+least what a new interpreter would print; preload only what the commands import at their start without a filter of
+their own (Megatron-Core's import warnings, which ``convert verify`` silences around its import, are not preloaded).
 
 The client waits for each command within a timeout and kills the command's process tree past it. ``close()`` ends the server; a server whose client
 went away sees its stdin end and exits.
@@ -35,9 +36,9 @@ from nemo_factuality.testing.forkrun import preload_modules
 from nemo_factuality.testing.paths import REPO_ROOT
 from nemo_factuality.testing.venvs import kill_tree
 
-#: What ``nemo-factuality convert`` imports (its commands, Megatron-Core for ``verify``, the HF models it compares with)
-CONVERTERS = ("nemo_factuality.cli", "nemo_factuality.convert.nemo_format", "nemo_factuality.convert.verify",
-              "megatron.core", "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama")
+#: What ``nemo-factuality convert`` imports at its start (its commands and the HF models ``verify`` compares with)
+CONVERTERS = ("nemo_factuality.convert.nemo_format", "nemo_factuality.convert.verify",
+              "transformers.models.qwen2.modeling_qwen2", "transformers.models.llama.modeling_llama")
 
 
 def _child(request: dict) -> None:
@@ -67,10 +68,37 @@ def _child(request: dict) -> None:
     raise SystemExit(code)  # nothing of the server's loop catches it: this process ends as an interpreter does
 
 
+def _preload_quietly(preload: list[str]) -> dict[str, str]:
+    """Import ``preload`` with stdout and stderr going to files; returns what it printed on each."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    printed = {}
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            preload_modules(preload)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+        for name, f in (("stdout", out), ("stderr", err)):
+            f.seek(0)
+            printed[name] = f.read().decode(errors="replace")
+    return printed
+
+
 def serve(preload: list[str]) -> int:
-    """Answer requests (one JSON line each on stdin) with ``{"pid": …}`` when the command starts and ``{"code": …}``
-    when it ends, until stdin ends."""
-    preload_modules(preload)
+    """Say what the preload printed (``{"stdout": …, "stderr": …}``), then answer requests (one JSON line each on
+    stdin) with ``{"pid": …}`` when the command starts and ``{"code": …}`` when it ends, until stdin ends."""
+    printed = _preload_quietly(preload)
+    if "nemo_factuality.cli" in sys.modules:  # runpy would warn on every command that its __main__ was imported
+        del sys.modules["nemo_factuality.cli"]
+    sys.stdout.write(json.dumps(printed) + "\n")
+    sys.stdout.flush()
     others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
     if others:
         raise SystemExit(f"preloaded: the preloaded modules started threads ({others}); run the commands as processes")
@@ -104,6 +132,7 @@ class PreloadedCommands:
                                       text=True, start_new_session=True)
         self._start_timeout_s = start_timeout_s
         self._count = 0
+        self._printed: dict[str, str] | None = None  # what the preload printed, once the server has said
 
     def _reply(self, timeout_s: float) -> dict | None:
         """The server's next line as JSON; None past ``timeout_s``; raises if the server is gone."""
@@ -125,17 +154,21 @@ class PreloadedCommands:
                    "stdout": str(out), "stderr": str(err)}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
-        # the first command also waits for the server's preload
-        started = self._reply(self._start_timeout_s if self._count == 1 else 30)
+        if self._printed is None:  # the first command also waits for the server's preload
+            self._printed = self._reply(self._start_timeout_s)
+            if self._printed is None:
+                raise RuntimeError("the preloaded command server did not finish its imports in time")
+        started = self._reply(30)
         if started is None:
             raise RuntimeError("the preloaded command server did not start the command in time")
         ended = self._reply(timeout)
         if ended is None:
             kill_tree(started["pid"])  # the command and all it started (torchrun's ranks sit in sessions of their own)
             self._reply(30)
-            raise subprocess.TimeoutExpired(args, timeout, out.read_text(errors="replace"), err.read_text(errors="replace"))
-        result = subprocess.CompletedProcess(args, ended["code"], out.read_text(errors="replace"),
-                                             err.read_text(errors="replace"))
+            raise subprocess.TimeoutExpired(args, timeout, self._printed["stdout"] + out.read_text(errors="replace"),
+                                            self._printed["stderr"] + err.read_text(errors="replace"))
+        result = subprocess.CompletedProcess(args, ended["code"], self._printed["stdout"] + out.read_text(errors="replace"),
+                                             self._printed["stderr"] + err.read_text(errors="replace"))
         out.unlink()
         err.unlink()
         return result
