@@ -241,6 +241,12 @@ class VLLMEngineConfig:
     # request_timeout_s + restarts × (start_timeout_s + 2 × request_timeout_s), inside trainer.distributed_timeout_s
     request_timeout_s: float = 900.0
     restarts: int = 2  # times a dead engine is restarted (and refit) in a run before the stage checkpoints, exits 75
+    # vLLM's engine core (scheduler + model runner) inside the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    # or in processes of its own beside it (vLLM's default). null = inside on CPU (one vLLM import instead of three:
+    # the tiny policy's engine answered in 11 s instead of 27, and no busy-polling process takes cores from the
+    # trainer), its own processes on GPUs (the scheduling then overlaps the GPU's steps); an inherited
+    # VLLM_ENABLE_V1_MULTIPROCESSING wins over null
+    engine_core_in_process: bool | None = None
     # truncated importance sampling: each token's advantage × min(π_trainer / π_engine, tis_cap) corrects for the
     # engine's numerics (bf16 kernels, another attention) against the trainer's; null = off
     tis_cap: float | None = None

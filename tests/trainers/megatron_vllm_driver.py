@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("--refit", choices=["file", "broadcast"], default="file")
     ap.add_argument("--kill-before-rollout", action="store_true",
                     help="after the 3 steps, refit, then kill the engine: the rollout must restart it and stream again")
+    ap.add_argument("--engine-core-process", action="store_true",
+                    help="vLLM's engine core in processes of its own (its GPU default; on CPU it runs inside)")
     args = ap.parse_args()
     if args.command == "make-model":
         make_model(Path(args.hf), hidden=128)  # head_dim 32 = hidden / heads: what vLLM's Qwen2 and CPU attention take
@@ -73,8 +75,9 @@ def main() -> int:
     out = Path(args.out)
     engine = None
     if actor.is_model_parallel_source:
-        engine = VLLMEngine(args.hf, VLLMEngineConfig(python=args.vllm_python, refit=args.refit), dtype="float32",
-                            log_dir=out / f"engine{torch.distributed.get_rank()}").start()
+        cfg = VLLMEngineConfig(python=args.vllm_python, refit=args.refit,
+                               engine_core_in_process=False if args.engine_core_process else None)
+        engine = VLLMEngine(args.hf, cfg, dtype="float32", log_dir=out / f"engine{torch.distributed.get_rank()}").start()
     weights = out / f"weights{torch.distributed.get_rank()}"
     rollout = VLLMRollout(actor, engine, weights_dir=weights, chunk_size=64, in_sync=False, refit=args.refit)
     try:

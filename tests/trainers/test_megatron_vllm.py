@@ -33,7 +33,9 @@ def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatro
     """``refit=broadcast``: the source streams Bridge's export tensor by tensor into the engine (gloo), no file; after
     the 3 steps it streams, then its engine is killed: the rollout request restarts it and every rank streams again
     before the request is repeated (the step-3 rollouts are still the native engine's)."""
-    kill = ["--kill-before-rollout"] if refit == "broadcast" else []
+    # broadcast: the engine core in processes of its own, as on GPUs (the others: inside, the CPU default); the kill
+    # must take those processes with it and the stream must reach workers outside the engine's process
+    kill = ["--kill-before-rollout", "--engine-core-process"] if refit == "broadcast" else []
     res = run_in_megatron_venv(megatron_venv, [DRIVER, "refit", f"--hf={policy}", f"--out={tmp_path}",
                                                f"--vllm-python={vllm_python}", f"--tp={tp}", f"--refit={refit}", *kill],
                                nproc=tp, timeout=600)
@@ -51,3 +53,7 @@ def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatro
         # ranks walk the collective export and keep nothing (before: a full copy each, every step)
         assert (r["host_copied_bytes"] > 0) == (refit == "file" and r["has_engine"]), (r["rank"], r["host_copied_bytes"])
     assert ranks[0]["starts"] == (1 if refit == "file" else 2)
+    logs = [p.read_text(errors="replace") for p in sorted((tmp_path / "engine0").glob("engine*.log"))]
+    assert len(logs) == ranks[0]["starts"]
+    for text in logs:  # where vLLM's engine core ran, as configured (its log names the process of each line)
+        assert ("(EngineCore pid=" in text) == (refit == "broadcast"), text[-3000:]

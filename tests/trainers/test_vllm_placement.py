@@ -137,6 +137,18 @@ def test_the_engine_process_starts_with_the_devices_it_was_given(tmp_path):
     assert "CUDA_VISIBLE_DEVICES=6,7, tensor_parallel_size=2" in first
     assert engine.environment({})["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert "CUDA_VISIBLE_DEVICES" not in VLLMEngine(tmp_path, cfg, dtype="float32").environment({})  # CPU: untouched
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=1" in first  # on GPUs the engine core keeps its own processes
+
+
+@pytest.mark.parametrize("setting, inherited, on_gpus, expected", [
+    (None, {}, False, "0"), (None, {}, True, "1"),  # null: inside on CPU, vLLM's own processes on GPUs
+    (None, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, False, None),  # an inherited setting is left as it is
+    (True, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, True, "0"), (False, {}, False, "1"),  # a set key wins
+])
+def test_where_the_engine_core_runs(tmp_path, setting, inherited, on_gpus, expected):
+    cfg = VLLMEngineConfig(python=sys.executable, engine_core_in_process=setting)
+    engine = VLLMEngine(tmp_path, cfg, dtype="float32", devices=["0"] if on_gpus else None)
+    assert engine.environment(inherited).get("VLLM_ENABLE_V1_MULTIPROCESSING") == expected
 
 
 def test_srun_task_variables_become_torch_distributed_ranks():

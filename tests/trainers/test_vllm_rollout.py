@@ -55,6 +55,10 @@ def test_the_engines_health_answer_carries_the_versions_its_refit_group_needs(en
     theirs = subprocess.run([vllm_python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
                             text=True, check=True, timeout=120).stdout.strip()
     assert engine.engine_versions == {"torch": theirs, "nccl": None}  # the CPU engine: no CUDA, no NCCL
+    # on CPU vLLM's engine core runs inside the engine's process (rollout.vllm.engine_core_in_process=null): no
+    # process of its own in the log (test_megatron_vllm's broadcast run covers the GPU default, its own processes)
+    log = (engine.log_dir / "engine0.log").read_text(errors="replace")
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in log.splitlines()[0] and "(EngineCore pid=" not in log
 
 
 @pytest.fixture(params=["file", "broadcast"])

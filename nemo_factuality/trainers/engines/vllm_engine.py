@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 
 PYTHON_ENV = "NEMO_FACTUALITY_VLLM_PYTHON"
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's switch: 0 = the engine core in the LLM's process
 
 
 class EngineUnavailable(ServerUnavailableError):
@@ -144,12 +145,18 @@ class VLLMEngine:
 
     def environment(self, inherited: Mapping[str, str]) -> dict[str, str]:
         """What the engine process's environment adds to (or replaces in) ``inherited``: the channel's key, the
-        checkout on ``PYTHONPATH`` and, on a GPU node, the devices it may use."""
+        checkout on ``PYTHONPATH``, on a GPU node the devices it may use, and where vLLM's engine core runs
+        (``rollout.vllm.engine_core_in_process``)."""
         package_root = str(Path(__file__).resolve().parents[3])  # the checkout: the engine imports only vllm_server
         env = {KEY_ENV: self._key.hex(), "PYTHONPATH": package_root, "TOKENIZERS_PARALLELISM": "false",
                "VLLM_CPU_KVCACHE_SPACE": inherited.get("VLLM_CPU_KVCACHE_SPACE", "1")}
         if self.devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
+        in_process = self.cfg.engine_core_in_process
+        if in_process is not None:
+            env[MULTIPROCESSING_ENV] = "0" if in_process else "1"
+        elif MULTIPROCESSING_ENV not in inherited:  # CPU: inside (cheaper to start, no core taken); GPUs: vLLM's default
+            env[MULTIPROCESSING_ENV] = "0" if self.devices is None else "1"
         return env
 
     def close(self) -> None:

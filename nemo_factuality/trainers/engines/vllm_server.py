@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # first line of its log: the GPUs the trainer gave it (rollout.vllm.placement), before vLLM claims any
     print(f"vLLM engine for {args.model}: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}, "
-          f"tensor_parallel_size={args.tensor_parallel_size}, gpu_memory_utilization={args.gpu_memory_utilization}",
+          f"tensor_parallel_size={args.tensor_parallel_size}, gpu_memory_utilization={args.gpu_memory_utilization}, "
+          f"VLLM_ENABLE_V1_MULTIPROCESSING={os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING', '(unset)')}",
           flush=True)
     from vllm import LLM
 
