@@ -42,8 +42,24 @@ def search_serial(store, queries: Sequence[str], k: int, titles: Sequence[str | 
     return [store.search(q, k=k, title=t) for q, t in zip(queries, titles)]
 
 
-def _open_in_worker(store_class: type, path: str, generation: str, options: dict) -> None:
+def _exit_with(parent: int, poll_s: float = 1.0) -> None:
+    """In a worker: end this process within ``poll_s`` of ``parent`` ending, however it ended (a SIGKILL, a SIGTERM
+    that stopped the command before the pool's shutdown). A spawned pool's workers each hold both ends of its call
+    queue, so a dead parent leaves them blocked on it forever: orphans holding the store open."""
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def _open_in_worker(parent: int, store_class: type, path: str, generation: str, options: dict) -> None:
     global _STORE
+    _exit_with(parent)  # the parent's pid as it gave it: a worker still starting when its parent died sees PID 1 here
     # The parent already verified checksums; sizes are enough here.
     _STORE = store_class(path, verify=False, **options)
     if _STORE.generation != generation:
@@ -64,7 +80,8 @@ class SearchPool:
         self.workers = workers
         # spawn, not fork: the parent may be a threaded server, and forking threads is unsafe.
         self._pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_open_in_worker, initargs=(store_class, str(path), generation, options))
+                                         initializer=_open_in_worker,
+                                         initargs=(os.getpid(), store_class, str(path), generation, options))
         log.info("started %d BM25 search worker processes for %s", workers, path)
 
     def search(self, queries: Sequence[str], k: int, titles: Sequence[str | None]) -> list[list[tuple]]:

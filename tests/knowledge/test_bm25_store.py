@@ -165,6 +165,41 @@ def test_batched_search_in_worker_processes_matches_serial(big_kb):
         KnowledgeStore(big_kb).search_batch(["a", "b"], titles=["x"])
 
 
+_ORPHAN_MAKER = """
+import os, sys
+from nemo_factuality.knowledge.store import KnowledgeStore
+store = KnowledgeStore(sys.argv[1])
+store.search_batch([f"word{i % 13} shared {i}" for i in range(200)], k=3, workers=2)
+print(" ".join(str(p.pid) for p in store._pool._pool._processes.values()), flush=True)
+os.kill(os.getpid(), 9)  # the command ends without closing its pool (a SIGKILL, a stop before the shutdown)
+"""
+
+
+def test_search_workers_end_with_the_process_that_started_them(big_kb):
+    """A spawned pool's workers each hold both ends of its call queue, so a parent that dies without shutting the
+    pool down left them blocked forever (orphans re-parented to PID 1, the store open). They now exit within a
+    second or two of their parent."""
+    import os
+    import time
+
+    out = big_kb.parent / "orphan_maker.out"
+    with open(out, "w") as sink:  # a file, not a pipe: orphans holding a pipe would keep run() waiting for its end
+        res = subprocess.run([sys.executable, "-c", _ORPHAN_MAKER, str(big_kb)], stdout=sink, stderr=subprocess.STDOUT,
+                             timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert res.returncode == -9, out.read_text()[-2000:]
+    workers = [int(p) for p in out.read_text().split()]
+    assert len(workers) == 2
+    deadline = time.monotonic() + 15
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if Path(f"/proc/{pid}").exists()
+                 and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        time.sleep(0.2)
+    for pid in alive:  # leave nothing behind whatever the outcome
+        os.kill(pid, 9)
+    assert not alive, f"search workers {alive} outlived their parent"
+
+
 _READER = """
 import json, sys
 from nemo_factuality.knowledge.store import KnowledgeStore
