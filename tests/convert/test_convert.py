@@ -20,22 +20,13 @@ from nemo_factuality.convert.hf_config import read_rope  # noqa: E402
 from nemo_factuality.convert.mapping import fuse_qkv, spec_from_hf_config, split_qkv  # noqa: E402
 from nemo_factuality.convert.nemo_format import hf_tensors, mcore_state  # noqa: E402
 from nemo_factuality.testing.paths import parity_dir  # noqa: E402
-from nemo_factuality.testing.preloaded import CONVERTERS, PreloadedCommands  # noqa: E402
+from nemo_factuality.testing.preloaded import PreloadedCommands  # noqa: E402
 from nemo_factuality.testing.tiny_models import LLAMA3_SCALING, build_tiny_causal_lm, build_tiny_tokenizer  # noqa: E402
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
 
 
-COMMANDS: PreloadedCommands | None = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preloaded_commands():
-    """The converters' stack imported once for the module (``testing.preloaded``), not once per command."""
-    global COMMANDS
-    with PreloadedCommands(CONVERTERS, ENV) as COMMANDS:
-        yield
-    COMMANDS = None
+COMMANDS: PreloadedCommands | None = None  # set for the module's run by conftest.py
 
 
 def _run(*args: str, timeout: int = 240, **env: str) -> subprocess.CompletedProcess:

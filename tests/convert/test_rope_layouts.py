@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from nemo_factuality.convert.hf_config import LLAMA3_FIXED, Rope, installed_layout, read_rope, to_installed_layout
-from nemo_factuality.testing.preloaded import CONVERTERS, PreloadedCommands
+from nemo_factuality.testing.preloaded import PreloadedCommands
 from nemo_factuality.types import FactualityInputError
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
@@ -75,16 +75,7 @@ MODELS = {  # name: (family, build kwargs)
 }
 
 
-COMMANDS: PreloadedCommands | None = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _preloaded_commands():
-    """The converters' stack imported once for the module (``testing.preloaded``), not once per command."""
-    global COMMANDS
-    with PreloadedCommands(CONVERTERS, ENV) as COMMANDS:
-        yield
-    COMMANDS = None
+COMMANDS: PreloadedCommands | None = None  # set for the module's run by conftest.py
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
