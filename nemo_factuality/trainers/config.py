@@ -459,23 +459,7 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
     if isinstance(cfg, PPOConfig) and cfg.critic.micro_batch_size >= 1 and m.global_batch_size % cfg.critic.micro_batch_size:
         problems.append(f"model.global_batch_size ({m.global_batch_size}) must be a multiple of critic.micro_batch_size "
                         f"({cfg.critic.micro_batch_size})")
-    if cfg.reward is None and cfg.remote_rm.resolved_url() is None:
-        problems.append("no reward: set the in-process `reward:` block (e.g. reward.name=klcf) or a served one "
-                        "(remote_rm.url=http://host:5555)")
-    if cfg.reward is not None and cfg.remote_rm.resolved_url() is not None:
-        problems.append("both `reward:` and `remote_rm.url` are set; keep one (reward=null to use the server)")
-    if cfg.reward is not None and "name" not in cfg.reward:
-        problems.append(f"reward needs a 'name' (klcf, rlfh, fspo, knowrl, factalign), got keys {sorted(cfg.reward)}")
-    elif cfg.reward is not None:
-        from nemo_factuality.registry import REWARDS, RegistryError
-
-        if cfg.reward["name"] not in REWARDS:
-            problems.append(f"reward.name={cfg.reward['name']!r} is not a known reward ({', '.join(REWARDS.names())})")
-        else:
-            try:  # its options, before anything is built (an unknown one names its key)
-                REWARDS.check(cfg.reward)
-            except (RegistryError, ConfigError) as err:
-                problems.append(str(err))
+    problems += _reward_problems(cfg)
     for key in ("remote_rm.retry", "critic.retry"):
         retry = _get(cfg, key)
         if retry is not _MISSING and (retry.max_wait_s < 0 or retry.initial_s <= 0 or retry.max_s < retry.initial_s
@@ -496,6 +480,39 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
                    if getattr(m.megatron, f.name) != getattr(MegatronModelConfig(), f.name)]
         problems.append(f"{', '.join(changed)}: settings of trainer.backend=megatron only, ignored on "
                         f"trainer.backend={cfg.trainer.backend}; remove them or use trainer.backend=megatron")
+    problems += _rollout_engine_problems(cfg)
+    if cfg.trainer.backend == "aligner" and not m.restore_from_path:
+        problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
+    if problems:
+        raise ConfigError("invalid training config: " + "; ".join(problems))
+
+
+def _reward_problems(cfg: GRPOConfig | PPOConfig | KTOConfig) -> list[str]:
+    """One reward, in-process (a known one with known options) or served, never both or neither."""
+    problems = []
+    if cfg.reward is None and cfg.remote_rm.resolved_url() is None:
+        problems.append("no reward: set the in-process `reward:` block (e.g. reward.name=klcf) or a served one "
+                        "(remote_rm.url=http://host:5555)")
+    if cfg.reward is not None and cfg.remote_rm.resolved_url() is not None:
+        problems.append("both `reward:` and `remote_rm.url` are set; keep one (reward=null to use the server)")
+    if cfg.reward is not None and "name" not in cfg.reward:
+        problems.append(f"reward needs a 'name' (klcf, rlfh, fspo, knowrl, factalign), got keys {sorted(cfg.reward)}")
+    elif cfg.reward is not None:
+        from nemo_factuality.registry import REWARDS, RegistryError
+
+        if cfg.reward["name"] not in REWARDS:
+            problems.append(f"reward.name={cfg.reward['name']!r} is not a known reward ({', '.join(REWARDS.names())})")
+        else:
+            try:  # its options, before anything is built (an unknown one names its key)
+                REWARDS.check(cfg.reward)
+            except (RegistryError, ConfigError) as err:
+                problems.append(str(err))
+    return problems
+
+
+def _rollout_engine_problems(cfg: GRPOConfig | PPOConfig | KTOConfig) -> list[str]:
+    """``rollout.engine`` against the backend and the device; the vLLM engine's own settings."""
+    problems = []
     if cfg.rollout.engine == "vllm" and cfg.trainer.backend == "aligner":
         problems.append("rollout.engine=vllm needs trainer.backend=hf or megatron (NeMo-Aligner's actor generates with "
                         "NeMo's engine or TensorRT-LLM: rollout.engine=megatron or trtllm)")
@@ -510,10 +527,7 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
         problems.append(f"rollout.vllm.tis_cap={tis}: the truncation of π_trainer / π_engine must be >= 1 (or null: off)")
     if cfg.rollout.engine == "trtllm" and cfg.trainer.backend != "aligner":
         problems.append("rollout.engine=trtllm is NeMo-Aligner's TensorRT-LLM generation: it needs trainer.backend=aligner")
-    if cfg.trainer.backend == "aligner" and not m.restore_from_path:
-        problems.append("model.restore_from_path must point at a .nemo checkpoint (trainer.backend=aligner)")
-    if problems:
-        raise ConfigError("invalid training config: " + "; ".join(problems))
+    return problems
 
 
 def _megatron_problems(cfg: Any) -> list[str]:
