@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from nemo_factuality.testing.venvs import built_venv, run_in_venv, venv_env
+from nemo_factuality.testing.venvs import ProgramRun, built_venv, run_batch_in_venv, run_in_venv, venv_env
 
 STACK = "megatron"  # tools/setup_stack_env.sh builds its venv
 ENV_VAR = "NEMO_FACTUALITY_MEGATRON_VENV"
@@ -42,3 +42,11 @@ def run_in_megatron_venv(venv: Path, args: list[str], *, nproc: int = 1, timeout
     ``testing.forkrun`` (``venvs.run_in_venv``)."""
     return run_in_venv(venv, args, env=venv_env(**env), nproc=nproc, timeout=timeout, nice=True, preload=preload,
                        then=then)
+
+
+def run_batch_in_megatron_venv(venv: Path, programs: dict[str, tuple[int, list[str]]], *, logs: Path, timeout: float,
+                               preload: tuple[str, ...] = PRELOAD, **env: str) -> dict[str, ProgramRun]:
+    """Driver programs (name → (nproc, args)) one after another in one launch that imports ``preload`` once for all
+    of them (``venvs.run_batch_in_venv``), niced; each program's outcome by name. A program may read what an earlier
+    one wrote (they run in the order given)."""
+    return run_batch_in_venv(venv, programs, env=venv_env(**env), preload=preload, logs=logs, timeout=timeout, nice=True)

@@ -22,9 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_factuality.testing.megatron_env import PRELOAD_WITH_FLASH_ATTN, run_in_megatron_venv
+from nemo_factuality.testing.megatron_env import (
+    PRELOAD_WITH_FLASH_ATTN,
+    run_batch_in_megatron_venv,
+    run_in_megatron_venv,
+)
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a module fixture runs six torchrun programs
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3300)]  # a module fixture runs every driver program
 DRIVER = "tests/trainers/megatron_driver.py"
 LOGIT_TOLERANCE = 1e-5  # fp32 on CPU: observed 0 at TP=1/PP=2, 1.4e-6 at TP=2; the scatter bug is ~1
 # log-probs after AdamW steps at different layouts: Adam's first update is lr·g/(|g|+ε), which turns the 1e-7 rounding
@@ -34,28 +38,51 @@ LOGIT_TOLERANCE = 1e-5  # fp32 on CPU: observed 0 at TP=1/PP=2, 1.4e-6 at TP=2; 
 STEP_TOLERANCE = 5e-4
 
 
-def _run(venv: Path, root: Path, command: str, tag: str, nproc: int, *args: str) -> list[dict]:
-    res = run_in_megatron_venv(venv, [DRIVER, command, f"--hf={root / 'hf'}", f"--out={root}", f"--tag={tag}", *args],
-                               nproc=nproc, timeout=400, preload=PRELOAD_WITH_FLASH_ATTN)
-    assert res.returncode == 0, res.stdout[-6000:]
+LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp=2"]), "pp2": (2, ["--pp=2"])}
+
+
+FIXES = ["scatter", "tp-attributes"]
+
+
+def _program(root: Path, command: str, tag: str, nproc: int, *args: str) -> tuple[int, list[str]]:
+    return nproc, [DRIVER, command, f"--hf={root / 'hf'}", f"--out={root}", f"--tag={tag}", *args]
+
+
+@pytest.fixture(scope="module")
+def runs(megatron_venv, tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny model, then every driver run of the module (the parity checks at each layout, the two without a fix,
+    the train runs in order: later ones resume earlier ones' checkpoints) in one launch that imports Megatron once:
+    (the run folder, tag → ``ProgramRun``). Each run writes ``<tag>.rank<r>.json``."""
+    root = tmp_path_factory.mktemp("megatron")
+    programs = {"make-model": (1, [DRIVER, "make-model", f"--out={root / 'hf'}"])}
+    for name, (nproc, args) in LAYOUTS.items():
+        programs[f"parity_{name}"] = _program(root, "parity", f"parity_{name}", nproc, *args)
+    for fix in FIXES:
+        tag = f"parity_tp2_without_{fix}"
+        programs[tag] = _program(root, "parity", tag, 2, "--tp=2", f"--unfixed={fix}")
+    for tag, (nproc, args) in TRAIN_RUNS.items():
+        programs[tag] = _program(root, "train", tag, nproc, *[a.format(root=root) for a in args])
+    results = run_batch_in_megatron_venv(megatron_venv, programs, logs=root / "logs", timeout=3000,
+                                         preload=PRELOAD_WITH_FLASH_ATTN)
+    results["make-model"].check("make-model")
+    return root, results
+
+
+def _ranks(runs: tuple[Path, dict], tag: str, nproc: int) -> list[dict]:
+    """Run ``tag``'s JSON of each of its ``nproc`` ranks (it failed: its output)."""
+    root, results = runs
+    results[tag].check(tag)
     return [json.loads((root / f"{tag}.rank{r}.json").read_text()) for r in range(nproc)]
 
 
 @pytest.fixture(scope="module")
-def root(megatron_venv, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("megatron")
-    res = run_in_megatron_venv(megatron_venv, [DRIVER, "make-model", f"--out={root / 'hf'}"], timeout=120)
-    assert res.returncode == 0, res.stdout[-4000:]
-    return root
-
-
-LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp=2"]), "pp2": (2, ["--pp=2"])}
+def root(runs) -> Path:
+    return runs[0]
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def parity(request, megatron_venv, root) -> list[dict]:
-    nproc, args = LAYOUTS[request.param]
-    return _run(megatron_venv, root, "parity", f"parity_{request.param}", nproc, *args)  # train runs reuse the names
+def parity(request, runs) -> list[dict]:
+    return _ranks(runs, f"parity_{request.param}", LAYOUTS[request.param][0])
 
 
 def test_logits_and_logprobs_equal_transformers_after_loading(parity):
@@ -135,11 +162,11 @@ def _assert_follows_logprobs(sampled: dict[str, list]) -> None:
         assert abs(counts[t] / n - p) <= 4.5 * math.sqrt(p * (1 - p) / n), (t, counts[t], p)
 
 
-@pytest.mark.parametrize("fix", ["scatter", "tp-attributes"])
-def test_without_the_backends_fixes_these_checks_fail(fix, megatron_venv, root):
+@pytest.mark.parametrize("fix", FIXES)
+def test_without_the_backends_fixes_these_checks_fail(fix, runs):
     """Megatron-Bridge 0.3.1 still has both traps: undoing a fix at TP=2 gives logits or a gradient norm the checks
     above reject (if this starts passing, Bridge fixed the trap and the fix can go)."""
-    rank0 = _run(megatron_venv, root, "parity", f"parity_tp2_without_{fix}", 2, "--tp=2", f"--unfixed={fix}")[0]
+    rank0 = _ranks(runs, f"parity_tp2_without_{fix}", 2)[0]
     if fix == "scatter":
         assert rank0["logits_max_diff"] > 0.1
     else:
@@ -160,11 +187,8 @@ TRAIN_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def trained(megatron_venv, root) -> dict[str, dict]:
-    out = {}
-    for tag, (nproc, args) in TRAIN_RUNS.items():
-        out[tag] = _run(megatron_venv, root, "train", tag, nproc, *[a.format(root=root) for a in args])[0]
-    return out
+def trained(runs) -> dict[str, dict]:
+    return {tag: _ranks(runs, tag, nproc)[0] for tag, (nproc, _) in TRAIN_RUNS.items()}
 
 
 def _max_diff(a: list, b: list) -> float:

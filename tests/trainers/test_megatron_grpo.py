@@ -16,9 +16,9 @@ import math
 
 import pytest
 
-from nemo_factuality.testing.megatron_env import PRELOAD_WITH_FLASH_ATTN, run_in_megatron_venv
+from nemo_factuality.testing.megatron_env import PRELOAD_WITH_FLASH_ATTN, run_batch_in_megatron_venv
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 DRIVER = "tests/trainers/megatron_grpo_driver.py"
 
 
@@ -27,19 +27,26 @@ LAYOUTS = {"tp2": (2, ["--tp=2"], 1e-5), "dp2": (2, [], 1e-5), "tp2dp2_preset": 
            "tp2dp2_dynamic": (4, ["--tp=2", "--dynamic"], 1e-5)}
 
 
+@pytest.fixture(scope="module")
+def runs(megatron_venv, tmp_path_factory) -> dict:
+    """The tiny model, then every layout's driver run, in one launch (Megatron imported once for all of them):
+    layout → (its output folder, its ``ProgramRun``)."""
+    root = tmp_path_factory.mktemp("megatron_grpo")
+    programs = {"make-model": (1, ["tests/trainers/megatron_driver.py", "make-model", f"--out={root / 'hf'}"])}
+    for name, (nproc, args, _) in LAYOUTS.items():
+        (root / name).mkdir()
+        programs[name] = (nproc, [DRIVER, f"--hf={root / 'hf'}", f"--out={root / name}", *args])
+    results = run_batch_in_megatron_venv(megatron_venv, programs, logs=root / "logs", timeout=2400,
+                                         preload=PRELOAD_WITH_FLASH_ATTN)
+    results["make-model"].check("make-model")
+    return {name: (root / name, results[name]) for name in LAYOUTS}
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def ranks(request, megatron_venv, tmp_path_factory) -> list[dict]:
-    root = tmp_path_factory.mktemp(f"megatron_grpo_{request.param}")
-    res = run_in_megatron_venv(megatron_venv, ["tests/trainers/megatron_driver.py", "make-model", f"--out={root / 'hf'}"],
-                               timeout=120)
-    assert res.returncode == 0, res.stdout[-4000:]
-    out = root / "out"
-    out.mkdir()
-    nproc, args, _ = LAYOUTS[request.param]
-    res = run_in_megatron_venv(megatron_venv, [DRIVER, f"--hf={root / 'hf'}", f"--out={out}", *args], nproc=nproc,
-                               timeout=600, preload=PRELOAD_WITH_FLASH_ATTN)
-    assert res.returncode == 0, res.stdout[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+def ranks(request, runs) -> list[dict]:
+    out, result = runs[request.param]
+    result.check(request.param)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(LAYOUTS[request.param][0])]
 
 
 def _layout(request) -> str:

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_factuality.testing.megatron_env import PRELOAD, run_in_megatron_venv
+from nemo_factuality.testing.megatron_env import run_batch_in_megatron_venv
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3300)]
 CRITIC = "tests/trainers/megatron_critic_driver.py"
 STAGES = "tests/trainers/megatron_stages_driver.py"
 VALUE_TOLERANCE = 1e-5  # fp32 on CPU: observed ≤ 2.1e-7 at every layout; the steps move the values by 0.38 and 0.22
@@ -35,14 +35,6 @@ VALUE_TOLERANCE = 1e-5  # fp32 on CPU: observed ≤ 2.1e-7 at every layout; the 
 # of near-zero gradient entries into ~1e-4 of the lr (megatron_driver's actor, the same optimiser); the gradient norm
 # (rel 1e-5) is what a scale error cannot slip through
 STEP_TOLERANCE = 5e-4
-
-
-@pytest.fixture(scope="module")
-def root(megatron_venv, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("megatron_ppo_kto")
-    res = run_in_megatron_venv(megatron_venv, [CRITIC, "make-models", f"--out={root}"], timeout=120)
-    assert res.returncode == 0, res.stdout[-4000:]
-    return root
 
 
 # tag: (processes, driver arguments); pp2_tied_from_tp2 resumes tp2's AdamW checkpoint
@@ -53,15 +45,33 @@ LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tp=2"]),
            "tp2_sp": (2, ["--tp=2", "--sequence-parallel"])}
 
 
+STAGE_LAYOUTS = {"tp2": ["--tp=2"], "dp2": []}
+
+
 @pytest.fixture(scope="module")
-def critics(megatron_venv, root) -> dict[str, list[dict]]:
-    out = {}
-    for tag, (nproc, args) in LAYOUTS.items():  # in order: the PP=2 run reads TP=2's checkpoint
+def runs(megatron_venv, tmp_path_factory) -> tuple[Path, dict]:
+    """The tiny models, every critic layout (in order: the PP=2 run reads TP=2's checkpoint) and both stage layouts,
+    in one launch (Megatron imported once for all of them): (the run folder, program name → ``ProgramRun``)."""
+    root = tmp_path_factory.mktemp("megatron_ppo_kto")
+    programs = {"make-models": (1, [CRITIC, "make-models", f"--out={root}"])}
+    for tag, (nproc, args) in LAYOUTS.items():
         args = [a.format(root=root) for a in args]
         hf = [] if any(a.startswith("--hf=") for a in args) else [f"--hf={root / 'hf'}"]
-        res = run_in_megatron_venv(megatron_venv, [CRITIC, "parity", *hf, f"--out={root}", f"--tag={tag}", *args],
-                                   nproc=nproc, timeout=400, preload=PRELOAD)
-        assert res.returncode == 0, res.stdout[-6000:]
+        programs[f"critic_{tag}"] = (nproc, [CRITIC, "parity", *hf, f"--out={root}", f"--tag={tag}", *args])
+    for name, args in STAGE_LAYOUTS.items():
+        (root / f"stages_{name}").mkdir()
+        programs[f"stages_{name}"] = (2, [STAGES, f"--hf={root / 'hf'}", f"--out={root / f'stages_{name}'}", *args])
+    results = run_batch_in_megatron_venv(megatron_venv, programs, logs=root / "logs", timeout=3000)
+    results["make-models"].check("make-models")
+    return root, results
+
+
+@pytest.fixture(scope="module")
+def critics(runs) -> dict[str, list[dict]]:
+    root, results = runs
+    out = {}
+    for tag, (nproc, _) in LAYOUTS.items():
+        results[f"critic_{tag}"].check(f"critic_{tag}")
         out[tag] = [json.loads((root / f"{tag}.rank{r}.json").read_text()) for r in range(nproc)]
     return out
 
@@ -119,15 +129,11 @@ def test_the_critic_resumes_at_another_layout(critics):
     assert resumed["adam_metrics1"]["grad_norm"] == pytest.approx(saved["adam_metrics2"]["grad_norm"], rel=1e-5)
 
 
-@pytest.fixture(scope="module", params=["tp2", "dp2"])
-def stages(request, megatron_venv, root) -> list[dict]:
-    out = root / f"stages_{request.param}"
-    out.mkdir()
-    tp = ["--tp=2"] if request.param == "tp2" else []
-    res = run_in_megatron_venv(megatron_venv, [STAGES, f"--hf={root / 'hf'}", f"--out={out}", *tp], nproc=2,
-                               timeout=600, preload=PRELOAD)
-    assert res.returncode == 0, res.stdout[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module", params=list(STAGE_LAYOUTS))
+def stages(request, runs) -> list[dict]:
+    root, results = runs
+    results[f"stages_{request.param}"].check(f"stages_{request.param}")
+    return [json.loads((root / f"stages_{request.param}" / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_the_layout(stages, request):

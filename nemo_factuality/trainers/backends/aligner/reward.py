@@ -69,8 +69,48 @@ def check_reward_server(url: str, model: str, *, timeout_s: float, hint: str | N
 
 @functools.lru_cache(maxsize=1)
 def _bounded_client_classes():
+    """NeMo-Aligner's remote reward client with bounded timeouts, retries and errors that name the server."""
     import torch
-    from nemo_aligner.models.nlp.gpt.reward_critic_clients import RemoteGPTRMClient, RMFutureResult
+    from nemo_aligner.models.nlp.gpt.reward_critic_clients import RemoteGPTRMClient
+
+    communicator_class, result_class = _bounded_communicator_class(), _named_result_class()
+
+    class BoundedRemoteRMClient(RemoteGPTRMClient):
+        """``RemoteGPTRMClient`` whose communicator takes ``cfg.init_timeout_s`` / ``cfg.timeout_s``."""
+
+        def __post_init__(self):
+            cfg = self.cfg
+            self.communicator = communicator_class(cfg.init_timeout_s, cfg.timeout_s)
+            self.communicator.add_server_by_name(cfg.reward_model.name, cfg.reward_model.ip, cfg.reward_model.port)
+            self.pad_to_length = cfg.pad_to_length
+            self.url = f"http://{cfg.reward_model.ip}:{cfg.reward_model.port}"
+            retry = cfg.get("retry") or {}
+            self.backoff = Backoff(**retry) if retry else Backoff()
+
+        def infer_rm(self, rollout_batch):
+            future = super().infer_rm(rollout_batch)
+            return result_class(future.rm_future, self.url, self.cfg.reward_model.name,
+                                lambda: self._send_again(rollout_batch), self.backoff)
+
+        def _send_again(self, rollout_batch):
+            """The same payload as ``infer_rm`` on a fresh synchronous client (the futures client's worker may hold
+            the dropped connection)."""
+            from nemo_factuality.serving.client import pytriton_client
+
+            ModelClient = pytriton_client().ModelClient
+            tokens = rollout_batch["response_tokens"].cpu()
+            if self.pad_to_length is not None:
+                tokens = torch.nn.functional.pad(tokens, (0, self.pad_to_length - tokens.size(-1)), value=0)
+            data = {"tokens": tokens.numpy(), "sequence_lengths": rollout_batch["response_lengths"].unsqueeze(1).cpu().numpy()}
+            with ModelClient(self.url, self.cfg.reward_model.name, init_timeout_s=self.cfg.init_timeout_s,
+                             inference_timeout_s=self.cfg.timeout_s) as client:
+                return client.infer_batch(**data)
+
+    return BoundedRemoteRMClient
+
+
+def _bounded_communicator_class():
+    """Aligner's ``HTTPCommunicator`` whose PyTriton clients take an inference timeout (Aligner's wait forever)."""
     from nemo_aligner.servers.http_communicator import HTTPCommunicator
 
     from nemo_factuality.serving.client import pytriton_client
@@ -87,12 +127,22 @@ def _bounded_client_classes():
                                         inference_timeout_s=self.inference_timeout_s)
             self.connections[server_name] = (ip, port, client)
 
-    class _Done:
-        def __init__(self, output) -> None:
-            self.output = output
+    return BoundedHTTPCommunicator
 
-        def result(self):
-            return self.output
+
+class _Done:
+    """A finished future holding ``output``."""
+
+    def __init__(self, output) -> None:
+        self.output = output
+
+    def result(self):
+        return self.output
+
+
+def _named_result_class():
+    """Aligner's ``RMFutureResult`` that retries while the server is away and names it in every error."""
+    from nemo_aligner.models.nlp.gpt.reward_critic_clients import RMFutureResult
 
     class NamedRMFutureResult(RMFutureResult):
         """Aligner's result (broadcast over the model-parallel group): on the source rank the request is retried
@@ -125,38 +175,7 @@ def _bounded_client_classes():
                 raise RemoteRewardError(f"reward request to {self.url} (model {self.model!r}) failed: "
                                         f"{type(err).__name__}: {err}. {hint}") from err
 
-    class BoundedRemoteRMClient(RemoteGPTRMClient):
-        """``RemoteGPTRMClient`` whose communicator takes ``cfg.init_timeout_s`` / ``cfg.timeout_s``."""
-
-        def __post_init__(self):
-            cfg = self.cfg
-            self.communicator = BoundedHTTPCommunicator(cfg.init_timeout_s, cfg.timeout_s)
-            self.communicator.add_server_by_name(cfg.reward_model.name, cfg.reward_model.ip, cfg.reward_model.port)
-            self.pad_to_length = cfg.pad_to_length
-            self.url = f"http://{cfg.reward_model.ip}:{cfg.reward_model.port}"
-            retry = cfg.get("retry") or {}
-            self.backoff = Backoff(**retry) if retry else Backoff()
-
-        def infer_rm(self, rollout_batch):
-            future = super().infer_rm(rollout_batch)
-            return NamedRMFutureResult(future.rm_future, self.url, self.cfg.reward_model.name,
-                                       lambda: self._send_again(rollout_batch), self.backoff)
-
-        def _send_again(self, rollout_batch):
-            """The same payload as ``infer_rm`` on a fresh synchronous client (the futures client's worker may hold
-            the dropped connection)."""
-            from nemo_factuality.serving.client import pytriton_client
-
-            ModelClient = pytriton_client().ModelClient
-            tokens = rollout_batch["response_tokens"].cpu()
-            if self.pad_to_length is not None:
-                tokens = torch.nn.functional.pad(tokens, (0, self.pad_to_length - tokens.size(-1)), value=0)
-            data = {"tokens": tokens.numpy(), "sequence_lengths": rollout_batch["response_lengths"].unsqueeze(1).cpu().numpy()}
-            with ModelClient(self.url, self.cfg.reward_model.name, init_timeout_s=self.cfg.init_timeout_s,
-                             inference_timeout_s=self.cfg.timeout_s) as client:
-                return client.infer_batch(**data)
-
-    return BoundedRemoteRMClient
+    return NamedRMFutureResult
 
 
 def _endpoint(remote_rm: Any) -> tuple[str, int, str]:
