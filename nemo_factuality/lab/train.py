@@ -26,6 +26,7 @@ from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
+PORT_ATTEMPTS = 3  # fresh ports for a reward server whose ports another process took between the pick and the bind
 
 STAGES = ("grpo", "ppo", "kto")
 MONITOR = "val/reward"
@@ -59,22 +60,32 @@ def lab_reward(transport: str, spec: dict[str, Any], tokenizer_dir: Path,
     if transport == "inprocess":
         yield build_reward(spec, str(tokenizer_dir)), ["+reward=" + _json(spec)]
         return
+    from nemo_factuality.config import ConfigError
     from nemo_factuality.ports import free_ports
     from nemo_factuality.serving.config import ServeConfig
     from nemo_factuality.serving.server import FactualityRewardServer
     from nemo_factuality.trainers.config import GRPOConfig
     from nemo_factuality.trainers.runtime import build_reward as stage_reward
 
-    ports = free_ports(5)
-    serve_cfg = ServeConfig(reward=spec, policy_tokenizer=str(tokenizer_dir), response_marker=RESPONSE_MARKER,
-                            host="127.0.0.1", http_port=ports[0],
-                            grpc_port=ports[1], triton_metrics_port=ports[2], health_port=ports[3], metrics_port=ports[4])
-    url = f"http://127.0.0.1:{ports[0]}"
     with contextlib.ExitStack() as stack:
         if server_log is not None:
             server_log.parent.mkdir(parents=True, exist_ok=True)
             stack.enter_context(contextlib.redirect_stdout(stack.enter_context(server_log.open("a", encoding="utf-8"))))
-        stack.enter_context(FactualityRewardServer(serve_cfg, build_reward(spec, str(tokenizer_dir))))
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            # free a moment ago: another process may bind one before the server does (it then stops what it
+            # started and says so), so a taken port means new ports, a few times, not a failed method
+            ports = free_ports(5)
+            serve_cfg = ServeConfig(reward=spec, policy_tokenizer=str(tokenizer_dir), response_marker=RESPONSE_MARKER,
+                                    host="127.0.0.1", http_port=ports[0], grpc_port=ports[1],
+                                    triton_metrics_port=ports[2], health_port=ports[3], metrics_port=ports[4])
+            try:
+                stack.enter_context(FactualityRewardServer(serve_cfg, build_reward(spec, str(tokenizer_dir))))
+                break
+            except ConfigError as err:
+                if attempt == PORT_ATTEMPTS or "Address already in use" not in str(err):
+                    raise
+                log.warning("lab: reward server ports taken meanwhile (%s); trying new ones", err)
+        url = f"http://127.0.0.1:{ports[0]}"
         cfg = GRPOConfig()
         cfg.remote_rm.url = url
         yield stage_reward(cfg, None), [f"remote_rm.url={url}"]  # the stage's own client, health-checked
