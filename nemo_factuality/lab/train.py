@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -82,7 +83,8 @@ def lab_reward(transport: str, spec: dict[str, Any], tokenizer_dir: Path,
                 stack.enter_context(FactualityRewardServer(serve_cfg, build_reward(spec, str(tokenizer_dir))))
                 break
             except ConfigError as err:
-                if attempt == PORT_ATTEMPTS or "Address already in use" not in str(err):
+                taken = isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.EADDRINUSE
+                if attempt == PORT_ATTEMPTS or not taken:
                     raise
                 log.warning("lab: reward server ports taken meanwhile (%s); trying new ones", err)
         url = f"http://127.0.0.1:{ports[0]}"
