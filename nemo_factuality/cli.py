@@ -112,12 +112,24 @@ def debug_requested(argv: Sequence[str] = ()) -> bool:
     return "--debug" in argv or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
+# commands that decide themselves what a stop signal means: a training stage checkpoints on Slurm's SIGTERM and exits
+# for the requeue; the reward server stops its PyTriton server and exits 0
+OWN_STOP_SIGNALS = frozenset({"train", "serve"})
+
+
 def run_command(func: Callable[[list[str]], int | None], argv: Sequence[str], name: str) -> int:
-    """Run ``func(argv)`` behind the error boundary: user errors become one stderr line and exit code 2."""
+    """Run ``func(argv)`` behind the error boundary: user errors become one stderr line and exit code 2; SIGTERM and
+    SIGINT one line saying the command stops, then what it started is stopped on the way out and it exits 128 + the
+    signal (``stopping.stop_on_signals``; the commands of ``OWN_STOP_SIGNALS`` handle theirs)."""
+    from contextlib import nullcontext
+
+    from nemo_factuality.stopping import stop_on_signals
+
     debug = debug_requested(argv)
     argv = [a for a in argv if a != "--debug"]
     try:
-        return int(func(argv) or 0)
+        with nullcontext() if name in OWN_STOP_SIGNALS else stop_on_signals(name):
+            return int(func(argv) or 0)
     except KeyboardInterrupt:
         print(f"nemo-factuality {name}: interrupted", file=sys.stderr)
         return exit_codes.INTERRUPTED

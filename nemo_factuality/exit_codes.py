@@ -60,12 +60,13 @@ EXIT_CODES: tuple[ExitCode, ...] = (
              "(`critic.retry.max_wait_s`) on any rank of the job, or a critic server came back at another step; the "
              "stage wrote a checkpoint (not for the critic-step mismatch) and a `REQUEUE` file in its run directory",
              "requeue: the Slurm template does it on this code or the `REQUEUE` file"),
-    ExitCode(INTERRUPTED, "INTERRUPTED", "Ctrl-C (SIGINT) while the command ran; the lab first stops its workers and "
-             "the servers they started, and leaves `INCOMPLETE` in its output folder", "rerun; a stage resumes from its "
-             "latest checkpoint"),
-    ExitCode(TERMINATED, "TERMINATED", "SIGTERM (`kill`) reached the lab: it stopped its workers and the servers they "
-             "started within seconds and left `INCOMPLETE` in its output folder (a training stage instead checkpoints "
-             "and exits 0)", "rerun the command for a report"),
+    ExitCode(INTERRUPTED, "INTERRUPTED", "Ctrl-C (SIGINT) while the command ran: `eval`, `kb`, `convert`, `launch` and "
+             "`lab` say so in one line (`<SIGNAL> received: stopping …`), stop what they started (the lab its workers "
+             "and their servers, leaving `INCOMPLETE` in its output folder; `eval` writes no partial report) and exit "
+             "within seconds", "rerun; a stage resumes from its latest checkpoint"),
+    ExitCode(TERMINATED, "TERMINATED", "SIGTERM (`kill`) reached `eval`, `kb`, `convert`, `launch` or `lab`: as for 130 "
+             "(a training stage instead checkpoints and exits 0; `serve` stops its server and exits 0)",
+             "rerun the command for a report"),
 )
 
 MEANINGS: dict[int, str] = {entry.code: entry.meaning for entry in EXIT_CODES}

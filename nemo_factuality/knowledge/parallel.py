@@ -59,6 +59,9 @@ def _exit_with(parent: int, poll_s: float = 1.0) -> None:
 
 def _open_in_worker(parent: int, store_class: type, path: str, generation: str, options: dict) -> None:
     global _STORE
+    from nemo_factuality.stopping import ignore_stop_signals_in_workers
+
+    ignore_stop_signals_in_workers()  # Ctrl-C reaches the whole process group: the parent stops the pool
     _exit_with(parent)  # the parent's pid as it gave it: a worker still starting when its parent died sees PID 1 here
     # The parent already verified checksums; sizes are enough here.
     _STORE = store_class(path, verify=False, **options)

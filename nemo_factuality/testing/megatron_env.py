@@ -28,10 +28,8 @@ def skip_reason() -> str:
 
 
 #: What a megatron driver imports before its first line of work (``preload=PRELOAD``: paid once for all its ranks by
-#: ``testing.forkrun``). A driver that installs the flash-attn CPU stand-in before Megatron binds its kernels takes
-#: ``PRELOAD_WITH_FLASH_ATTN``: the preload must do what the driver does, in its order.
+#: ``testing.forkrun``); the preload must do what the driver does, in its order.
 PRELOAD = ("nemo_factuality.testing.megatron_cpu:apply", "megatron.core", "megatron.bridge")
-PRELOAD_WITH_FLASH_ATTN = ("nemo_factuality.testing.flash_attn_cpu:install", *PRELOAD)
 
 
 def run_in_megatron_venv(venv: Path, args: list[str], *, nproc: int = 1, timeout: float = 300,

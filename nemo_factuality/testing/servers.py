@@ -28,6 +28,9 @@ from nemo_factuality.testing.paths import REPO_ROOT
 from nemo_factuality.testing.ports import free_ports
 from nemo_factuality.testing.venvs import proc_stat
 
+# how long a reward server may take to stop on SIGTERM before the test counts it as not stopping by itself
+STOP_WAIT_S = 90
+
 SERVE_PORT_KEYS = ("http_port", "grpc_port", "triton_metrics_port", "health_port", "metrics_port")
 
 
@@ -110,7 +113,9 @@ def reward_server(config_name: str, overrides: list[str], workdir: Path, stopped
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=30)
+                # PyTriton's stop (Triton, its stubs, the proxies) took over 30 s once on the loaded 2-core machine
+                # while four other servers and a test module stopped beside it (a cold CI run, 2026-11-29)
+                proc.wait(timeout=STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 pass
         stopped["exit_code"] = proc.poll()

@@ -60,6 +60,11 @@ class MegatronModelConfig:
 
     # Megatron's distributed optimizer: Adam states and fp32 main weights sharded over the data-parallel ranks
     use_distributed_optimizer: bool = False
+    # how a checkpoint stores the distributed optimizer's state: dp_reshardable = each rank writes the shard it holds
+    # (nothing gathered, no GPU memory added; Megatron-LM's default); it resumes at the same TP and PP with any DP |
+    # fully_reshardable = each shard's state gathered on its first data-parallel rank's host (~24 B per parameter of
+    # the TP·PP shard there); it resumes at any TP/PP/DP. Set it for the save before a TP/PP change (docs/cluster/megatron.md)
+    optimizer_checkpoint: str = "dp_reshardable"
     # shard the activations outside attention/MLP (norms, dropout, residuals) along the sequence over the TP group;
     # needs model.tensor_model_parallel_size > 1. Rollouts generate with it off (Megatron's static engine has none)
     sequence_parallel: bool = False
@@ -73,6 +78,10 @@ class MegatronModelConfig:
     # of model.rollout_micro_batch_size prompts at a time; runs anywhere) | dynamic = its dynamic engine (paged KV
     # cache, continuous batching of model.rollout_micro_batch_size requests in flight); needs flash-attn >= 2.7.3
     inference_engine: str = "static"
+    # inference_engine=dynamic: the kernels its attention reads the paged KV cache with: flash_attn = flash-attn 2 (>=
+    # 2.7.3) or 3 as Megatron-Core found it at import | torch = plain-torch paged attention (SDPA over gathered pages;
+    # decode in fixed shapes without a host sync), for machines without flash-attn; never replaces flash-attn elsewhere
+    attention_kernels: str = "flash_attn"
     # inference_engine=dynamic: GiB (Megatron's buffer_size_gb, 1024³ bytes) of the paged KV cache allocated on each GPU
     # for the length of a generate call (freed after it); requests beyond what it holds wait
     inference_buffer_gb: float = 4.0
@@ -398,6 +407,8 @@ _CHOICES = {
     "rollout.vllm.refit": ("file", "broadcast"),
     "model.megatron.recompute": ("none", "full", "selective"),
     "model.megatron.inference_engine": ("static", "dynamic"),
+    "model.megatron.optimizer_checkpoint": ("dp_reshardable", "fully_reshardable"),
+    "model.megatron.attention_kernels": ("flash_attn", "torch"),
 }
 
 

@@ -8,17 +8,23 @@ against transformers on the same tiny HF checkpoint. Each command writes ``<out>
 * ``make-model``: a 2-layer Qwen2 (hidden 64, head_dim 32 ≠ hidden/heads, GQA, rope_theta 123456, QKV biases; every
   bias and norm weight random, so a mis-mapped one shows) and the tiny BPE tokenizer, written by this venv's
   transformers 4.x (the layout Bridge reads).
-* ``parity``: logits and log-probs against transformers after loading; the gradient norm of one step of a fixed loss
+* ``parity``: logits and log-probs against transformers after loading (at the stage's temperature 0.7 with top-k/top-p,
+  and without truncation: at TP > 1 the vocab-parallel path); the gradient norm of one step of a fixed loss
   against transformers' (clipping off, SGD at lr 0: the step changes nothing); greedy rollouts against the hf backend's
   ``generate`` (transformers' ``generate``); 400 sampled first tokens against the probabilities the actor's log-probs
-  give them (temperature 0.7, top-k 8, top-p 0.9); the same with ``model.megatron.inference_engine=dynamic`` (the
-  flash-attn stand-in of ``testing/flash_attn_cpu.py``), and its start-up refusals where flash-attn is missing or old.
+  give them (temperature 0.7, top-k 8, top-p 0.9); the same with ``model.megatron.inference_engine=dynamic`` on
+  ``model.megatron.attention_kernels=torch`` (plain-torch paged attention: no flash-attn here), and its start-up
+  refusals with ``attention_kernels=flash_attn`` where flash-attn is missing or old.
 * ``parity --unfixed scatter|tp-attributes``: the same with one of the backend's fixes undone
   (``backends.megatron.build``), to show the checks above catch what it fixes.
 * ``train``: a fixed batch of 8 sequences, each rank its contiguous 8/DP rows, the loss normalised by the global token
   count: step 1 (AdamW), logits; export → transformers reloads it → its logits; save; step 2 → log-probs; load → step 2
   again → log-probs (exactly equal); the reference reset to the current policy and saved with it; with ``--resume`` a
-  checkpoint another layout saved is loaded first, with ``--reference-from`` one holding a reset reference last.
+  checkpoint another layout saved is loaded first, with ``--reference-from`` one holding a reset reference last. With
+  the distributed optimizer the save is watched (``LargestAllocation``: the largest tensor storage any op creates),
+  and the run also saves ``<tag>_ckpt_full`` in ``optimizer_checkpoint=fully_reshardable`` (watched too); with
+  ``--refused`` that checkpoint's resume at this layout must be refused (its line is recorded). ``--fused-adam``:
+  Megatron builds Transformer Engine's ``FusedAdam`` (the container's optimizer; ``testing/fused_adam_cpu.py``).
 """
 
 from __future__ import annotations
@@ -31,14 +37,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from nemo_factuality.testing import flash_attn_cpu, megatron_cpu  # noqa: E402
+from nemo_factuality.testing import megatron_cpu  # noqa: E402
 
-# before Megatron's attention binds flash-attn's kernels at import: the dynamic engine's attention on CPU (a reference
-# implementation; nothing else here calls flash-attn, and transformers' probe still finds none installed)
-FLASH_ATTN = flash_attn_cpu.install()
 megatron_cpu.apply()
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from nemo_factuality.trainers.config import GRPOConfig, load_train_config  # noqa: E402
 from nemo_factuality.trainers.interfaces import Rollout, SamplingParams  # noqa: E402
@@ -48,7 +53,7 @@ ROWS, WIDTH, PROMPT = 8, 11, 3
 LONG_PROMPT = torch.randint(5, 390, (75,), generator=torch.Generator().manual_seed(11)).tolist()
 
 
-def make_model(out: Path, hidden: int = 64) -> None:
+def make_model(out: Path, hidden: int = 64, tied: bool = False) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from nemo_factuality.testing.tiny_models import build_tiny_tokenizer
@@ -57,7 +62,7 @@ def make_model(out: Path, hidden: int = 64) -> None:
     torch.manual_seed(0)
     cfg = Qwen2Config(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       intermediate_size=2 * hidden, vocab_size=400, max_position_embeddings=256, rope_theta=123456.0,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=tok.pad_token_id,
+                      rms_norm_eps=1e-6, tie_word_embeddings=tied, pad_token_id=tok.pad_token_id,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, torch_dtype="float32")
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():  # transformers starts biases at 0 and norms at 1: a swapped one would not show
@@ -154,6 +159,7 @@ def parity(args) -> dict:
     with torch.no_grad():
         ref_logprobs = token_logprobs(ref_logits, batch["tokens"], actor.distribution)
     valid = batch["mask"].bool()
+    untruncated = _untruncated_logprobs(actor, batch, ref_logits, valid)
     # one step's gradient norm of the same loss under transformers (temperature/top-k/top-p warped log-probs)
     global_tokens = float(batch["mask"].sum())
     hf.zero_grad()
@@ -164,7 +170,28 @@ def parity(args) -> dict:
     return {"logits_max_diff": float((ours - ref_logits).abs().max()), "logit_scale": float(ref_logits.abs().max()),
             "logprobs_max_diff": float((logprobs - ref_logprobs)[valid].abs().max()),
             "grad_norm": metrics["grad_norm"], "hf_grad_norm": hf_norm, "loss": metrics["loss"],
-            "hf_loss": float(loss) / global_tokens, **generations(args, actor)}
+            "hf_loss": float(loss) / global_tokens, **untruncated, **generations(args, actor)}
+
+
+def _untruncated_logprobs(actor, batch: dict, ref_logits: torch.Tensor, valid: torch.Tensor) -> dict:
+    """The presets' path: temperature 0.7 without top-k/top-p, where TP > 1 takes the log-softmax on the vocabulary
+    shards (Megatron's vocab-parallel cross-entropy) instead of gathering them. Its log-probs against transformers' at
+    the same temperature, and against transformers' at temperature 1 (what a dropped temperature would give)."""
+    from dataclasses import replace
+
+    from nemo_factuality.trainers.backends.hf.actor import SampledDistribution, token_logprobs
+
+    sampled = actor.distribution
+    actor.distribution = replace(sampled, top_k=0, top_p=1.0)
+    try:
+        ours = actor.logprobs(as_rollout(batch))
+    finally:
+        actor.distribution = sampled
+    with torch.no_grad():
+        at_t = token_logprobs(ref_logits, batch["tokens"], SampledDistribution(temperature=0.7))
+        at_1 = token_logprobs(ref_logits, batch["tokens"], SampledDistribution())
+    return {"untruncated_logprobs_max_diff": float((ours - at_t)[valid].abs().max()),
+            "untruncated_vs_temperature_1": float((ours - at_1)[valid].abs().max())}
 
 
 def generations(args, actor) -> dict:
@@ -203,20 +230,25 @@ def _as_lists(rollout: Rollout) -> list:
 
 
 def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams) -> dict:
-    """The same actor with ``model.megatron.inference_engine=dynamic`` (the flash-attn stand-in's kernels): pages of 4
+    """The same actor with ``model.megatron.inference_engine=dynamic`` (``attention_kernels=torch``): pages of 4
     tokens, so each prompt and response spans several pages of the paged KV cache; steps of 64 tokens, so the 75-token
     prompt's prefill is chunked; 2 requests in flight for 6 prompts of 2–75 tokens (packed varlen prefill; the rest
     wait for a slot: continuous batching). Greedy rollouts (the test compares them with transformers'), greedy with an
     EOS the responses reach mid-way against the static engine (the dynamic engine keeps that EOS among its tokens), 400
     sampled first tokens with 64 requests in flight, a KV buffer too small for one sequence, and greedy rollouts in
-    the buffer its refusal names (one whole sequence's pages, shared by the 2 requests in flight)."""
+    the buffer its refusal names (one whole sequence's pages, shared by the 2 requests in flight); greedy rollouts again
+    at the production page size, 256 tokens (every sequence within one page)."""
+    import functools
+
     from megatron.core.inference.contexts import dynamic_context
 
     from nemo_factuality.config import ConfigError
+    from nemo_factuality.trainers.backends.megatron import paged_attention
 
     calls = {"varlen": 0, "kvcache": 0, "chunk": 0}
 
     def counted(name, fn):
+        @functools.wraps(fn)  # keeps the kernel's mark: Megatron's version check still sees the torch kernels
         def call(*args, **kwargs):
             calls[name] += 1
             if name == "varlen":  # a later chunk of a prompt: several queries, fewer than its keys
@@ -227,12 +259,17 @@ def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams)
 
     from megatron.core.transformer import attention
 
-    attention.flash_attn_varlen_func = counted("varlen", flash_attn_cpu.flash_attn_varlen_func)
-    attention.flash_attn_with_kvcache = counted("kvcache", flash_attn_cpu.flash_attn_with_kvcache)
     m = actor.cfg
+    m.megatron.attention_kernels = "torch"
+    paged_attention.use_torch_kernels()  # what the actor's start-up check does with inference_engine=dynamic
+    attention.flash_attn_varlen_func = counted("varlen", paged_attention.varlen)
+    attention.flash_attn_with_kvcache = counted("kvcache", paged_attention.decode)
     m.megatron.inference_block_tokens, m.megatron.inference_max_step_tokens, m.megatron.inference_buffer_gb = 4, 64, 0.01
     m.megatron.inference_engine, m.rollout_micro_batch_size = "dynamic", 2
     out = {"dynamic_greedy": _as_lists(actor.generate(prompts, greedy)), "greedy_chunks": calls["chunk"]}
+    m.megatron.inference_block_tokens = 256  # the production page size (flash-attn's paged kernels need its multiples)
+    out["dynamic_greedy_256"] = _as_lists(actor.generate(prompts, greedy))
+    m.megatron.inference_block_tokens = 4
     eos, actor.eos_id = actor.eos_id, 354  # reached at the second token of prompt 3 (and later by others)
     out["dynamic_eos_greedy"] = _as_lists(actor.generate(prompts, greedy))
     m.megatron.inference_engine = "static"
@@ -260,25 +297,85 @@ def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams)
 
 
 def _refusals(attention) -> dict:
-    """``check_inference_engine("dynamic")`` (the actor's start-up check) where Megatron found no flash-attn kernels and
-    where their version is below Megatron's minimum: each a one-line ``ConfigError``."""
+    """``check_inference_engine("dynamic", kernels)`` (the actor's start-up check): accepted with the torch kernels; with
+    ``flash_attn`` where none is importable (this venv) and where its version is below Megatron's minimum (a module
+    named flash_attn at 2.6.3, Megatron's attention bound to kernels that are not ours), each a one-line
+    ``ConfigError``."""
+    import types
+
     from nemo_factuality.config import ConfigError
     from nemo_factuality.trainers.backends.megatron.generate import check_inference_engine
 
-    def refusal() -> str | None:
+    def refusal(kernels: str) -> str | None:
         try:
-            check_inference_engine("dynamic")
+            check_inference_engine("dynamic", kernels)
         except ConfigError as err:
             return str(err)
         return None
 
-    out = {"stand_in": refusal()}
-    kernel, attention.flash_attn_varlen_func = attention.flash_attn_varlen_func, None
-    out["missing"] = refusal()
-    attention.flash_attn_varlen_func, FLASH_ATTN.__version__ = kernel, "2.6.3"
-    out["too_old"] = refusal()
-    FLASH_ATTN.__version__ = flash_attn_cpu.VERSION
+    out = {"torch": refusal("torch"), "missing": refusal("flash_attn")}
+    old = types.ModuleType("flash_attn")
+    old.__version__ = "2.6.3"
+    bound = attention.flash_attn_varlen_func, attention.flash_attn_with_kvcache
+    sys.modules["flash_attn"] = old
+    attention.flash_attn_varlen_func = attention.flash_attn_with_kvcache = lambda *a, **k: None
+    try:
+        out["too_old"] = refusal("flash_attn")
+    finally:
+        del sys.modules["flash_attn"]
+        attention.flash_attn_varlen_func, attention.flash_attn_with_kvcache = bound
     return out
+
+
+class LargestAllocation(TorchDispatchMode):
+    """While active, the largest tensor storage (bytes) any aten op creates — an output whose storage none of the op's
+    inputs holds (factories, copies, concatenations, a collective's receive buffers) — and that op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest, self.op = 0, ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        held = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in held:
+                if t.untyped_storage().nbytes() > self.largest:
+                    self.largest, self.op = t.untyped_storage().nbytes(), str(func)
+        return out
+
+
+def save_as(actor, path: Path, optimizer_checkpoint: str) -> None:
+    """``actor.save(path)`` with the distributed optimizer's state in ``optimizer_checkpoint`` (the run's own setting
+    kept)."""
+    from dataclasses import replace
+
+    default = actor.settings
+    actor.settings = replace(default, optimizer_checkpoint=optimizer_checkpoint)
+    try:
+        actor.save(path)
+    finally:
+        actor.settings = default
+
+
+def _watched_saves(actor, out: Path, tag: str) -> dict:
+    """Save ``<tag>_ckpt`` in the configured (default) format and ``<tag>_ckpt_full`` in fully_reshardable, each
+    watched, and — watched only — the format this backend wrote before (``before``: fully_reshardable all-gathered on
+    every rank, Megatron's default variant); the largest parameter's bytes are the bound a save that gathers nothing
+    stays within, the shard's the least a gather of its whole state creates."""
+    from nemo_factuality.trainers.backends.megatron import model as megatron_model
+
+    megatron_model.OPTIMIZER_FORMATS["before"] = {"distrib_optim_sharding_type": "fully_reshardable"}
+    watched = {}
+    for fmt, where in ((actor.settings.optimizer_checkpoint, f"{tag}_ckpt"), ("fully_reshardable", f"{tag}_ckpt_full"),
+                       ("before", f"{tag}_ckpt_before")):
+        with LargestAllocation() as seen:
+            save_as(actor, out / where, fmt)
+        watched[fmt] = [seen.largest, seen.op]
+    return {"save_largest_bytes": watched,
+            "largest_parameter_bytes": max(p.numel() * p.element_size() for p in actor.model.parameters()),
+            "shard_parameter_bytes": sum(p.numel() * p.element_size() for p in actor.model.parameters())}
 
 
 def train(args) -> dict:
@@ -286,6 +383,13 @@ def train(args) -> dict:
                         f"model.megatron.use_distributed_optimizer={args.distributed_optimizer}")
     out = Path(args.out)
     result: dict = {"dp": actor.data_parallel_size, "initial_logprobs": actor.logprobs(as_rollout(fixed_batch())).tolist()}
+    if args.refused:
+        from nemo_factuality.types import FactualityInputError
+
+        try:
+            actor.load(Path(args.refused))
+        except FactualityInputError as refusal:
+            result["refusal"] = str(refusal)
     if args.resume:
         actor.load(Path(args.resume))
         result["resumed_logprobs"] = actor.logprobs(as_rollout(fixed_batch())).tolist()
@@ -304,7 +408,10 @@ def train(args) -> dict:
         result["export_logits_max_diff"] = float((reloaded - trained).abs().max())
         result["export_files"] = sorted(p.name for p in (out / f"{args.tag}_export").iterdir())
     ckpt = out / f"{args.tag}_ckpt"
-    actor.save(ckpt)
+    if args.distributed_optimizer:
+        result.update(_watched_saves(actor, out, args.tag))
+    else:
+        actor.save(ckpt)
     result["metrics2"] = step()
     result["logprobs2"] = actor.logprobs(as_rollout(batch)).tolist()
     actor.load(ckpt)
@@ -315,10 +422,15 @@ def train(args) -> dict:
     # KTO's reference: the current policy, then stored in the checkpoint (a distributed checkpoint of its own)
     actor.reset_reference()
     result["reset_reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
-    actor.save(out / f"{args.tag}_refckpt")
+    # read at another TP (--reference-from): with the distributed optimizer, in the layout-change format
+    save_as(actor, out / f"{args.tag}_refckpt", "fully_reshardable")
     if args.reference_from:
         actor.load(Path(args.reference_from))
         result["loaded_reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
+    adams = [o.optimizer for o in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])]
+    result["adam"] = {"class": [type(a).__name__ for a in adams],
+                      "group_steps": sorted({g.get("step") for a in adams for g in a.param_groups if g["params"]},
+                                            key=str)}
     return result
 
 
@@ -332,6 +444,9 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--resume", help="train: load this checkpoint (saved at another layout) first")
     ap.add_argument("--distributed-optimizer", action="store_true", help="train: Megatron's distributed optimizer")
+    ap.add_argument("--fused-adam", action="store_true",
+                    help="train: Megatron builds Transformer Engine's FusedAdam (the container's; testing/fused_adam_cpu.py)")
+    ap.add_argument("--refused", help="train: a checkpoint whose resume at this layout must be refused (tried first)")
     ap.add_argument("--reference-from", help="train: at the end, load this checkpoint (a reset reference, another layout)")
     ap.add_argument("--reference-hf", help="parity: the folder transformers loads as the reference (default --hf)")
     ap.add_argument("--unfixed", choices=["scatter", "tp-attributes"], help="parity: without this fix of the backend")
@@ -339,6 +454,10 @@ def main() -> int:
     if args.command == "make-model":
         make_model(Path(args.out))
         return 0
+    if args.fused_adam:
+        from nemo_factuality.testing import fused_adam_cpu
+
+        fused_adam_cpu.install()
     result = parity(args) if args.command == "parity" else train(args)
     rank = torch.distributed.get_rank()
     (Path(args.out) / f"{args.tag}.rank{rank}.json").write_text(json.dumps(result))

@@ -19,8 +19,9 @@ gathered over DP (distributed optimizer: each rank holds only its shard) and ove
 comes out in the HF checkpoint's names whatever the layout (``<out>/<tag>.<run>.grad.pt``, written by global rank 0).
 
 * ``--train RUN,…``: those runs go on — 2 more steps, save, a step, load, the same step again (the two must be equal).
-* ``--resume DIR/TAG.RUN``: the ``preset`` settings at this layout load that run's checkpoint, save it again at once
-  (the two checkpoints must hold the same tensors) and take the step the saved run took after its save.
+* ``--resume DIR/TAG.RUN``: the ``preset`` settings at this layout load that run's fully reshardable checkpoint (the
+  format for another TP/PP), save it again at once in that format (the two checkpoints must hold the same tensors)
+  and take the step the saved run took after its save.
 * ``--scale-loss F``: multiply every run's loss but the reference's by F (by hand: a gradient-scale bug must fail).
 * ``--unfixed sp-norm``: the norms of the local spec unmarked for SP (by hand: SP's gradient check must fail).
 * ``--check-te``: ``model.megatron.transformer_engine=true`` without TE is refused in one line; the spec choice.
@@ -32,6 +33,7 @@ import argparse
 import gc
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -134,8 +136,6 @@ def reduced_gradient_hf(actor) -> dict[str, torch.Tensor]:
     names: completed over DP where the distributed optimizer reduce-scattered it, then gathered over TP/PP by Bridge's
     export with each weight's conversion task pointed at its gradient (the parameters are not touched: changing a
     bf16 parameter's ``.data`` to fp32 resets its gradient accumulator, and Megatron's DDP hooks with it). Collective."""
-    from dataclasses import replace
-
     from megatron.core import parallel_state
 
     grads = {}
@@ -211,10 +211,13 @@ def first_step(args, run: str) -> dict:
 
 
 def train_on(args, actor, run: str, step, rollout) -> dict:
-    """Two more steps, save, a step; load, the same step again (equal); the checkpoint stays for ``--resume``."""
+    """Two more steps, save, a step; load, the same step again (equal); the checkpoint stays for ``--resume`` (with the
+    distributed optimizer also in ``fully_reshardable``, ``.full.ckpt``: the format a resume at another TP/PP reads)."""
     out = {"metrics": [step() for _ in range(2)]}
     ckpt = Path(args.out) / f"{args.tag}.{run}.ckpt"
     actor.save(ckpt)
+    if actor.settings.distributed_optimizer:  # the route to another TP/PP (--resume reads it): the layout-change format
+        base.save_as(actor, Path(args.out) / f"{args.tag}.{run}.full.ckpt", "fully_reshardable")
     out["logprobs_saved"] = actor.logprobs(rollout).tolist()
     out["metrics_a"], out["logprobs_a"] = step(), actor.logprobs(rollout).tolist()
     actor.load(ckpt)
@@ -248,8 +251,11 @@ def resume(args) -> dict:
     from megatron.core import dist_checkpointing
 
     actor = build(args, "preset")
+    # another TP: the saved run's fully reshardable copy, saved again in that format (the default one, dp_reshardable,
+    # loads only at its own TP/PP)
+    actor.settings = replace(actor.settings, optimizer_checkpoint="fully_reshardable")
     rollout = base.as_rollout(base.fixed_batch())
-    ckpt = Path(f"{args.resume}.ckpt")
+    ckpt = Path(f"{args.resume}.full.ckpt")
     actor.load(ckpt)
     resaved = Path(args.out) / f"{args.tag}.resaved.ckpt"
     actor.save(resaved)

@@ -69,6 +69,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.command == "make-model":
         make_model(Path(args.hf), hidden=128)  # head_dim 32 = hidden / heads: what vLLM's Qwen2 and CPU attention take
+        # tied embedding and output layer (the Qwen2.5 0.5B–3B and the R1 1.5B checkpoints): Bridge exports one tensor
+        make_model(Path(f"{args.hf}_tied"), hidden=128, tied=True)
         return 0
     args.pp = 1
     actor = build_actor(args, "model.optim.name=sgd", "model.optim.lr=1.0", "trainer.gradient_clip_val=0")

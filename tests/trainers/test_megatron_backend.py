@@ -9,7 +9,10 @@ checkpoint, each check a program in the megatron venv under torchrun on gloo (``
 * a step at TP=2, PP=2, DP=2 and DP=2 with the distributed optimizer equals the step at DP=1 on the same global
   batch; the exported HF folder reloads in transformers with the trained model's logits; save → load → step is
   exact; a checkpoint resumes at another layout (the next step equal to the uninterrupted run's: Adam's state came
-  along).
+  along) — the distributed optimizer's default format at another DP (TE's FusedAdam, the container's optimizer, on
+  a CPU stand-in), its fully reshardable one at another TP, where
+  the default format is refused in one line; the default format's save gathers nothing (its largest new tensor is
+  bounded by the largest parameter at DP=2, where the format saved before created the whole shard's).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import pytest
 import torch
 
 from nemo_factuality.testing.megatron_env import (
-    PRELOAD_WITH_FLASH_ATTN,
+    PRELOAD,
     run_batch_in_megatron_venv,
     run_in_megatron_venv,
 )
@@ -63,7 +66,7 @@ def runs(megatron_venv, tmp_path_factory) -> tuple[Path, dict]:
     for tag, (nproc, args) in TRAIN_RUNS.items():
         programs[tag] = _program(root, "train", tag, nproc, *[a.format(root=root) for a in args])
     results = run_batch_in_megatron_venv(megatron_venv, programs, logs=root / "logs", timeout=3000,
-                                         preload=PRELOAD_WITH_FLASH_ATTN)
+                                         preload=PRELOAD)
     results["make-model"].check("make-model")
     return root, results
 
@@ -92,6 +95,15 @@ def test_logits_and_logprobs_equal_transformers_after_loading(parity):
         assert rank["logprobs_max_diff"] <= LOGIT_TOLERANCE, rank["logprobs_max_diff"]
 
 
+def test_untruncated_logprobs_at_a_temperature_equal_transformers(parity):
+    """The presets sample at a temperature without top-k/top-p: at TP=2 the log-softmax then runs on the vocabulary
+    shards (Megatron's vocab-parallel cross-entropy over the scaled logits). Its log-probs equal transformers' at the
+    same temperature; dropping the temperature would move them by more than 0.1."""
+    for rank in parity:
+        assert rank["untruncated_logprobs_max_diff"] <= LOGIT_TOLERANCE, rank["untruncated_logprobs_max_diff"]
+        assert rank["untruncated_vs_temperature_1"] > 0.1
+
+
 def test_the_gradient_norm_equals_transformers(parity):
     for rank in parity:
         assert rank["loss"] == pytest.approx(rank["hf_loss"], rel=1e-6)
@@ -113,14 +125,14 @@ def test_sampled_tokens_follow_the_probabilities_of_the_logprobs(parity):
 
 
 def test_the_dynamic_engine_generates_transformers_greedy_tokens(parity):
-    """``model.megatron.inference_engine=dynamic`` on CPU (flash-attn's paged kernels from the reference stand-in
-    ``testing/flash_attn_cpu.py``, installed by the driver only): 6 prompts of 2–75 tokens, 2 requests in flight, pages
-    of 4 tokens, steps of 64 tokens — packed varlen prefill, chunked prefill of the 75-token prompt, paged decode,
-    continuous batching. Greedy tokens equal transformers' ``generate`` and the static engine's; with an EOS a response
-    reaches after 2 tokens, the rollouts (tokens, lengths, ``is_end``) equal the static engine's. Both kernels ran, a
+    """``model.megatron.inference_engine=dynamic`` on CPU with ``model.megatron.attention_kernels=torch`` (the
+    plain-torch paged attention, ``backends/megatron/paged_attention.py``): 6 prompts of 2–75 tokens, 2 requests in
+    flight, pages of 4 tokens, steps of 64 tokens — packed varlen prefill, chunked prefill of the 75-token prompt, paged
+    decode, continuous batching. Greedy tokens equal transformers' ``generate`` and the static engine's, with pages of 4
+    and of the production 256; with an EOS a response reaches after 2 tokens, the rollouts (tokens, lengths, ``is_end``) equal the static engine's. Both kernels ran, a
     prompt was prefilled in chunks, and the KV cache was written by Megatron's torch path (no triton)."""
     for rank in parity:
-        assert rank["dynamic_greedy"] == rank["hf_greedy"] == rank["greedy"]
+        assert rank["dynamic_greedy"] == rank["hf_greedy"] == rank["greedy"] == rank["dynamic_greedy_256"]
         assert rank["dynamic_eos_greedy"] == rank["static_eos_greedy"]
         tokens, lengths, ended = rank["dynamic_eos_greedy"]
         assert lengths[3] == 5 and ended == [False, False, False, True, False, False]  # 354 ended prompt 3's response
@@ -138,18 +150,21 @@ def test_the_dynamic_engine_samples_from_the_stages_distribution(parity):
 
 
 def test_the_dynamic_engine_without_flash_attn_or_room_is_refused_naming_the_key(parity):
-    """At start-up without flash-attn's kernels (or with an older one); at generation with a KV buffer smaller than
-    one sequence (83 tokens = 21 pages of 4; Megatron's least buffer holds 1 besides its dummy page)."""
+    """At start-up with ``attention_kernels=flash_attn`` and no flash-attn's kernels (or an older one), naming the torch
+    kernels as a way out; at generation with a KV buffer smaller than one sequence (83 tokens = 21 pages of 4;
+    Megatron's least buffer holds 1 besides its dummy page)."""
     line = parity[0]["small_buffer"]
     assert re.fullmatch(r"model\.megatron\.inference_buffer_gb=1e-06 holds 1 KV pages of 4 tokens; one sequence of "
                         r"83 tokens needs 21: set it to at least [0-9.e-]+", line), line
     assert parity[0]["named_buffer_greedy"] == parity[0]["hf_greedy"]  # the size it names is enough
     refusals = parity[0]["refusals"]
-    assert refusals["stand_in"] is None
+    assert refusals["torch"] is None
     for found in ("none importable", "found 2.6.3"):
         line = refusals["missing" if found == "none importable" else "too_old"]
-        assert line.startswith("model.megatron.inference_engine=dynamic needs flash-attn >= 2.7.3") and found in line
-        assert "\n" not in line and "set model.megatron.inference_engine=static" in line
+        assert line.startswith("model.megatron.inference_engine=dynamic with model.megatron.attention_kernels=flash_attn "
+                               "needs flash-attn >= 2.7.3") and found in line, line
+        assert "\n" not in line and "model.megatron.attention_kernels=torch" in line
+        assert "model.megatron.inference_engine=static" in line
 
 
 def _assert_follows_logprobs(sampled: dict[str, list]) -> None:
@@ -181,8 +196,13 @@ TRAIN_RUNS = {
     "tp2": (2, ["--tp=2"]),
     "pp2_from_tp2": (2, ["--pp=2", "--resume={root}/tp2_ckpt", "--reference-from={root}/tp2_refckpt"]),
     "dp2_distopt": (2, ["--distributed-optimizer"]),
-    "tp2_distopt_from_dp2": (2, ["--tp=2", "--distributed-optimizer", "--resume={root}/dp2_distopt_ckpt",
-                                 "--reference-from={root}/dp2_distopt_refckpt"]),
+    # TE's FusedAdam (the container's optimizer: its step in the parameter groups; testing/fused_adam_cpu.py), and its
+    # default-format (dp_reshardable) checkpoint resumed at another DP in a fresh process; the fully reshardable save
+    # at another TP, after the default one was refused there
+    "dp2_fused": (2, ["--distributed-optimizer", "--fused-adam"]),
+    "dp1_fused_from_dp2": (1, ["--distributed-optimizer", "--fused-adam", "--resume={root}/dp2_fused_ckpt"]),
+    "tp2_distopt_from_dp2": (2, ["--tp=2", "--distributed-optimizer", "--resume={root}/dp2_distopt_ckpt_full",
+                                 "--refused={root}/dp2_distopt_ckpt", "--reference-from={root}/dp2_distopt_refckpt"]),
 }
 
 
@@ -195,7 +215,7 @@ def _max_diff(a: list, b: list) -> float:
     return float((torch.tensor(a) - torch.tensor(b)).abs().max())
 
 
-@pytest.mark.parametrize("tag", ["dp2", "tp2", "dp2_distopt"])
+@pytest.mark.parametrize("tag", ["dp2", "tp2", "dp2_distopt", "dp2_fused"])
 def test_a_step_at_each_layout_equals_the_step_at_dp1(trained, tag):
     one, other = trained["dp1"], trained[tag]
     assert _max_diff(one["initial_logprobs"], other["initial_logprobs"]) <= LOGIT_TOLERANCE
@@ -220,13 +240,45 @@ def test_the_exported_folder_reloads_with_the_trained_logits(trained, tag):
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= set(run["export_files"])
 
 
-@pytest.mark.parametrize("tag, source", [("pp2_from_tp2", "tp2"), ("tp2_distopt_from_dp2", "dp2_distopt")])
+@pytest.mark.parametrize("tag, source", [("pp2_from_tp2", "tp2"), ("tp2_distopt_from_dp2", "dp2_distopt"),
+                                         ("dp1_fused_from_dp2", "dp2_fused")])
 def test_a_checkpoint_resumes_at_another_layout(trained, tag, source):
     resumed, saved = trained[tag], trained[source]
     assert _max_diff(resumed["resumed_logprobs"], saved["logprobs1"]) <= LOGIT_TOLERANCE
     # the step after the resume is the saved run's second step: weights and Adam's moments and step came along
     assert _max_diff(resumed["logprobs1"], saved["logprobs2"]) <= STEP_TOLERANCE
     assert resumed["metrics1"]["grad_norm"] == pytest.approx(saved["metrics2"]["grad_norm"], rel=1e-5)
+
+
+def test_the_distributed_optimizers_save_gathers_nothing(runs):
+    """The presets' first checkpoint ran out of memory: the format saved before gathered every TP·PP shard's whole
+    optimizer state on every GPU (32B GRPO: 84.5 GiB on an 80 GB H100). At DP=2 the default format
+    (``dp_reshardable``) creates no tensor larger than the largest parameter on either rank while it saves; the format
+    saved before (all-gathered on every rank) and the fully reshardable one (gathered on the first DP rank's host)
+    create one at least as large as the whole shard — what this bound exists to catch."""
+    ranks = _ranks(runs, "dp2_distopt", 2)
+    for rank in ranks:
+        watched, bound = rank["save_largest_bytes"], rank["largest_parameter_bytes"]
+        assert rank["shard_parameter_bytes"] > 3 * bound  # the shard is several parameters: the bound can tell them apart
+        assert watched["dp_reshardable"][0] <= bound, watched
+        assert watched["before"][0] >= rank["shard_parameter_bytes"], watched
+    assert ranks[0]["save_largest_bytes"]["fully_reshardable"][0] >= ranks[0]["shard_parameter_bytes"]
+
+
+def test_te_fused_adam_runs_the_containers_optimizer_path(trained):
+    """In the container Megatron builds TE's FusedAdam (Adam's step in the parameter groups; this backend's torch-AdamW
+    workarounds bypassed): its first step equals torch AdamW's at DP=1 and its save → load → step is exact (the tests
+    above), its checkpoint resumes at another DP in a fresh process with the saved run's next step; the step is counted
+    once per group — 1, saved, 2, loaded back to 1, 2 (the fresh DP=1 run: 2, then 3)."""
+    assert trained["dp2_fused"]["adam"] == {"class": ["FusedAdam"], "group_steps": [2]}, trained["dp2_fused"]["adam"]
+    assert trained["dp1_fused_from_dp2"]["adam"] == {"class": ["FusedAdam"], "group_steps": [3]}
+    assert trained["dp2_distopt"]["adam"]["class"] == ["AdamW"]  # torch's keeps its step per parameter
+
+
+def test_a_dp_reshardable_checkpoint_at_another_tp_is_refused_naming_the_route(trained):
+    line = trained["tp2_distopt_from_dp2"]["refusal"]
+    assert "\n" not in line and "optimizer_checkpoint=dp_reshardable, written at TP=1 PP=1" in line, line
+    assert "(this run: TP=2 PP=1)" in line and "model.megatron.optimizer_checkpoint=fully_reshardable" in line, line
 
 
 @pytest.mark.parametrize("tag", list(TRAIN_RUNS))

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_factuality.testing.megatron_env import PRELOAD_WITH_FLASH_ATTN, run_batch_in_megatron_venv
+from nemo_factuality.testing.megatron_env import PRELOAD, run_batch_in_megatron_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # a module fixture runs every driver program
 DRIVER = "tests/trainers/megatron_settings_driver.py"
@@ -62,7 +62,7 @@ def root(megatron_venv, tmp_path_factory) -> Path:
         programs[tag] = (nproc, [DRIVER, "first-step", f"--hf={root / 'hf'}", f"--out={root}", f"--tag={tag}",
                                  *[a.format(root=root) for a in args]])
     results = run_batch_in_megatron_venv(megatron_venv, programs, logs=root / "logs", timeout=2000,
-                                         preload=PRELOAD_WITH_FLASH_ATTN)
+                                         preload=PRELOAD)
     for name, result in results.items():
         result.check(name)
     return root
@@ -197,7 +197,8 @@ def test_the_presets_combination_trains_and_save_load_step_is_exact(ranks, name)
 
 
 def test_the_combination_resumes_at_another_layout(ranks):
-    """The bf16 combination's checkpoint (TP=2×DP=2) loaded at TP=1×DP=2 and saved there at once: the same 40 tensors
+    """The bf16 combination's fully reshardable checkpoint (TP=2×DP=2; the format for another TP/PP) loaded at TP=1×DP=2
+    and saved there at once in that format: the same 40 tensors
     bit for bit (bf16 weights, fp32 main weights, Adam's moments) and the same step and parameter groups; the next step
     is the saved run's next step within bf16's layout rounding."""
     saved = _run(ranks, "preset")[0]

@@ -5,7 +5,7 @@ megatron venv under torchrun on gloo (``megatron_grpo_driver.py``), and at TP=2Ã
 step 2 and rerun with the same command resumes from its checkpoint and ends exactly where the uninterrupted run ends;
 ``final/`` reloads in transformers with the trained Megatron model's logits (in bf16 for the preset run: the two
 compute in different orders, measured 0.025 on logits of size ~4). ``tp2dp2_dynamic``: the same at TP=2Ã—DP=2 with
-rollouts on Megatron's dynamic inference engine (the flash-attn stand-in's kernels) and sequence parallelism on: the stage takes
+rollouts on Megatron's dynamic inference engine (``attention_kernels=torch``) and sequence parallelism on: the stage takes
 its chunks as requests finish, each replica steps its own engine (2 of its 4 prompts in flight), and the rerun's
 rollouts are the straight run's (the stage's sampling streams)."""
 
@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from nemo_factuality.testing.megatron_env import PRELOAD_WITH_FLASH_ATTN, run_batch_in_megatron_venv
+from nemo_factuality.testing.megatron_env import PRELOAD, run_batch_in_megatron_venv
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
 DRIVER = "tests/trainers/megatron_grpo_driver.py"
@@ -37,7 +37,7 @@ def runs(megatron_venv, tmp_path_factory) -> dict:
         (root / name).mkdir()
         programs[name] = (nproc, [DRIVER, f"--hf={root / 'hf'}", f"--out={root / name}", *args])
     results = run_batch_in_megatron_venv(megatron_venv, programs, logs=root / "logs", timeout=2400,
-                                         preload=PRELOAD_WITH_FLASH_ATTN)
+                                         preload=PRELOAD)
     results["make-model"].check("make-model")
     return {name: (root / name, results[name]) for name in LAYOUTS}
 

@@ -42,7 +42,7 @@ def test_each_sections_memory_and_checkpoint_lines_are_the_arithmetic(path):
     for method in METHODS:
         section = text.split(f"\n{method}:\n", 1)[1].split("\n  overrides:", 1)[0]
         written = [line.removeprefix("  # ") for line in section.splitlines()
-                   if line.startswith("  # ") and line[4:].startswith(("train:", "logprobs", "engine", "  KV", "per GPU",
+                   if line.startswith("  # ") and line[4:].startswith(("train:", "logprobs", "save", "  host", "engine", "  KV", "per GPU",
                                                                        "checkpoint"))]
         assert written == mm.section_lines(mm.plan(preset, method), method), (path.stem, method)
 
@@ -57,6 +57,8 @@ def test_each_method_fits_an_h100_and_megatron_accepts_its_layout(path):
         lay, eng = p.layout, p.engine
         peaks = mm.gpu_peaks(p)
         assert max(peaks.values()) / GIB <= H100_BUDGET_GIB, (method, peaks)
+        # a save's host memory, and the fully reshardable save a TP/PP change needs first, fit a node
+        assert mm.save_bytes(p)["host_node"]["total"] / GIB <= mm.layout_change_host_bytes(p) / GIB <= mm.HOST_BUDGET_GIB
         assert p.layout.forward_micro_batch <= mm.largest_forward_micro_batch(p), method  # the forward batch was sized to fit
         engine = mm.engine_bytes(arch, eng)
         assert engine["kv_cache"] > 0 and engine["sequences"] >= mm.MIN_ENGINE_SEQUENCES, (method, engine)
@@ -143,6 +145,25 @@ def test_the_new_terms_hand_computed():
     assert forward["logits"] == 14 * 64 * 3 * 1000 / 2 and forward["reference"] == 2 * p / 2  # model.reference=copy
     assert mm.gpu_peaks(plan) == {"trainer": max(mm.trainer_bytes(plan)[k]["total"] for k in ("train", "logprobs")),
                                   "engine": 0.5 * 79 * GIB}
+    # a save (dp_reshardable, M = 2, DP = 2): on the GPU weights p + grads 2p + Adam 12p/4 + the reference p + 4 GiB;
+    # on a first DP rank's host its writes staged, weights p + Adam 3p; 4 ranks a node; fully_reshardable adds 24p/2
+    save = mm.save_bytes(plan)
+    assert save["gpu"]["total"] == 7 * p + 4 * GIB and save["host"] == {"staged": 4 * p, "total": 4 * p}
+    assert save["host_node"]["total"] == 16 * p and mm.layout_change_host_bytes(plan) == 4 * (4 * p + 12 * p)
+
+
+def test_the_format_saved_before_did_not_fit_the_32b_presets_first_checkpoint():
+    """Why the presets save in dp_reshardable: Megatron's fully_reshardable (default variant) all-gathers each state of
+    the TP·PP shard on every GPU — a receive buffer of 4P/M beside the 4P/(M·DP) it sends, one state at a time. On
+    qwen2.5-32b's GRPO that is 84.5 GiB on a GPU with the engine's share (budget 67.1); the save counted now is the
+    resident states alone."""
+    p = mm.plan(_preset(REPO_ROOT / "conf" / "train" / "megatron" / "qwen2.5-32b.yaml"), "grpo")
+    n, m, dp = p.arch.parameters(), p.layout.tp * p.layout.pp, p.layout.dp
+    share = mm.engine_bytes(p.arch, p.engine)["total"]
+    resident = 2 * n / m + 4 * n / m + 12 * n / (m * dp) + 4 * GIB  # the reference is on the host (cpu_weight_swap)
+    assert round((resident + 4 * n / m + 4 * n / (m * dp) + share) / GIB, 1) == 84.5 > H100_BUDGET_GIB
+    assert mm.save_bytes(p)["gpu"]["total"] == pytest.approx(resident, rel=1e-12)
+    assert mm.gpu_peaks(p)["trainer"] / GIB <= H100_BUDGET_GIB
 
 
 def test_the_critic_parameter_count_is_a_real_value_models():
@@ -163,11 +184,11 @@ def _docs_rows() -> list[list[str]]:
 
 
 def test_the_docs_presets_table_is_the_arithmetic():
-    """docs/cluster/megatron.md: one row per preset and method — layout, placement, per-GPU peaks (GiB) and checkpoint
-    bytes (GB) — each cell recomputed here."""
+    """docs/cluster/megatron.md: one row per preset and method — layout, placement, per-GPU peaks (GiB), a save's host
+    memory per node (GiB) and checkpoint bytes (GB) — each cell recomputed here."""
     rows = _docs_rows()
     assert len(rows) == 6 * 3
-    for name, method, layout, engine, trainer_gib, engine_gib, ckpt_gb, final_gb in rows:
+    for name, method, layout, engine, trainer_gib, engine_gib, save_host_gib, ckpt_gb, final_gb in rows:
         preset = _preset(REPO_ROOT / "conf" / "train" / "megatron" / f"{name.strip('`')}.yaml")
         p = mm.plan(preset, method)
         peaks, ckpt = mm.gpu_peaks(p), mm.checkpoint_bytes(p.arch, method)
@@ -176,6 +197,7 @@ def test_the_docs_presets_table_is_the_arithmetic():
         assert float(trainer_gib) == round(peaks["trainer"] / GIB, 1)
         assert engine_gib == ("—" if p.engine.placement == "colocated" else f"{peaks['engine'] / GIB:.1f}")
         assert float(ckpt_gb) == round(ckpt["total"] / 1e9, 1) and float(final_gb) == round(ckpt["final"] / 1e9, 1)
+        assert float(save_host_gib) == round(mm.save_bytes(p)["host_node"]["total"] / GIB, 1)
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=[p.stem for p in PRESETS])

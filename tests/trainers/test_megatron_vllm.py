@@ -27,16 +27,26 @@ def policy(megatron_venv, tmp_path_factory) -> Path:
     return hf
 
 
-@pytest.mark.parametrize("tp, refit", [(1, "file"), (2, "file"), (2, "broadcast")])
+@pytest.mark.parametrize("tp, refit, tied", [
+    (1, "file", False),
+    # found by this case: vLLM's in-place reload leaves a tied output layer at its starting weights (log-probs 2.5
+    # apart after the 3 steps); rollout.engine=vllm refuses tied policies (``check_untied_output_layer``). Strict: when
+    # vLLM's reload keeps the tie, this passes, fails as XPASS, and the refusal can go
+    pytest.param(2, "file", True, marks=pytest.mark.xfail(strict=True, reason="vLLM's reload unties the output layer")),
+    (2, "broadcast", False)])
 def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatron_venv, vllm_python, policy, tmp_path, tp,
-                                                                          refit):
+                                                                          refit, tied):
     """``refit=broadcast``: the source streams Bridge's export tensor by tensor into the engine (gloo), no file; after
     the 3 steps it streams, then its engine is killed: the rollout request restarts it and every rank streams again
-    before the request is repeated (the step-3 rollouts are still the native engine's)."""
+    before the request is repeated (the step-3 rollouts are still the native engine's). ``tied``: a policy whose
+    output layer is its embedding (Bridge exports it once; vLLM's Qwen2 reads it for both)."""
     # broadcast: the engine core in processes of its own, as on GPUs (the others: inside, the CPU default); the kill
     # must take those processes with it and the stream must reach workers outside the engine's process
     kill = ["--kill-before-rollout", "--engine-core-process"] if refit == "broadcast" else []
-    res = run_in_megatron_venv(megatron_venv, [DRIVER, "refit", f"--hf={policy}", f"--out={tmp_path}",
+    model = policy.with_name(f"{policy.name}_tied") if tied else policy
+    if tied:  # the model really is tied: one tensor for both, none named for the output layer
+        assert json.loads((model / "config.json").read_text())["tie_word_embeddings"] is True
+    res = run_in_megatron_venv(megatron_venv, [DRIVER, "refit", f"--hf={model}", f"--out={tmp_path}",
                                                f"--vllm-python={vllm_python}", f"--tp={tp}", f"--refit={refit}", *kill],
                                nproc=tp, timeout=600)
     assert res.returncode == 0, res.stdout[-6000:]

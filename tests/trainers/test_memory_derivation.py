@@ -37,7 +37,7 @@ def _hf_model(arch: dict) -> torch.nn.Module:
     return _hf_model_of(tuple(sorted(arch.items())))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model_of(items: tuple) -> torch.nn.Module:
     """One model per architecture (the R1 distills share Qwen2.5's), built once for the module."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

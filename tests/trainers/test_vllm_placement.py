@@ -217,3 +217,88 @@ def test_a_refit_broadcast_is_bounded_on_the_host_not_by_the_groups_timeout(peer
     took = time.monotonic() - start
     assert took < (0.5 if peer == "gone" else 3.0), took  # the group itself would have waited 60 s
     vllm_worker.broadcast(groups[1], torch.zeros(4))  # rank 1 takes the pending broadcast: nothing left waiting
+
+
+def test_a_refit_stream_reaches_both_workers_of_an_engine_at_tensor_parallel_2(tmp_path):
+    """Issue 39: the vLLM tests' engines run at TP=1, so a refit group of more than 2 ranks never formed — the R1-7B
+    preset's engine (TP=2) puts 3 in it: the trainer's source rank and the engine's 2 workers. Here the trainer's side of
+    the stream (``VLLMEngine.open_stream`` / ``send_tensor`` / ``close_stream``) broadcasts over a real 3-rank gloo group
+    into two workers running ``vllm_worker.receive`` (what ``BroadcastRefit.receive_refit`` feeds vLLM's
+    ``reload_weights``): each worker gets every tensor bit for bit, in the order sent, and the END header's count. The
+    engine process's messages (``refit_stream`` and its reply) are not exchanged here: no vLLM engine runs."""
+    import datetime
+    import subprocess
+    import threading
+
+    import torch
+
+    from nemo_factuality.testing.ports import free_ports
+    from nemo_factuality.trainers.engines import vllm_worker
+
+    (port,) = free_ports(1)
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=30))
+    tensors = {"embed": torch.randn(7, 4), "layer.0.w": torch.randn(3, 5).to(torch.bfloat16), "bias": torch.arange(6.0)}
+    manifest = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in tensors.items()]
+    received: dict[int, list] = {}
+
+    def worker(rank: int) -> None:
+        peer = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        group = vllm_worker.make_group(peer, "tp2/", rank, 3, "gloo", 30.0, torch.device("cpu"))
+        received[rank] = list(vllm_worker.receive(group, manifest, torch.device("cpu")))
+
+    threads = [threading.Thread(target=worker, args=(rank,), daemon=True) for rank in (1, 2)]
+    for t in threads:
+        t.start()
+    cfg = VLLMEngineConfig(python=sys.executable, refit="broadcast", tensor_parallel_size=2, request_timeout_s=30)
+    engine = VLLMEngine(tmp_path / "model", cfg, dtype="float32", log_dir=tmp_path / "log")
+    engine._group = vllm_worker.make_group(store, "tp2/", 0, 3, "gloo", 30.0, torch.device("cpu"))
+    engine._proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # "the engine is alive"
+    sent: list[dict] = []
+
+    def reply(op: str) -> dict:  # the engine's answer once its workers returned: what each took
+        for t in threads:
+            t.join(timeout=30)
+        return {"received": [len(received.get(r, [])) for r in (1, 2)]}
+
+    engine._send, engine._reply = sent.append, reply
+    try:
+        engine.open_stream([tuple(entry) for entry in manifest])
+        for name in ("layer.0.w", "embed", "bias"):  # any order: each header names its manifest entry
+            engine.send_tensor(name, tensors[name])
+        engine.close_stream()  # the END header with the count; raises if a worker took another number
+    finally:
+        engine._proc.kill()
+        engine._proc.wait()
+    assert [m["op"] for m in sent] == ["refit_stream"]
+    for rank in (1, 2):
+        assert [name for name, _ in received[rank]] == ["layer.0.w", "embed", "bias"]
+        for name, tensor in received[rank]:
+            assert tensor.dtype == tensors[name].dtype and torch.equal(tensor, tensors[name]), (rank, name)
+
+
+def test_a_tied_policy_is_refused_for_vllm_rollouts_before_any_engine_starts(tmp_path):
+    """vLLM's in-place reload leaves a tied output layer at its starting weights (the tied case of
+    ``test_megatron_vllm.py`` shows the drift): ``rollout.engine=vllm`` refuses such a policy in one line, before any
+    engine starts; an untied one (or one that does not say) passes."""
+    import json
+
+    from nemo_factuality.trainers.config import GRPOConfig, load_train_config
+    from nemo_factuality.trainers.engines.vllm_rollout import with_rollout_engine
+    from nemo_factuality.types import FactualityInputError
+
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "config.json").write_text(json.dumps({"model_type": "qwen2", "tie_word_embeddings": True}))
+    cfg = load_train_config(GRPOConfig, None, [f"model.path={policy}", "rollout.engine=vllm",
+                                               f"rollout.vllm.python={tmp_path / 'no-such-python'}",
+                                               "remote_rm.url=http://127.0.0.1:9"])
+    with pytest.raises(FactualityInputError) as err:
+        with_rollout_engine(cfg, SimpleNamespace(), tmp_path / "run")
+    line = str(err.value)
+    assert "\n" not in line and "tie_word_embeddings" in line and "rollout.engine=megatron" in line
+    assert not (tmp_path / "run").exists()
+    (policy / "config.json").write_text(json.dumps({"model_type": "qwen2", "tie_word_embeddings": False}))
+    with pytest.raises(Exception) as err:  # past the check: the engine's Python is what stops it now
+        with_rollout_engine(cfg, SimpleNamespace(), tmp_path / "run")
+    assert "tie_word_embeddings" not in str(err.value)

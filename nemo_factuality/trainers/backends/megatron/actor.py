@@ -64,7 +64,7 @@ class MegatronActor(MegatronModel):
         if not cfg.path:
             raise FactualityInputError("model.path must be an HF checkpoint folder (trainer.backend=megatron)")
         self.cfg = cfg
-        check_inference_engine(cfg.megatron.inference_engine)
+        check_inference_engine(cfg.megatron.inference_engine, cfg.megatron.attention_kernels)
         sampling_seed = torch.initial_seed()  # the stage's seed: Megatron's own seeding must not replace it
         self.layout = build.init_process_groups(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                                 device, seed, distributed_timeout_s)
@@ -121,6 +121,8 @@ class MegatronActor(MegatronModel):
                         asked: SampledDistribution) -> Iterator[RolloutChunk]:
         """All prompts through one dynamic engine (``model.rollout_micro_batch_size`` in flight); the model is in
         generation mode (eval, no grad, no SP) only while the engine steps, not while the stage holds a chunk."""
+        # the start-up check again (idempotent): binds the torch kernels where the engine was switched on since
+        check_inference_engine("dynamic", self.cfg.megatron.attention_kernels)
         steps = generate_dynamic_chunks(self.model, self.tokenizer, self.eos_id, self.pad_id, prompt_ids, sampling,
                                         asked, max_requests=max(1, self.cfg.rollout_micro_batch_size),
                                         buffer_gb=self.cfg.megatron.inference_buffer_gb,

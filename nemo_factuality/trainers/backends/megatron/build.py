@@ -77,13 +77,15 @@ class Settings:
     recompute: str = "none"  # none | full | selective
     transformer_engine: bool = False  # Megatron-Core's TE layer spec instead of the local one
     distributed_optimizer: bool = False
+    optimizer_checkpoint: str = "dp_reshardable"  # the distributed optimizer's checkpoint format (model.OPTIMIZER_FORMATS)
 
     @classmethod
     def of(cls, model: Any) -> Settings:
         """From a stage's ``model`` config (``PolicyModelConfig``)."""
         m = model.megatron
         return cls(bf16=model.dtype == "bfloat16", sequence_parallel=m.sequence_parallel, recompute=m.recompute,
-                   transformer_engine=m.transformer_engine, distributed_optimizer=m.use_distributed_optimizer)
+                   transformer_engine=m.transformer_engine, distributed_optimizer=m.use_distributed_optimizer,
+                   optimizer_checkpoint=m.optimizer_checkpoint)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -389,37 +391,51 @@ def _torch_adams(optimizer: Any) -> list[Any]:
 
 
 def initialize_adam_state(optimizer: Any) -> None:
-    """Give a distributed optimizer's torch Adam the state it has after a step (zero moments, step 0, a tensor per
-    parameter) when it has none: Megatron-Core 0.16.1's ``DistributedOptimizer.state_dict`` asserts that every parameter
-    has a step, so a fresh process could not even build the template its checkpoint loads into."""
-    for megatron_optimizer in _torch_adams(optimizer):
+    """Give a distributed optimizer's Adam the state it has after a step when it has none (a fresh process, a save
+    before the first step): Megatron-Core 0.16.1 describes a checkpoint from the state it finds, so an empty one is
+    written without moments (and a loading template then expects them) or, with torch's AdamW, asserts that every
+    parameter has a step. torch's Adam: zero moments, step 0, a tensor per parameter. TE/Apex's FusedAdam (the
+    container's; its step is in the parameter group): Megatron's own initialiser of it, zero moments."""
+    torch_adams = _torch_adams(optimizer)
+    for megatron_optimizer in torch_adams:
         adam = megatron_optimizer.optimizer
         for group in adam.param_groups:
             for p in group["params"]:
                 if not adam.state[p]:
                     adam.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p.data),
                                          exp_avg_sq=torch.zeros_like(p.data))
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init = getattr(megatron_optimizer, "init_state_fn", None)
+        inner = getattr(megatron_optimizer, "optimizer", None)
+        if megatron_optimizer not in torch_adams and init is not None and inner is not None:
+            init(inner, megatron_optimizer.config)  # fills only parameters without state
 
 
+@torch.no_grad()  # Megatron's dp_reshardable loader copies into the main weights, which in fp32 are views of the
+# parameters: an in-place copy with autograd on fails (a view of a leaf that requires grad)
 def load_optimizer_state(optimizer: Any, state: dict) -> None:
     """``optimizer.load_state_dict(state)``, working around Megatron-Core 0.16.1's distributed optimizer with torch's
     AdamW (what it builds without TE or Apex, whose FusedAdam keeps Adam's step in the parameter group): its
-    ``load_state_dict`` first puts the checkpoint's step on every parameter's state, then copies every key of that
-    state from the checkpoint's parameter state — which holds only ``param``, ``exp_avg``, ``exp_avg_sq`` — and fails
-    on ``step`` (KeyError). Here the parameter state is loaded with the step set aside, then the step is put back —
-    one tensor per parameter (module docstring)."""
+    ``load_state_dict`` first puts the checkpoint's step on every parameter's state — one tensor shared by all — then
+    copies every key of that state from the checkpoint's parameter state, which holds only ``param``, ``exp_avg``,
+    ``exp_avg_sq`` (KeyError on ``step``, fully_reshardable) or the shared tensor itself (dp_reshardable). Here the
+    parameter state is loaded with the step set aside, then the step is put back — one tensor per parameter (module
+    docstring)."""
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     if "param_state" not in state or not _torch_adams(optimizer):
         optimizer.load_state_dict(state)
         return
-    if len(chained) != 1 or state.get("param_state_sharding_type") != "fully_reshardable":
-        raise RuntimeError("expected one distributed optimizer with a fully_reshardable checkpoint, got "
-                           f"{len(chained)} optimizers and {state.get('param_state_sharding_type')!r}")
+    loaders = {"fully_reshardable": "load_parameter_state_from_fully_reshardable",
+               "dp_reshardable": "load_parameter_state_from_dp_reshardable"}
+    kind = state.get("param_state_sharding_type")
+    if len(chained) != 1 or kind not in loaders:
+        raise RuntimeError(f"expected one distributed optimizer with a checkpoint in one of {sorted(loaders)}, got "
+                           f"{len(chained)} optimizers and {kind!r}")
     distributed, param_state = chained[0], state.pop("param_state")
     state.pop("param_state_sharding_type")
     distributed.load_state_dict(state)  # parameter groups, and Adam's step on every parameter's state
     steps = {id(p): s.pop("step") for p, s in distributed.optimizer.state.items() if "step" in s}
-    distributed.load_parameter_state_from_fully_reshardable(param_state)
+    getattr(distributed, loaders[kind])(param_state)
     for p, s in distributed.optimizer.state.items():
         if id(p) in steps:
             # a tensor of its own: Megatron hands every parameter the same one, which torch's foreach AdamW then

@@ -159,24 +159,45 @@ def generate_static_batch(model: Any, tokenizer: Any, eos_id: int, pad_id: int, 
                     eos_id, pad_id)
 
 
-def check_inference_engine(engine: str) -> None:
-    """Start-up check of ``model.megatron.inference_engine``: ``dynamic`` needs the flash-attn kernels Megatron-Core's
-    attention bound at import (flash-attn >= 2.7.3, or flash-attn 3). Refuses in one line naming the key."""
+def check_inference_engine(engine: str, kernels: str) -> None:
+    """Start-up check of ``model.megatron.inference_engine`` and ``model.megatron.attention_kernels``: ``dynamic``
+    attends only through paged-KV kernels — with ``torch`` this module's (bound into Megatron's attention here), with
+    ``flash_attn`` the ones Megatron-Core bound at import (flash-attn >= 2.7.3, or flash-attn 3). Refuses in one line
+    naming the keys."""
     if engine != "dynamic":
+        return
+    if kernels == "torch":
+        from nemo_factuality.trainers.backends.megatron import paged_attention
+
+        paged_attention.use_torch_kernels()
         return
     from megatron.core.transformer import attention
     from packaging.version import Version
 
     if attention.HAVE_FA3:
         return
-    found = None
-    if attention.flash_attn_varlen_func is not None and attention.flash_attn_with_kvcache is not None:
-        found = str(getattr(importlib.import_module("flash_attn"), "__version__", "0"))
+    found = _flash_attn_version()
     if found is None or Version(found) < Version(FLASH_ATTN_MIN_VERSION):
-        raise ConfigError(f"model.megatron.inference_engine=dynamic needs flash-attn >= {FLASH_ATTN_MIN_VERSION} "
-                          "(Megatron-Core's dynamic engine attends only through its paged-KV kernels), found "
-                          f"{found or 'none importable'}: install flash-attn or set "
+        raise ConfigError(f"model.megatron.inference_engine=dynamic with model.megatron.attention_kernels=flash_attn "
+                          f"needs flash-attn >= {FLASH_ATTN_MIN_VERSION} (Megatron-Core's dynamic engine attends only "
+                          f"through paged-KV kernels), found {found or 'none importable'}: install flash-attn, or set "
+                          "model.megatron.attention_kernels=torch (plain-torch paged attention) or "
                           "model.megatron.inference_engine=static")
+
+
+def _flash_attn_version() -> str | None:
+    """The version of the flash-attn whose kernels Megatron's attention bound, or None (not importable, or not bound)."""
+    from megatron.core.transformer import attention
+
+    from nemo_factuality.trainers.backends.megatron import paged_attention
+
+    bound = (attention.flash_attn_varlen_func, attention.flash_attn_with_kvcache)
+    if any(k is None or paged_attention.is_torch_kernel(k) for k in bound):
+        return None
+    try:
+        return str(getattr(importlib.import_module("flash_attn"), "__version__", "0"))
+    except ImportError:
+        return None
 
 
 def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, buffer_gb: float, block_tokens: int,

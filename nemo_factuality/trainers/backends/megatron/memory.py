@@ -20,8 +20,18 @@ here:
   at start): its weights ``2P/TP_e``, ``ENGINE_OVERHEAD_GIB``, and the KV cache in the rest
   (``2·L·⌈kv/TP_e⌉·d·2 B`` per token). ``colocated``: that share sits on the replica's GPUs beside the trainer, so a
   GPU holds the trainer's peak plus the share; ``separate``: the engine's GPUs hold only the share.
+* **A checkpoint save** (``save_bytes``; the presets' ``model.megatron.optimizer_checkpoint=dp_reshardable``): each
+  rank writes the states it holds, so the GPU holds its resident states and nothing more (no activations, nothing
+  gathered); Megatron's writer copies everything a rank writes to host memory first — its optimizer shard
+  ``12P/(M·DP)`` and, on its replica's first DP rank (the weights' writer), the weights ``2P/M`` (the critic's
+  likewise) — beside what the host holds anyway (the reference with ``cpu_weight_swap``, ``2P/M``). The busiest node
+  is counted as if all its ranks were first DP ranks (a TP=8 replica fills one). ``fully_reshardable``, the format
+  for a save before a TP/PP change, gathers each shard's state on its first DP rank's host and copies it again for
+  the writer (``24P/M`` more there; ``layout_change_host_bytes``). The format saved before this was counted
+  (all-gathered on every GPU, ``12P/M + 12P/(M·DP)`` more per GPU) did not fit the 14B and 32B presets.
 
-A preset fits when every GPU stays within ``H100_BUDGET_GIB`` (85% of 79 GiB). Nothing here was measured on a GPU at
+A preset fits when every GPU stays within ``H100_BUDGET_GIB`` (85% of 79 GiB) and its busiest node's host memory within
+``HOST_BUDGET_GIB``. Nothing here was measured on a GPU at
 the presets' sizes; the one GPU measurement of the shared formula is the aligner backend's
 (``backends/aligner/memory.py``).
 """
@@ -50,6 +60,10 @@ ENGINE_OVERHEAD_GIB = 2.0
 # rest, so fewer would not fail, only generate slowly)
 MIN_ENGINE_SEQUENCES = 32
 LOGPROB_BYTES_PER_LOGIT = 14  # the log-prob forward's logits: bf16 2 + fp32 copy 4 + its temporary 4 + the CE buffer 4
+# an 8×H100 node's host memory, the smallest of the common ones (GCP a3-highgpu-8g 1,872 GB; DGX H100 and AWS p5 2 TiB,
+# Azure ND H100 v5 1.9 TiB); a preset's save may use 85% of it
+HOST_GIB_PER_NODE = 1740.0
+HOST_BUDGET_GIB = 0.85 * HOST_GIB_PER_NODE
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,7 @@ class Plan:
     nodes: int
     gpus_per_node: int
     tasks_per_node: int
+    optimizer_checkpoint: str = "dp_reshardable"  # model.megatron.optimizer_checkpoint
 
 
 def critic_parameters(arch: Arch) -> int:
@@ -107,7 +122,8 @@ def plan(preset: dict[str, Any], method: str) -> Plan:
     engine = Engine(v["tensor_parallel_size"], v["gpu_memory_utilization"], v["placement"], v.get("max_model_len") or seq)
     return Plan(arch=Arch(**preset["arch"]), layout=layout, engine=engine,
                 reference_on_gpu=m.get("reference", "copy") == "copy", critic=method == "ppo", nodes=nodes,
-                gpus_per_node=preset["gpus_per_node"], tasks_per_node=tasks)
+                gpus_per_node=preset["gpus_per_node"], tasks_per_node=tasks,
+                optimizer_checkpoint=mc.get("optimizer_checkpoint", "dp_reshardable"))
 
 
 def _resident(p: Plan) -> dict[str, float]:
@@ -144,11 +160,35 @@ def engine_bytes(arch: Arch, engine: Engine) -> dict[str, float]:
             "sequences": max(0, math.floor(kv / (per_token * engine.seq_len)))}
 
 
+def save_bytes(p: Plan) -> dict[str, dict[str, float]]:
+    """A checkpoint save in the plan's format (module docstring): ``gpu``, bytes per trainer GPU by component; ``host``,
+    the host bytes of a rank that is its replica's first DP rank, by component; both with ``total``, and ``host_node``
+    (``{"total": …}``), the busiest node's (every rank on it counted as a first DP rank)."""
+    resident = _resident(p)
+    gpu = {**resident, "overhead": p.layout.overhead_gib * GIB}
+    m, dp = p.layout.tp * p.layout.pp, p.layout.dp if p.layout.distributed_optimizer else 1
+    written = [p.arch.parameters()] + ([critic_parameters(p.arch)] if p.critic else [])
+    host = {"staged": sum(2 * n / m + 12 * n / (m * dp) for n in written)}
+    if p.optimizer_checkpoint == "fully_reshardable" and p.layout.distributed_optimizer:
+        host["gathered"] = sum(24 * n / m for n in written)  # the shard's whole state, and the writer's copy of it
+    if not p.reference_on_gpu:
+        host["reference"] = 2 * p.arch.parameters() / m
+    gpu["total"], host["total"] = sum(gpu.values()), sum(host.values())
+    return {"gpu": gpu, "host": host, "host_node": {"total": p.tasks_per_node * host["total"]}}
+
+
+def layout_change_host_bytes(p: Plan) -> float:
+    """The busiest node's host bytes while it saves in ``fully_reshardable`` (the save before a TP/PP change). An
+    estimate from Megatron-Core 0.16.1's code, not measured."""
+    return save_bytes(replace(p, optimizer_checkpoint="fully_reshardable"))["host_node"]["total"]
+
+
 def gpu_peaks(p: Plan) -> dict[str, float]:
-    """The busiest GPU of each kind, bytes: ``trainer`` (a trainer GPU; colocated: plus the engine's share on the GPUs
-    that hold one) and ``engine`` (a separate engine's GPU; 0 when colocated)."""
+    """The busiest GPU of each kind, bytes: ``trainer`` (a trainer GPU's largest phase — step, log-prob forward, save;
+    colocated: plus the engine's share on the GPUs that hold one) and ``engine`` (a separate engine's GPU; 0 when
+    colocated)."""
     phases = trainer_bytes(p)
-    trainer = max(phases["train"]["total"], phases["logprobs"]["total"])
+    trainer = max(phases["train"]["total"], phases["logprobs"]["total"], save_bytes(p)["gpu"]["total"])
     share = engine_bytes(p.arch, p.engine)["total"]
     if p.engine.placement == "colocated":
         return {"trainer": trainer + share, "engine": 0.0}
@@ -169,7 +209,7 @@ def checkpoint_bytes(arch: Arch, method: str) -> dict[str, float]:
     export, written once at the end, not in ``total``).
 
     A Megatron distributed checkpoint writes every tensor once, whatever TP/PP/DP: the bf16 weights ``2·P``; the
-    distributed optimizer's fp32 main weights and Adam moments ``12·P`` (its fully reshardable format); KTO's reset
+    distributed optimizer's fp32 main weights and Adam moments ``12·P`` (in either format); KTO's reset
     reference ``2·P`` (``reference/``; GRPO's and PPO's reference is the initial HF folder, recorded in
     ``reference.json``); PPO's critic, weights and optimizer, ``14·P_critic``. ``final/`` is an HF folder in bf16
     (``2·P``). Schedules, RNG states and metadata add kilobytes."""
@@ -188,12 +228,16 @@ def _sum_line(parts: dict[str, float]) -> str:
 
 def section_lines(p: Plan, method: str) -> list[str]:
     """The comment lines a preset writes above each method's settings (the test compares them verbatim)."""
-    phases, eng, peaks = trainer_bytes(p), engine_bytes(p.arch, p.engine), gpu_peaks(p)
+    phases, eng, peaks, save = trainer_bytes(p), engine_bytes(p.arch, p.engine), gpu_peaks(p), save_bytes(p)
     e, ckpt = p.engine, checkpoint_bytes(p.arch, method)
-    trainer = max(phases["train"]["total"], phases["logprobs"]["total"])
+    trainer = max(phases["train"]["total"], phases["logprobs"]["total"], save["gpu"]["total"])
     lines = [
         f"train: {_sum_line(phases['train'])}",
         f"logprobs (forward micro batch {p.layout.forward_micro_batch}): {_sum_line(phases['logprobs'])}",
+        f"save ({p.optimizer_checkpoint}, on the GPU nothing gathered): {_sum_line(save['gpu'])}",
+        f"  host per rank: {_sum_line(save['host'])}; per node ({p.tasks_per_node} ranks) "
+        f"{save['host_node']['total'] / GIB:.1f} (budget {HOST_BUDGET_GIB:.0f}; a fully_reshardable save "
+        f"{layout_change_host_bytes(p) / GIB:.0f})",
         f"engine ({e.placement}, TP={e.tp}): {e.gpu_memory_utilization} × {H100_GIB:g} = {eng['total'] / GIB:.1f} per GPU = "
         f"weights {eng['weights'] / GIB:.1f} + overhead {eng['overhead'] / GIB:.1f} + KV cache {eng['kv_cache'] / GIB:.1f}",
         f"  KV cache: {eng['sequences']} sequences of {e.seq_len} tokens at once",

@@ -8,8 +8,14 @@ DDP) trained by Megatron's forward/backward schedule and optimiser, and written 
 * Metrics, as the aligner backend reports them: each loss metric averaged over micro batches and data-parallel ranks,
   ``loss`` their sum (the step's global loss), ``grad_norm`` (before clipping) and ``lr`` (this step's).
 * Checkpoint (``save_model`` / ``load_model``): ``<dir>/megatron/`` holds weights and optimiser (every tensor once,
-  whatever the layout; the optimiser in the fully reshardable format, so it loads at another TP/PP/DP), and
-  ``<dir>/megatron_schedule.json`` the LR schedule's step and the optimiser kind.
+  whatever the layout), and ``<dir>/megatron_schedule.json`` the LR schedule's step, the optimiser kind, and with the
+  distributed optimizer the format of its state and the TP/PP it was written at. The weights (and a plain optimiser's
+  state) load at any TP/PP/DP. The distributed optimizer's state is written as ``model.megatron.optimizer_checkpoint``
+  says: ``dp_reshardable`` (Megatron-LM's default) writes each rank's shard as it holds it — a save gathers nothing and
+  adds no GPU memory, which is what a 32B job's first checkpoint can afford — and loads at the same TP/PP with any DP
+  (another TP/PP is refused in one line naming the route); ``fully_reshardable`` gathers each TP·PP shard's state on
+  its first data-parallel rank's host (over gloo: Megatron's memory-efficient variant, never on the GPUs) and loads
+  at any layout.
 
 Importing this module imports nothing from Megatron.
 """
@@ -30,8 +36,16 @@ from nemo_factuality.trainers.interfaces import LossFn, Rollout, check_train_bat
 from nemo_factuality.types import FactualityInputError
 
 SCHEDULE_FILE = "megatron_schedule.json"
-# the distributed optimizer's checkpoint format that reloads at another TP/PP/DP (Megatron's default does not)
-_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}
+# model.megatron.optimizer_checkpoint → the metadata Megatron's DistributedOptimizer.sharded_state_dict reads
+OPTIMIZER_FORMATS = {
+    "dp_reshardable": {"distrib_optim_sharding_type": "dp_reshardable"},
+    # gathered with gloo into host memory on the first DP rank (the default variant all-gathers every shard's whole
+    # state on every GPU: the 32B presets' first checkpoint ran out of memory there)
+    "fully_reshardable": {"distrib_optim_sharding_type": "fully_reshardable",
+                          "distrib_optim_fully_reshardable_mem_efficient": True},
+}
+# what a checkpoint that does not record its format was written in (this backend's only format before)
+_UNRECORDED_FORMAT = "fully_reshardable"
 
 # (what the model returned for one micro batch, that micro batch) → the loss function's inputs, e.g. {"logprobs": …}
 OutputsOf = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -212,13 +226,18 @@ class MegatronModel(ProcessGroupDataParallel):
         return shared[0]
 
     # ---- checkpoints --------------------------------------------------------------------------------
-    def _sharded_state(self, *, loading: bool) -> dict[str, Any]:
+    def _sharded_state(self, *, loading: bool, optimizer_format: str | None) -> dict[str, Any]:
+        """The model's sharded state and, unless ``optimizer_format`` is None, the optimiser's in that format (a key
+        of ``OPTIMIZER_FORMATS``; only the distributed optimizer's state depends on it)."""
+        model = self.model.sharded_state_dict()
+        if optimizer_format is None:
+            return {"model": model}
         if self.settings.distributed_optimizer:
             # before the first step (a fresh process loading, a save at step 0) Adam has no state, and Megatron's
             # distributed optimizer cannot describe (AssertionError) nor load (KeyError) a state without it
             build.initialize_adam_state(self.optimizer)
-        model = self.model.sharded_state_dict()
-        optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata=_OPTIMIZER_FORMAT)
+        optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading,
+                                                      metadata=OPTIMIZER_FORMATS[optimizer_format])
         return {"model": model, "optimizer": optimizer}
 
     def _make_dirs(self, where: Path) -> None:
@@ -227,19 +246,22 @@ class MegatronModel(ProcessGroupDataParallel):
         self.barrier()
 
     def save_model(self, where: Path) -> None:
-        """Weights + optimiser (``where/megatron/``) and the LR schedule (``where/megatron_schedule.json``, global rank
-        0). Collective; the caller's barrier ends it."""
+        """Weights + optimiser (``where/megatron/``) and the LR schedule with what a resume must know of the format
+        (``where/megatron_schedule.json``, global rank 0). Collective; the caller's barrier ends it."""
         from megatron.core import dist_checkpointing
 
         where = Path(where)
         self._make_dirs(where / "megatron")
-        dist_checkpointing.save(self._sharded_state(loading=False), str(where / "megatron"))
+        written = self.settings.optimizer_checkpoint
+        dist_checkpointing.save(self._sharded_state(loading=False, optimizer_format=written), str(where / "megatron"))
         if self.global_rank == 0:
-            state = {**self.schedule.state_dict(), "use_distributed_optimizer": self.use_distributed_optimizer}
+            state = {**self.schedule.state_dict(), "use_distributed_optimizer": self.use_distributed_optimizer,
+                     "optimizer_checkpoint": written, "tensor_model_parallel_size": self.layout.tp,
+                     "pipeline_model_parallel_size": self.layout.pp}
             (where / SCHEDULE_FILE).write_text(json.dumps(state), encoding="utf-8")
 
     def load_model(self, where: Path) -> None:
-        """What ``save_model`` wrote, at this run's layout (any TP/PP/DP)."""
+        """What ``save_model`` wrote, at this run's layout (module docstring: which layouts a format loads at)."""
         where = Path(where)
         if not (where / SCHEDULE_FILE).is_file():
             raise FileNotFoundError(f"{where} has no {SCHEDULE_FILE}: not written by the megatron backend")
@@ -248,22 +270,38 @@ class MegatronModel(ProcessGroupDataParallel):
         if written != self.use_distributed_optimizer:  # the two optimizers' states are stored differently
             raise FactualityInputError(f"{where} was written with model.megatron.use_distributed_optimizer={written}; "
                                        "resume with the same setting (the TP/PP/DP layout may change)")
-        self.load_model_weights(where, with_optimizer=True)
+        optimizer_format = state.pop("optimizer_checkpoint", _UNRECORDED_FORMAT)
+        layout = (state.pop("tensor_model_parallel_size", None), state.pop("pipeline_model_parallel_size", None))
+        self._check_resumable_layout(where, optimizer_format, layout)
+        self._load(where, optimizer_format)
         self.schedule.load_state_dict(state)
 
-    def load_model_weights(self, where: Path, *, with_optimizer: bool = False) -> None:
-        """The weights ``save_model`` wrote under ``where``, and with ``with_optimizer`` the optimiser state too."""
+    def _check_resumable_layout(self, where: Path, optimizer_format: str, written: tuple[int | None, int | None]) -> None:
+        """A dp_reshardable state follows the distributed optimizer's buffers, which TP and PP shape: at another TP/PP
+        it is refused (the same on every rank: the file is shared) with the route that works."""
+        here = (self.layout.tp, self.layout.pp)
+        if not self.use_distributed_optimizer or optimizer_format != "dp_reshardable" or written == here:
+            return
+        raise FactualityInputError(
+            f"{where} holds the distributed optimizer's state in model.megatron.optimizer_checkpoint=dp_reshardable, "
+            f"written at TP={written[0]} PP={written[1]}, which loads only at that TP and PP (this run: TP={here[0]} "
+            f"PP={here[1]}); resume once at TP={written[0]} PP={written[1]} with model.megatron.optimizer_checkpoint="
+            "fully_reshardable until it saves, then from that checkpoint at the new layout")
+
+    def load_model_weights(self, where: Path) -> None:
+        """The weights ``save_model`` wrote under ``where`` (any layout), without the optimiser state."""
+        self._load(Path(where), optimizer_format=None)
+
+    def _load(self, where: Path, optimizer_format: str | None) -> None:
         from megatron.core import dist_checkpointing
 
-        checkpoint = Path(where) / "megatron"
+        checkpoint = where / "megatron"
         if not (checkpoint / "metadata.json").is_file():
             raise FileNotFoundError(f"{checkpoint} holds no distributed checkpoint: not written by the megatron backend")
-        state = self._sharded_state(loading=True)
-        if not with_optimizer:
-            state.pop("optimizer")
-        loaded = dist_checkpointing.load(state, str(checkpoint))
+        loaded = dist_checkpointing.load(self._sharded_state(loading=True, optimizer_format=optimizer_format),
+                                         str(checkpoint))
         self.model.load_state_dict(loaded["model"], strict=False)
-        if with_optimizer:
+        if optimizer_format is not None:
             build.load_optimizer_state(self.optimizer, loaded["optimizer"])
         else:  # bf16: the optimizer's fp32 main weights would otherwise overwrite these at the next step
             self.optimizer.reload_model_params()
