@@ -76,3 +76,30 @@ def test_closing_the_client_ends_the_server(tmp_path):
     server = client._proc
     client.close()
     assert server.poll() is not None
+
+
+class _SlowFlush:
+    """The client's pipe to the server, pausing after each flush: the server's answers are all in the pipe before the
+    client reads the first (what a loaded machine's scheduling did in a cold CI run)."""
+
+    def __init__(self, pipe, pause_s: float) -> None:
+        self._pipe, self._pause_s = pipe, pause_s
+
+    def write(self, text: str) -> int:
+        return self._pipe.write(text)
+
+    def flush(self) -> None:
+        self._pipe.flush()
+        time.sleep(self._pause_s)
+
+    def close(self) -> None:
+        self._pipe.close()
+
+
+def test_answers_that_arrive_together_are_each_read(commands):
+    """The preload's answer and the command's start in one read: reading them with select() on the buffered pipe left
+    the second in the text buffer, unseen, and the command failed after the 30 s start timeout."""
+    commands._proc.stdin = _SlowFlush(commands._proc.stdin, 2.0)
+    start = time.monotonic()
+    assert commands.run(["0"], timeout=60).returncode == 0
+    assert time.monotonic() - start < 15

@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import runpy
-import select
 import signal
 import subprocess
 import sys
@@ -133,13 +133,23 @@ class PreloadedCommands:
         self._start_timeout_s = start_timeout_s
         self._count = 0
         self._printed: dict[str, str] | None = None  # what the preload printed, once the server has said
+        # the server's lines through a reader thread: select() on the pipe misses a line the text buffer already
+        # holds (two lines in one read — the preload's answer and a command's start, on a loaded machine — left the
+        # second waiting until the 30 s start timeout in a cold CI run)
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read_lines, name="preloaded-replies", daemon=True).start()
+
+    def _read_lines(self) -> None:
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # the server closed its output
 
     def _reply(self, timeout_s: float) -> dict | None:
         """The server's next line as JSON; None past ``timeout_s``; raises if the server is gone."""
-        ready, _, _ = select.select([self._proc.stdout], [], [], max(timeout_s, 0))
-        if not ready:
+        try:
+            line = self._lines.get(timeout=max(timeout_s, 0.001))
+        except queue.Empty:
             return None
-        line = self._proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the preloaded command server exited {self._proc.wait()}")
         return json.loads(line)

@@ -110,6 +110,10 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     val = load_prompts(cfg.data.validation, cfg.data.format) if cfg.data.validation else None
     pairs = load_pairs(cfg.data.general_pairs) if stage == "kto" and cfg.data.general_pairs else []
     check_model_paths(stage, cfg)
+    if cfg.rollout.engine == "vllm":  # before the policy loads (with_rollout_engine checks again for other callers)
+        from nemo_factuality.trainers.engines.vllm_rollout import check_untied_output_layer
+
+        check_untied_output_layer(cfg.model.path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
     from nemo_factuality.config import to_yaml

@@ -110,6 +110,10 @@ class PolicyModelConfig:
     # chunk goes to the reward as soon as it is generated (the aligner backend's is
     # ``aligner_runtime.rollout_micro_batch_size``, from its preset's KV budget)
     rollout_micro_batch_size: int = 64
+    # hf backend rollouts: eager = transformers' generate as it is | compiled = a static KV cache and torch.compile'd
+    # decoding (rows padded to rollout_micro_batch_size, prompt widths to multiples of 64: one graph per width bucket,
+    # each logged); for one-GPU users and small models; minutes of compile on a CPU, so eager is the default
+    hf_generation: str = "eager"
     # "copy": a frozen copy of the initial weights; "cpu_weight_swap": keep them on CPU and swap them in
     # for reference log-probs (NeMo-Aligner's approach; halves accelerator memory).
     reference: str = "copy"
@@ -409,6 +413,7 @@ _CHOICES = {
     "model.megatron.inference_engine": ("static", "dynamic"),
     "model.megatron.optimizer_checkpoint": ("dp_reshardable", "fully_reshardable"),
     "model.megatron.attention_kernels": ("flash_attn", "torch"),
+    "model.hf_generation": ("eager", "compiled"),
 }
 
 
@@ -536,6 +541,10 @@ def _rollout_engine_problems(cfg: GRPOConfig | PPOConfig | KTOConfig) -> list[st
     tis = cfg.rollout.vllm.tis_cap
     if tis is not None and not tis >= 1.0:
         problems.append(f"rollout.vllm.tis_cap={tis}: the truncation of π_trainer / π_engine must be >= 1 (or null: off)")
+    if cfg.model.hf_generation == "compiled" and (cfg.trainer.backend != "hf" or cfg.rollout.engine != "megatron"):
+        problems.append(f"model.hf_generation=compiled is the hf backend's own generate (trainer.backend=hf, "
+                        f"rollout.engine=megatron); here trainer.backend={cfg.trainer.backend}, rollout.engine="
+                        f"{cfg.rollout.engine}: leave it eager")
     if cfg.rollout.engine == "trtllm" and cfg.trainer.backend != "aligner":
         problems.append("rollout.engine=trtllm is NeMo-Aligner's TensorRT-LLM generation: it needs trainer.backend=aligner")
     return problems

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -17,6 +16,7 @@ import pytest
 from nemo_factuality.config import REPO_ROOT
 from nemo_factuality.knowledge.store import build_store
 from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
+from nemo_factuality.testing.processes import command_in_own_group, signal_and_wait
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -28,24 +28,16 @@ def test_a_stop_signal_stops_eval_waiting_on_its_judge_within_seconds(tmp_path, 
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     with ScriptedOpenAIServer(default=Reply("- Ada Varga was born in 1917.", delay_s=30)) as judge:
-        proc = subprocess.Popen([sys.executable, "-m", "nemo_factuality.cli", "eval", "--input", str(src), "--output",
-                                 str(out), "--config-name", "safe_vllm", f"pipeline.evidence.store_path={kb}",
-                                 f"pipeline.judge.base_url={judge.url}", "pipeline.judge.max_retries=0"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
+        args = [sys.executable, "-m", "nemo_factuality.cli", "eval", "--input", str(src), "--output", str(out),
+                "--config-name", "safe_vllm", f"pipeline.evidence.store_path={kb}", f"pipeline.judge.base_url={judge.url}",
+                "pipeline.judge.max_retries=0"]
+        with command_in_own_group(args, env) as proc:
             deadline = time.monotonic() + 120
             while not judge.state.requests and time.monotonic() < deadline:  # eval is waiting on the judge now
                 assert proc.poll() is None, proc.communicate()[1][-3000:]
                 time.sleep(0.1)
             assert judge.state.requests
-            start = time.monotonic()
-            proc.send_signal(sig)
-            _, err = proc.communicate(timeout=60)
-            took = time.monotonic() - start
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            err, took = signal_and_wait(proc, sig)
     name = signal.Signals(sig).name
     assert proc.returncode == code and took < 10, (proc.returncode, took, err[-3000:])
     assert f"nemo-factuality eval: {name} received: stopping" in err, err[-3000:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -14,6 +13,7 @@ import psutil
 import pytest
 
 from nemo_factuality.config import REPO_ROOT
+from nemo_factuality.testing.processes import command_in_own_group, signal_and_wait
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +22,9 @@ pytestmark = pytest.mark.slow
 def test_a_stop_signal_stops_the_lab_and_its_workers_within_seconds(tmp_path, sig, code):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "nemo_factuality.cli", "lab", "--quick", "--methods", "knowrl",
-                             "--jobs", "2", "--out", str(out)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
+    args = [sys.executable, "-m", "nemo_factuality.cli", "lab", "--quick", "--methods", "knowrl", "--jobs", "2", "--out",
+            str(out)]
+    with command_in_own_group(args, env) as proc:
         lab = psutil.Process(proc.pid)
         deadline = time.monotonic() + 120
         while (len(lab.children()) < 2 or not (out / "INCOMPLETE").exists()) and time.monotonic() < deadline:
@@ -34,13 +33,7 @@ def test_a_stop_signal_stops_the_lab_and_its_workers_within_seconds(tmp_path, si
         time.sleep(2)  # the workers are at work (spawned, importing, preparing the seed)
         tree = lab.children(recursive=True)
         assert len(tree) >= 2, tree
-        start = time.monotonic()
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - start
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        err, took = signal_and_wait(proc, sig)
     assert proc.returncode == code and took < 20, (proc.returncode, took, err[-3000:])
     _, alive = psutil.wait_procs(tree, timeout=5)
     assert alive == [], alive  # before: the workers kept running, re-parented to PID 1

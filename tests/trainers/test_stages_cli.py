@@ -122,6 +122,27 @@ def test_vllm_rollouts_without_vllm_are_refused_in_one_line_naming_the_key_and_t
     assert not (tmp_path / "run").exists()  # nothing written before start-up passed
 
 
+def test_a_tied_policy_with_vllm_rollouts_is_refused_before_it_loads(tiny_policy, tmp_path, capsys):
+    """vLLM's in-place reload leaves a tied output layer at its starting weights (test_megatron_vllm.py's tied case):
+    one line naming the setting and the way out, before the policy loads or anything is written."""
+    import json
+    import shutil
+
+    from nemo_factuality.cli import main as cli
+
+    tied = tmp_path / "tied"
+    shutil.copytree(tiny_policy, tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    code = cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tied, tmp_path / "run"),
+                f"data.train={_klcf_data(tmp_path)}", "rollout.engine=vllm"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert "ties its output layer to its embedding (tie_word_embeddings)" in errors[0]
+    assert "rollout.engine=megatron" in errors[0] and not (tmp_path / "run").exists()
+
+
 def _failing_judge(req: dict) -> Reply:
     """Healthy (GET /v1/models answers) but every completion is refused: every reward NaN."""
     return Reply("scripted refusal", status=400)

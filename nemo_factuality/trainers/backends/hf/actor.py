@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from nemo_factuality.trainers import reference as ref_record
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, sum_gradients
+from nemo_factuality.trainers.backends.hf.compiled import GraphLog, compiled_config, padded_prompts
 from nemo_factuality.trainers.config import CriticModelConfig, OptimConfig, PolicyModelConfig
 from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, SamplingParams, trim_to_longest
 
@@ -208,6 +209,7 @@ class HFActor(ProcessGroupDataParallel):
         self.model = model or from_pretrained(AutoModelForCausalLM.from_pretrained, cfg.path, "model.path",
                                               dtype=_DTYPES[cfg.dtype])
         self.model.to(self.device)
+        self._graphs = GraphLog() if cfg.hf_generation == "compiled" else None
         if self.data_parallel_size > 1:
             torch.manual_seed(torch.initial_seed() + self.data_parallel_rank)  # replicas sample different rollouts
         self.eos_id = self.tokenizer.eos_token_id
@@ -249,12 +251,12 @@ class HFActor(ProcessGroupDataParallel):
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("generate: every prompt needs at least one token")
         self.model.eval()
-        width = max(len(p) for p in prompt_ids)
-        left = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(left)
-        for i, p in enumerate(prompt_ids):
-            left[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p):] = 1
+        compiled = self.cfg.hf_generation == "compiled"
+        if compiled:  # fixed shapes: one compiled graph per prompt-width bucket (backends/hf/compiled.py)
+            left, mask = padded_prompts(prompt_ids, self.pad_id, max(1, self.cfg.rollout_micro_batch_size))
+        else:
+            left, mask = padded_prompts(prompt_ids, self.pad_id, 0, bucket=1)
+        width = left.shape[1]
         asked = SampledDistribution.of(sampling)
         if not sampling.use_greedy and asked != self.distribution:
             raise ValueError(f"generate: sampling from {asked} but the log-probs are of {self.distribution} "
@@ -264,13 +266,17 @@ class HFActor(ProcessGroupDataParallel):
         # transformers fills what a passed config leaves unset from model.generation_config (the checkpoint's file):
         # a blank one stands in for it during the call, and the stage's config sets every processor to a no-op
         checkpoint_config, self.model.generation_config = self.model.generation_config, GenerationConfig()
+        config = stage_generation_config(sampling, self.eos_id, self.pad_id)
+        if compiled:
+            config = compiled_config(config, self.device)
         try:
             out = self.model.generate(input_ids=left.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=stage_generation_config(sampling, self.eos_id, self.pad_id),
-                                      logits_processor=asked.processors()).cpu()
+                                      generation_config=config, logits_processor=asked.processors()).cpu()
         finally:
             self.model.generation_config = checkpoint_config
-        return self._to_rollout(prompt_ids, out[:, width:])
+        if compiled:
+            self._graphs.after(*left.shape, sampling.max_new_tokens)
+        return self._to_rollout(prompt_ids, out[: len(prompt_ids), width:])
 
     def generate_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams) -> Iterator[RolloutChunk]:
         """``generate`` over consecutive slices of ``model.rollout_micro_batch_size`` prompt rows, each yielded when done."""
