@@ -183,12 +183,17 @@ def layout_change_host_bytes(p: Plan) -> float:
     return save_bytes(replace(p, optimizer_checkpoint="fully_reshardable"))["host_node"]["total"]
 
 
+def trainer_peak(p: Plan) -> float:
+    """A trainer GPU's largest phase, bytes: the training step, the log-prob forward or a checkpoint save."""
+    phases = trainer_bytes(p)
+    return max(phases["train"]["total"], phases["logprobs"]["total"], save_bytes(p)["gpu"]["total"])
+
+
 def gpu_peaks(p: Plan) -> dict[str, float]:
     """The busiest GPU of each kind, bytes: ``trainer`` (a trainer GPU's largest phase — step, log-prob forward, save;
     colocated: plus the engine's share on the GPUs that hold one) and ``engine`` (a separate engine's GPU; 0 when
     colocated)."""
-    phases = trainer_bytes(p)
-    trainer = max(phases["train"]["total"], phases["logprobs"]["total"], save_bytes(p)["gpu"]["total"])
+    trainer = trainer_peak(p)
     share = engine_bytes(p.arch, p.engine)["total"]
     if p.engine.placement == "colocated":
         return {"trainer": trainer + share, "engine": 0.0}
@@ -230,7 +235,7 @@ def section_lines(p: Plan, method: str) -> list[str]:
     """The comment lines a preset writes above each method's settings (the test compares them verbatim)."""
     phases, eng, peaks, save = trainer_bytes(p), engine_bytes(p.arch, p.engine), gpu_peaks(p), save_bytes(p)
     e, ckpt = p.engine, checkpoint_bytes(p.arch, method)
-    trainer = max(phases["train"]["total"], phases["logprobs"]["total"], save["gpu"]["total"])
+    trainer = trainer_peak(p)
     lines = [
         f"train: {_sum_line(phases['train'])}",
         f"logprobs (forward micro batch {p.layout.forward_micro_batch}): {_sum_line(phases['logprobs'])}",
