@@ -118,12 +118,15 @@ HAND = Arch(hidden=1024, layers=4, heads=8, kv_heads=2, ffn=2816, vocab=1000)  #
 
 
 def test_the_new_terms_hand_computed():
-    """Engine: 0.25 × 79 GiB share, weights 2P/TP_e, KV 2·4·⌈2/2⌉·128·2 = 2,048 B per token at TP_e=2. Checkpoint:
-    2P + 12P (+2P KTO, +14·P_critic PPO), final/ 2P. Critic: P − V·h + h + 1. Log-prob forward logits: 14 B each."""
+    """Engine: 0.25 × 79 GiB share, weights 2 B × the n parameters a GPU holds at TP_e=2 (half the split ones, every
+    norm whole), KV 2·4·⌈2/2⌉·128·2 = 2,048 B per token. Checkpoint: 2P + 12P (+2P KTO, +14·P_critic PPO), final/ 2P.
+    Critic: P − V·h + h + 1. Log-prob forward logits: 14 B each."""
     p = HAND.parameters()
     eng = mm.engine_bytes(HAND, mm.Engine(tp=2, gpu_memory_utilization=0.25, placement="colocated", seq_len=512))
-    assert eng["total"] == 0.25 * 79 * GIB and eng["weights"] == p and eng["overhead"] == 2 * GIB
-    assert eng["kv_cache"] == eng["total"] - p - 2 * GIB
+    norms = (2 * 4 + 1) * 1024  # two per layer and the final one
+    n = (p - norms) // 2 + norms
+    assert eng["total"] == 0.25 * 79 * GIB and eng["weights"] == 2 * n and eng["overhead"] == 2 * GIB
+    assert eng["kv_cache"] == eng["total"] - eng["weights"] - 2 * GIB
     assert eng["sequences"] == int(eng["kv_cache"] // (2048 * 512))
     assert mm.critic_parameters(HAND) == p - 1000 * 1024 + 1024 + 1
     ckpt = mm.checkpoint_bytes(HAND, "ppo")
@@ -142,26 +145,28 @@ def test_the_new_terms_hand_computed():
     plan = mm.plan(preset, "grpo")
     assert (plan.tasks_per_node, plan.layout.dp, plan.layout.seq_len) == (4, 2, 64)  # 2 replicas + 2 engines of 2 GPUs
     forward = mm.trainer_bytes(plan)["logprobs"]
-    assert forward["logits"] == 14 * 64 * 3 * 1000 / 2 and forward["reference"] == 2 * p / 2  # model.reference=copy
+    assert forward["logits"] == 14 * 64 * 3 * 1000 / 2 and forward["reference"] == 2 * n  # model.reference=copy
     assert mm.gpu_peaks(plan) == {"trainer": max(mm.trainer_bytes(plan)[k]["total"] for k in ("train", "logprobs")),
                                   "engine": 0.5 * 79 * GIB}
-    # a save (dp_reshardable, M = 2, DP = 2): on the GPU weights p + grads 2p + Adam 12p/4 + the reference p + 4 GiB;
-    # on a first DP rank's host its writes staged, weights p + Adam 3p; 4 ranks a node; fully_reshardable adds 24p/2
+    # a save (dp_reshardable, TP = 2, DP = 2) of the n parameters a GPU holds: on the GPU weights 2n + grads 4n + Adam
+    # 12n/2 + the reference 2n + 4 GiB; on a first DP rank's host its writes staged, weights 2n + Adam 6n; 4 ranks a
+    # node; fully_reshardable adds 24n
     save = mm.save_bytes(plan)
-    assert save["gpu"]["total"] == 7 * p + 4 * GIB and save["host"] == {"staged": 4 * p, "total": 4 * p}
-    assert save["host_node"]["total"] == 16 * p and mm.layout_change_host_bytes(plan) == 4 * (4 * p + 12 * p)
+    assert save["gpu"]["total"] == 14 * n + 4 * GIB and save["host"] == {"staged": 8 * n, "total": 8 * n}
+    assert save["host_node"]["total"] == 32 * n and mm.layout_change_host_bytes(plan) == 4 * (8 * n + 24 * n)
 
 
 def test_the_format_saved_before_did_not_fit_the_32b_presets_first_checkpoint():
     """Why the presets save in dp_reshardable: Megatron's fully_reshardable (default variant) all-gathers each state of
-    the TP·PP shard on every GPU — a receive buffer of 4P/M beside the 4P/(M·DP) it sends, one state at a time. On
+    the TP·PP shard on every GPU — a receive buffer of 4n beside the 4n/DP it sends, one state at a time (n: the
+    parameters a GPU holds, about P/(TP·PP)). On
     qwen2.5-32b's GRPO that is 84.5 GiB on a GPU with the engine's share (budget 67.1); the save counted now is the
     resident states alone."""
     p = mm.plan(_preset(REPO_ROOT / "conf" / "train" / "megatron" / "qwen2.5-32b.yaml"), "grpo")
-    n, m, dp = p.arch.parameters(), p.layout.tp * p.layout.pp, p.layout.dp
+    n, dp = p.arch.stage_parameters(p.layout.tp, p.layout.pp), p.layout.dp
     share = mm.engine_bytes(p.arch, p.engine)["total"]
-    resident = 2 * n / m + 4 * n / m + 12 * n / (m * dp) + 4 * GIB  # the reference is on the host (cpu_weight_swap)
-    assert round((resident + 4 * n / m + 4 * n / (m * dp) + share) / GIB, 1) == 84.5 > H100_BUDGET_GIB
+    resident = 2 * n + 4 * n + 12 * n / dp + 4 * GIB  # the reference is on the host (cpu_weight_swap)
+    assert round((resident + 4 * n + 4 * n / dp + share) / GIB, 1) == 84.5 > H100_BUDGET_GIB
     assert mm.save_bytes(p)["gpu"]["total"] == pytest.approx(resident, rel=1e-12)
     assert mm.gpu_peaks(p)["trainer"] / GIB <= H100_BUDGET_GIB
 

@@ -1,12 +1,15 @@
 """Per-GPU memory arithmetic both Megatron backends' presets share (``aligner/memory.py``, ``megatron/memory.py``):
 a model's parameters, its resident states and a training step's peak.
 
-Bytes per parameter, per GPU (P parameters, model-parallel size M = TP·PP, data-parallel size DP):
+Bytes per parameter, per GPU, of the ``n`` parameters the busiest GPU holds (``Arch.stage_parameters``: about
+``P / M`` of P parameters at model-parallel size M = TP·PP, plus the norms every TP rank keeps whole and, with PP > 1,
+the larger of the embedding and the output layer — a critic's first stage holds the embedding and its last only a
+one-output head), data-parallel size DP:
 
-* weights, bf16 (bf16 mixed precision): ``2·P / M``;
+* weights, bf16 (bf16 mixed precision): ``2n``;
 * gradients, fp32 accumulation buffer (Megatron's DDP with ``grad_reduce_in_fp32``; conservative where NeMo keeps
-  them in bf16): ``4·P / M``;
-* Adam (fp32 main weights + 2 moments): ``12·P / M``, divided by DP with the distributed optimizer.
+  them in bf16): ``4n``;
+* Adam (fp32 main weights + 2 moments): ``12n``, divided by DP with the distributed optimizer.
 
 Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 with flash attention so no ``a·s²`` score term): full recompute keeps each layer's input
@@ -53,6 +56,22 @@ class Arch:
         layer = qkv + self.heads * d * h + 3 * h * self.ffn + 2 * h
         return self.layers * layer + self.vocab * h * (1 if self.tied else 2) + h
 
+    def stage_parameters(self, tp: int, pp: int, *, value_head: bool = False) -> int:
+        """Parameters on one GPU of the busiest pipeline stage, Megatron's split: in each layer the attention and MLP
+        projections (their biases too) split over TP and the two norms whole on every TP rank; the layers evenly over
+        PP; the embedding (its vocabulary split over TP) on the first stage; the final norm and the output layer (split
+        likewise) on the last — a tied output layer is the embedding, copied to the last stage when PP > 1.
+        ``value_head``: the critic's one-output head (weight and bias, whole) instead of the output layer."""
+        h, d = self.hidden, self.head_dim
+        split = (self.heads + 2 * self.kv_heads) * d * (h + self.qkv_bias) + self.heads * d * h + 3 * h * self.ffn
+        if split % tp or self.vocab % tp or self.layers % pp:
+            raise ValueError(f"{self} does not split over TP={tp}, PP={pp}")
+        layers = self.layers // pp * (split // tp + 2 * h)
+        embedding = self.vocab * h // tp
+        output = h + 1 if value_head else (embedding if not self.tied or pp > 1 else 0)
+        last = h + output  # the final norm and the output layer
+        return layers + embedding + last if pp == 1 else layers + max(embedding, last)
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -83,16 +102,16 @@ class Layout(ParallelLayout):
 
 
 def states_bytes(arch: Arch, lay: Layout) -> dict[str, float]:
-    """The model's resident bytes per GPU (``parameter_states`` of its parameters)."""
-    return parameter_states(arch.parameters(), lay)
+    """The model's resident bytes on its busiest GPU (``parameter_states`` of ``Arch.stage_parameters``)."""
+    return parameter_states(arch.stage_parameters(lay.tp, lay.pp), lay)
 
 
-def parameter_states(p: int, lay: Layout) -> dict[str, float]:
-    """Resident bytes per GPU of a model of ``p`` parameters: bf16 weights ``2P/M``, fp32 gradient buffer ``4P/M``,
-    Adam's fp32 main weights and moments ``12P/M`` (÷DP with the distributed optimizer)."""
-    m = lay.tp * lay.pp
-    optimizer = 12 * p / m / (lay.dp if lay.distributed_optimizer else 1)
-    return {"weights": 2 * p / m, "grads": 4 * p / m, "optimizer": optimizer}
+def parameter_states(n: int, lay: Layout) -> dict[str, float]:
+    """Resident bytes on a GPU holding ``n`` parameters of a model (its TP×PP shard, ``Arch.stage_parameters``): bf16
+    weights ``2n``, fp32 gradient buffer ``4n``, Adam's fp32 main weights and moments ``12n`` (÷DP with the
+    distributed optimizer)."""
+    optimizer = 12 * n / (lay.dp if lay.distributed_optimizer else 1)
+    return {"weights": 2.0 * n, "grads": 4.0 * n, "optimizer": optimizer}
 
 
 def layer_working_set(sbh: int, lay: Layout) -> float:

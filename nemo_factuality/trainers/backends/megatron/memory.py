@@ -1,6 +1,7 @@
 """Per-GPU memory arithmetic and checkpoint bytes of the megatron presets (``conf/train/megatron/*.yaml``).
 
-The trainer's states and training step are ``backends/memory.py``'s (shared with the aligner presets): bf16 weights
+(``P/M`` below: the parameters the busiest GPU holds, ``Arch.stage_parameters``.) The trainer's states and training step
+are ``backends/memory.py``'s (shared with the aligner presets): bf16 weights
 ``2P/M``, fp32 gradient buffer ``4P/M`` (``grad_reduce_in_fp32``), Adam's fp32 main weights and moments ``12P/(M·DP)``
 (the distributed optimizer), recomputed activations and ``3 × fp32`` loss logits, plus a 4 GiB overhead. What differs
 here:
@@ -126,13 +127,21 @@ def plan(preset: dict[str, Any], method: str) -> Plan:
                 optimizer_checkpoint=mc.get("optimizer_checkpoint", "dp_reshardable"))
 
 
+def _shards(p: Plan) -> list[int]:
+    """Parameters on the busiest trainer GPU: the policy's, then the critic's (PPO)."""
+    lay = p.layout
+    return [p.arch.stage_parameters(lay.tp, lay.pp)] + (
+        [p.arch.stage_parameters(lay.tp, lay.pp, value_head=True)] if p.critic else [])
+
+
 def _resident(p: Plan) -> dict[str, float]:
     """The trainer's bytes per GPU in every phase: the policy's states, the critic's, the reference's."""
-    out = parameter_states(p.arch.parameters(), p.layout)
+    shards = _shards(p)
+    out = parameter_states(shards[0], p.layout)
     if p.critic:
-        out["critic"] = sum(parameter_states(critic_parameters(p.arch), p.layout).values())
+        out["critic"] = sum(parameter_states(shards[1], p.layout).values())
     if p.reference_on_gpu:
-        out["reference"] = 2 * p.arch.parameters() / (p.layout.tp * p.layout.pp)
+        out["reference"] = 2.0 * shards[0]
     return out
 
 
@@ -152,7 +161,7 @@ def engine_bytes(arch: Arch, engine: Engine) -> dict[str, float]:
     """Bytes per engine GPU: its share (``total``), split into its weights, overhead and KV cache, and ``sequences``,
     how many full-length sequences the KV cache holds at once."""
     total = engine.gpu_memory_utilization * H100_GIB * GIB
-    weights = 2 * arch.parameters() / engine.tp
+    weights = 2.0 * arch.stage_parameters(engine.tp, 1)  # vLLM splits the model as Megatron does
     overhead = ENGINE_OVERHEAD_GIB * GIB
     kv = total - weights - overhead
     per_token = 2 * arch.layers * math.ceil(arch.kv_heads / engine.tp) * arch.head_dim * 2
@@ -166,13 +175,13 @@ def save_bytes(p: Plan) -> dict[str, dict[str, float]]:
     (``{"total": …}``), the busiest node's (every rank on it counted as a first DP rank)."""
     resident = _resident(p)
     gpu = {**resident, "overhead": p.layout.overhead_gib * GIB}
-    m, dp = p.layout.tp * p.layout.pp, p.layout.dp if p.layout.distributed_optimizer else 1
-    written = [p.arch.parameters()] + ([critic_parameters(p.arch)] if p.critic else [])
-    host = {"staged": sum(2 * n / m + 12 * n / (m * dp) for n in written)}
+    dp = p.layout.dp if p.layout.distributed_optimizer else 1
+    written = _shards(p)
+    host = {"staged": sum(2 * n + 12 * n / dp for n in written)}
     if p.optimizer_checkpoint == "fully_reshardable" and p.layout.distributed_optimizer:
-        host["gathered"] = sum(24 * n / m for n in written)  # the shard's whole state, and the writer's copy of it
+        host["gathered"] = sum(24 * n for n in written)  # the shard's whole state, and the writer's copy of it
     if not p.reference_on_gpu:
-        host["reference"] = 2 * p.arch.parameters() / m
+        host["reference"] = 2 * written[0]
     gpu["total"], host["total"] = sum(gpu.values()), sum(host.values())
     return {"gpu": gpu, "host": host, "host_node": {"total": p.tasks_per_node * host["total"]}}
 
