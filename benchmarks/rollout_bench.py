@@ -13,7 +13,14 @@ same prompts; whether the two engines' greedy tokens agree (the fraction of sequ
 vLLM the refit after one optimiser step both ways (``rollout.vllm.refit``), the median of ``--refit-repeats``.
 Batches double from 16 until one fails or ``--max-batch`` is reached. On CPU this says nothing about a GPU.
 
+More engines, each alone on the machine at its best thread count like the native one, greedy on the same prompts, in a
+second table (tokens/s, ms per decode step, × native, the fraction of sequences token-for-token equal to native's):
+``--hf-compiled``, the hf backend's ``model.hf_generation=compiled`` (static KV cache + torch.compile; each batch's
+first call compiles, untimed); ``--megatron-python``, Megatron-Core's static and dynamic engines in the megatron venv
+(``megatron_rollout_child.py``; the dynamic one with plain-torch paged attention where flash-attn is missing).
+
     python benchmarks/rollout_bench.py --vllm-python ~/.cache/nemo_factuality/vllm-venv-*/bin/python
+    python benchmarks/rollout_bench.py --hf-compiled --megatron-python ~/.cache/nemo_factuality/megatron-venv-*/bin/python
     python benchmarks/rollout_bench.py --model /models/Qwen2.5-0.5B --device cuda --dtype bfloat16 --max-batch 1024
 """
 
@@ -25,6 +32,7 @@ import json
 import logging
 import os
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -108,12 +116,62 @@ def _native_alone(actor, batches, sampling, args) -> dict[int, dict]:
     return best
 
 
+def _hf_compiled_alone(cfg, batches, sampling, args) -> dict[int, dict]:
+    """The hf backend with ``model.hf_generation=compiled`` (static KV cache + torch.compile), alone like the native
+    engine, at each torch thread count: per batch its best. Each batch's first call compiles (a warm-up, not timed)."""
+    import copy
+
+    compiled_cfg = copy.deepcopy(cfg.model)
+    compiled_cfg.hf_generation = "compiled"
+    best: dict[int, dict] = {}
+    for threads in args.native_threads:
+        torch.set_num_threads(threads)
+        actor = HFActor(compiled_cfg, max_steps=10, device=args.device)
+        for batch, prompts in batches:
+            actor.cfg.rollout_micro_batch_size = batch
+            actor.generate(prompts, sampling)  # the compile at this shape
+            result = _measure(actor.generate, [(batch, prompts)], sampling, args.new_tokens, args.repeats).get(batch)
+            if result is None:
+                break
+            log.info("hf compiled, %d threads, batch %d: %.0f tok/s, %.1f ms/step", threads, batch, result["tok_s"],
+                     result["ms_per_step"])
+            if batch not in best or result["tok_s"] > best[batch]["tok_s"]:
+                best[batch] = {**result, "threads": threads}
+    return best
+
+
+def _megatron_alone(model: str, batches, args, work: Path) -> dict[str, dict[int, dict]]:
+    """Megatron-Core's static and dynamic engines (``megatron_rollout_child.py`` in the megatron venv; this process only
+    waits), at each ``OMP_NUM_THREADS`` of ``--native-threads``: per engine and batch its best."""
+    prompts = work / "prompts.json"
+    prompts.write_text(json.dumps({str(b): p for b, p in batches}))
+    best: dict[str, dict[int, dict]] = {"megatron_static": {}, "megatron_dynamic": {}}
+    for threads in args.native_threads:
+        out = work / f"megatron_{threads}.json"
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        subprocess.run([args.megatron_python, str(Path(__file__).with_name("megatron_rollout_child.py")),
+                        f"--model={model}", f"--prompts={prompts}", f"--out={out}", f"--device={args.device}",
+                        f"--dtype={args.dtype}", f"--new-tokens={args.new_tokens}", f"--repeats={args.repeats}"],
+                       env=env, check=True)
+        measured = json.loads(out.read_text())
+        for engine in ("static", "dynamic"):
+            for batch, result in measured[engine].items():
+                if not batch.isdigit():
+                    continue
+                log.info("megatron %s, %d threads, batch %s: %.0f tok/s, %.1f ms/step", engine, threads, batch,
+                         result["tok_s"], result["ms_per_step"])
+                kept = best[f"megatron_{engine}"]
+                if int(batch) not in kept or result["tok_s"] > kept[int(batch)]["tok_s"]:
+                    kept[int(batch)] = {**result, "threads": threads}
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="an HF folder (default: a tiny Qwen2 built here)")
     ap.add_argument("--head-dim", type=int, default=32,
                     help="the built Qwen2's head width (hidden = 4 × it, 2 layers): larger for a refit that moves more")
-    ap.add_argument("--vllm-python", required=True, help="the interpreter with vLLM (rollout.vllm.python)")
+    ap.add_argument("--vllm-python", help="the interpreter with vLLM (rollout.vllm.python); without it no vLLM column")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -126,6 +184,10 @@ def main() -> int:
                     help="torch thread counts the native engine is measured at (its best is reported)")
     ap.add_argument("--engine-threads", type=lambda t: [int(x) for x in t.split(",")], default=sorted({1, cores}),
                     help="OMP_NUM_THREADS values the vLLM engine is started with, one engine each (its best is reported)")
+    ap.add_argument("--megatron-python", help="the megatron venv's interpreter: also measure Megatron-Core's static and "
+                                              "dynamic engines (megatron_rollout_child.py)")
+    ap.add_argument("--hf-compiled", action="store_true", help="also measure the hf backend's model.hf_generation=compiled "
+                                                               "(each batch's first call compiles: minutes on CPU)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -141,10 +203,15 @@ def main() -> int:
     sampling = SamplingParams(max_new_tokens=args.new_tokens, use_greedy=True)
     batches = _batches(args.max_batch, args.prompt_tokens)
     native = _native_alone(actor, batches, sampling, args)
+    others: dict[str, dict[int, dict]] = {}
+    if args.hf_compiled:
+        others["hf_compiled"] = _hf_compiled_alone(cfg, batches, sampling, args)
+    if args.megatron_python:
+        others.update(_megatron_alone(model, batches, args, work))
     torch.set_num_threads(1)  # the trainer only waits while the engine generates
     vllm: dict[int, dict] = {}
     refit: dict[str, float] = {}
-    for threads in args.engine_threads:  # a fresh engine per setting: vLLM reads it when its processes start
+    for threads in args.engine_threads if args.vllm_python else []:  # a fresh engine per setting (read at its start)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine's, whatever this process was started with
         engine = VLLMEngine(model, VLLMEngineConfig(python=args.vllm_python), dtype=args.dtype,
                             log_dir=work / f"engine_{threads}").start()
@@ -176,11 +243,23 @@ def main() -> int:
         print(f"{r['batch']:>6} {r['native_tok_s']:>13.0f} {r['native_threads']:>9} {r['native_ms_per_step']:>8.1f} "
               f"{r['vllm_tok_s']:>11.0f} {r['vllm_threads']:>9} {r['vllm_ms_per_step']:>8.1f} "
               f"{r['vllm_over_native']:>11.2f}x {r['greedy_equal']:>12.0%}")
+    engines = []
+    for name, results in others.items():
+        for batch, r in sorted(results.items()):
+            n = native[batch]
+            equal = sum(a == b for a, b in zip(n["tokens"], r["tokens"], strict=True)) / batch
+            engines.append({"engine": name, "batch": batch, "tok_s": r["tok_s"], "ms_per_step": r["ms_per_step"],
+                            "threads": r["threads"], "over_native": r["tok_s"] / n["tok_s"], "greedy_equal": equal})
+    if engines:
+        print(f"{'engine':>17} {'batch':>6} {'tok/s':>8} {'(threads)':>9} {'ms/step':>8} {'/native':>8} {'greedy equal':>13}")
+        for r in engines:
+            print(f"{r['engine']:>17} {r['batch']:>6} {r['tok_s']:>8.0f} {r['threads']:>9} {r['ms_per_step']:>8.1f} "
+                  f"{r['over_native']:>7.2f}x {r['greedy_equal']:>12.0%}")
     if refit:
         print(f"refit after one step: file {refit['file']:.3f} s, broadcast {refit['broadcast']:.3f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": args.device, "dtype": args.dtype, "model": model, "rows": rows,
-                                               "refit_s": refit}, indent=1))
+                                               "engines": engines, "refit_s": refit}, indent=1))
     return 0
 
 

@@ -36,6 +36,11 @@ PROGRAM = textwrap.dedent("""
         if mode == "helper":  # a daemonic helper process, as NeMo's data loading starts: it must not outlive its rank
             import multiprocessing
             multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,), daemon=True).start()
+        if mode == "atexit":  # what a rank leaves to its exit: an atexit handler, output without a newline
+            import atexit
+            import pathlib
+            atexit.register(pathlib.Path(f"{out}.atexit{rank}").write_text, "ran")
+            print(f"unflushed-{rank}", end="")
         if mode == "fail" and rank == 1:
             sys.exit(3)
         if mode == "fail":
@@ -88,6 +93,15 @@ def test_a_ranks_daemonic_helpers_end_with_it(tmp_path):
     res = _forkrun(tmp_path, [str(tmp_path / "a"), "helper"], timeout=100)
     assert res.returncode == 0, res.stdout
     assert time.monotonic() - start < 60
+
+
+def test_a_rank_ends_with_its_atexit_handlers_run_and_its_output_flushed(tmp_path):
+    """A rank skips the interpreter's module teardown (``os._exit`` after the atexit handlers: ~3 s of CPU per NeMo
+    rank), and loses nothing a program leaves to its exit."""
+    res = _forkrun(tmp_path, [str(tmp_path / "a"), "atexit"])
+    assert res.returncode == 0, res.stdout
+    assert "unflushed-0" in res.stdout and "unflushed-1" in res.stdout
+    assert [(tmp_path / f"a.atexit{r}").read_text() for r in (0, 1)] == ["ran", "ran"]
 
 
 def test_a_batch_runs_every_program_at_its_own_size_and_reports_each_outcome_apart(tmp_path):

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -158,7 +159,7 @@ def run_trl(args, hf: Path, run_dir: Path) -> dict:
     dtype = torch.float32 if args.cpu else torch.bfloat16
     model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=dtype)
     texts = prompts(64, s["prompt_tokens"], model.config.vocab_size)[: 4 * s["prompts_per_step"]]
-    gen = {"seconds": 0.0, "tokens": 0}
+    calls: list[tuple[int, float]] = []  # (tokens, seconds) of each generate call: one per step
     generate = model.generate
 
     def timed_generate(*a, **k):  # TRL calls the unwrapped model's generate once per step
@@ -166,11 +167,11 @@ def run_trl(args, hf: Path, run_dir: Path) -> dict:
         out = generate(*a, **k)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        gen["seconds"] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
         prompt_len = (k.get("input_ids") if "input_ids" in k else a[0]).shape[1]
         completion = out[:, prompt_len:]
         ended = (completion == tok.eos_token_id).int().cumsum(1)  # tokens up to and including the first EOS
-        gen["tokens"] += int(((ended == 0) | ((ended == 1) & (completion == tok.eos_token_id))).sum())
+        calls.append((int(((ended == 0) | ((ended == 1) & (completion == tok.eos_token_id))).sum()), seconds))
         return out
 
     model.generate = timed_generate
@@ -196,18 +197,82 @@ def run_trl(args, hf: Path, run_dir: Path) -> dict:
                           callbacks=[StepTimes()])
     reset_peak()
     trainer.train()
-    steady = steps[1:] or steps
-    return {"step_s": sum(steady) / len(steady), "steps": len(steps),
-            "generation": {"tokens": gen["tokens"], "seconds": gen["seconds"],
-                           "tokens_per_s": gen["tokens"] / gen["seconds"] if gen["seconds"] else float("nan")},
+    # TRL's steady state: its first step (and first generate call) carries the warm-up, ≥ 17 s on the first GPU run
+    steady, steady_calls = steps[1:] or steps, calls[1:] or calls
+    tokens, seconds = sum(c[0] for c in steady_calls), sum(c[1] for c in steady_calls)
+    return {"step_s": sum(steady) / len(steady), "steps": len(steps), "first_step_s": steps[0] if steps else None,
+            "generation": {"tokens": tokens, "seconds": seconds, "calls_counted": len(steady_calls),
+                           "tokens_per_s": tokens / seconds if seconds else float("nan")},
             "peak_gib": peak_gib()}
 
 
+def run_hf(args, hf: Path, _run_dir: Path) -> dict:
+    """The hf backend's rollouts, eager ``generate`` against ``model.hf_generation=compiled`` (static KV cache +
+    ``torch.compile``, shapes bucketed), greedy at rollout batch 16 on the kit's policy: tokens/s and ms per decode
+    step after a warm-up call (the compile's), the graphs traced, the fraction of sequences equal on both. On CPU the
+    graphs are traced with torch.compile's ``eager`` backend (inductor's code generation takes about a minute there)."""
+    import torch
+
+    from nemo_factuality.trainers.backends.hf import compiled
+    from nemo_factuality.trainers.backends.hf.actor import HFActor
+    from nemo_factuality.trainers.config import GRPOConfig
+    from nemo_factuality.trainers.interfaces import SamplingParams
+
+    if args.cpu:
+        compiled.COMPILE_BACKEND = "eager"
+    from transformers import PreTrainedTokenizerFast
+
+    # the kit's word-level tokenizer as its tokenizer.json says: transformers 5's AutoTokenizer takes the model type's
+    # (Qwen2's BPE) and encodes every prompt to nothing
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(hf))
+    s = shape(args)
+    out: dict = {"compile_backend": compiled.COMPILE_BACKEND}
+    tokens: dict[str, list] = {}
+    for generation in ("eager", "compiled"):
+        cfg = GRPOConfig()
+        cfg.model.path, cfg.model.hf_generation, cfg.model.rollout_micro_batch_size = str(hf), generation, 16
+        cfg.model.dtype = "float32" if args.cpu else "bfloat16"
+        actor = HFActor(cfg.model, max_steps=1, device="cpu" if args.cpu else "cuda", tokenizer=tokenizer)
+        texts = prompts(16, s["prompt_tokens"], actor.model.config.vocab_size)
+        ids = [actor.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        greedy = SamplingParams(max_new_tokens=s["new_tokens"], use_greedy=True)
+        start = time.perf_counter()
+        actor.generate(ids, greedy)  # warm-up: the compile
+        warm = time.perf_counter() - start
+        start = time.perf_counter()
+        rollout = actor.generate(ids, greedy)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tokens[generation] = [rollout.tokens[i, : int(n)].tolist() for i, n in enumerate(rollout.response_lengths)]
+        count = int((rollout.response_lengths - rollout.prompt_lengths).sum())
+        out[generation] = {"tokens_per_s": count / seconds, "ms_per_step": 1000 * seconds / s["new_tokens"],
+                           "first_call_s": warm, "graphs": getattr(getattr(actor, "_graphs", None), "graphs", None)}
+        del actor
+    out["greedy_equal"] = sum(a == b for a, b in zip(tokens["eager"], tokens["compiled"], strict=True)) / 16
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ report
+def _hf_line(h: dict | None) -> str:
+    """The hf backend's eager-vs-compiled sentence under the table."""
+    if not h:
+        return ""
+    if "error" in h:
+        return f"hf backend, eager vs compiled: {h['error']}."
+    e, c = h["eager"], h["compiled"]
+    return (f"hf backend, greedy at batch 16: eager {e['tokens_per_s']:.0f} tok/s ({e['ms_per_step']:.1f} ms/step), "
+            f"compiled {c['tokens_per_s']:.0f} tok/s ({c['ms_per_step']:.1f} ms/step; first call {c['first_call_s']:.1f} s, "
+            f"{c['graphs']} graphs, torch.compile backend {h['compile_backend']}); equal tokens {h['greedy_equal']:.0%}.")
+
+
 def report(result: dict) -> str:
     """The run as a markdown table (the backend vs TRL) with the memory formula's predictions where one applies."""
     backend = result.get("backend", "aligner")
     a, t = result[backend], result.get("trl") or {}
+    if "error" in t:  # the peer was stopped at its timeout: its column says so
+        print(f"gpu_smoke: the TRL peer {t['error']}", file=sys.stderr)
+        t = {}
     size = a["parameters_b"]
     title = (f"# GPU smoke: {result['device']}, {result['model']} "
              + (f"({size:.2f} B parameters)" if size >= 0.1 else f"({size * 1e3:.2f} M parameters)"))
@@ -219,7 +284,8 @@ def report(result: dict) -> str:
                  f"TRL GRPOTrainer 0.15.2 ({trl_dtype}) |", "|---|---|---|", *report_rows(a, t), "",
                  f"{a['steps']} GRPO steps of {a['tokens_per_step']} new tokens; toy reward per step: "
                  f"{', '.join(f'{r:.3f}' for r in a['rewards'])}. Build from HF {a['setup_s']:.1f} s; steps after the "
-                 f"first are averaged; Transformer Engine in use: {a['transformer_engine']}."]
+                 f"first are averaged; Transformer Engine in use: {a['transformer_engine']}.", "",
+                 _hf_line(result.get("hf"))]
         return "\n".join(lines) + "\n"
     g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
     trl_gen = f"{t['generation']['tokens_per_s']:.0f}" if t else "not run"
@@ -241,7 +307,7 @@ def report(result: dict) -> str:
               f"({a['predicted_gib']['rollout_16']:.1f}) | — |", "",
               f"{a['steps']} GRPO steps of {a['tokens_per_step']} new tokens; toy reward per step: "
               f"{', '.join(f'{r:.3f}' for r in a['rewards'])}. Restore + init {a['setup_s']:.1f} s; "
-              f"steps after the first are averaged."]
+              f"steps after the first are averaged.", "", _hf_line(result.get("hf"))]
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
@@ -253,9 +319,16 @@ def _phase(args, phase: str, out: Path) -> dict:
     path = os.environ.get(f"NF_SMOKE_{phase.upper()}_PYTHONPATH", _pythonpath())
     cmd = [python, __file__, "--phase", phase, "--out", str(out), "--steps", str(args.steps),
            "--max-batch-cap", str(args.max_batch_cap), *(["--cpu"] if args.cpu else [])]
-    res = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=path))
-    if res.returncode:
-        raise SystemExit(f"gpu_smoke: the {phase} phase failed (exit {res.returncode}); its output is above")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=path), start_new_session=True)
+    try:
+        code = proc.wait(timeout=args.phase_timeout)
+    except subprocess.TimeoutExpired:  # the phase and everything it started; the next phase still runs
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"gpu_smoke: the {phase} phase ran past --phase-timeout {args.phase_timeout:g} s: stopped", file=sys.stderr)
+        return {"error": f"stopped after {args.phase_timeout:g} s (--phase-timeout)"}
+    if code:
+        raise SystemExit(f"gpu_smoke: the {phase} phase failed (exit {code}); its output is above")
     return json.loads((out / f"{phase}.json").read_text())
 
 
@@ -269,10 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("aligner", "megatron"), default="aligner",
                     help="the actor measured: NeMo-Aligner 0.7.0, or Megatron-Core 0.16.1 + Megatron-Bridge 0.3.1")
     ap.add_argument("--skip-trl", action="store_true", help="only the backend, not the TRL peer")
-    ap.add_argument("--phase", choices=("aligner", "megatron", "trl"), help=argparse.SUPPRESS)
+    ap.add_argument("--phase-timeout", type=float, default=None,
+                    help="seconds each phase (the backend's, TRL's) may run; past it the phase is stopped, recorded "
+                         "as such, and the next one runs (default 300 on GPU, 900 with --cpu)")
+    ap.add_argument("--phase", choices=("aligner", "megatron", "hf", "trl"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.steps = args.steps or (2 if args.cpu else 4)
     args.max_batch_cap = args.max_batch_cap or (48 if args.cpu else 1024)
+    args.phase_timeout = args.phase_timeout or (900.0 if args.cpu else 300.0)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     s = shape(args)
@@ -285,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
 
             result = run_megatron(args, hf, run_dir)
         else:
-            fn = run_aligner if args.phase == "aligner" else run_trl
+            fn = {"aligner": run_aligner, "hf": run_hf, "trl": run_trl}[args.phase]
             result = fn(args, nemo if args.phase == "aligner" else hf, run_dir)
         (out / f"{args.phase}.json").write_text(json.dumps(result, indent=1))
         return 0
@@ -295,10 +372,12 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("gpu_smoke: no CUDA device visible; use --cpu for the CPU path")
     build(out, s["model"], nemo_too=args.backend == "aligner")
     result = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "model": s["model"], "shape": s,
-              "torch": torch.__version__, "backend": args.backend, args.backend: _phase(args, args.backend, out)}
-    if not args.skip_trl:
-        result["trl"] = _phase(args, "trl", out)
-    (out / "smoke.json").write_text(json.dumps(result, indent=1))
+              "torch": torch.__version__, "backend": args.backend}
+    for phase in (args.backend, *(() if args.skip_trl else ("hf", "trl"))):  # hf: TRL's stack, the peer's engine
+        result[phase] = _phase(args, phase, out)
+        (out / "smoke.json").write_text(json.dumps(result, indent=1))  # what has run so far, whatever comes next
+    if "error" in result[args.backend]:
+        raise SystemExit(f"gpu_smoke: the {args.backend} phase was {result[args.backend]['error']}; smoke.json has the rest")
     text = report(result)
     (out / "smoke.md").write_text(text)
     print(text)

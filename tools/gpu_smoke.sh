@@ -64,6 +64,10 @@ if [ $cpu = 1 ]; then
   else
     venv=${NEMO_FACTUALITY_ALIGNER_VENV:-$(bash tools/setup_stack_env.sh aligner | tail -n 1)}
   fi
+  # the hf backend's phase needs transformers >= 4.56 (neither stack's pin): the project's own venv
+  hf_python=$PWD/.venv/bin/python
+  [ -x "$hf_python" ] || hf_python=$(command -v python3)
+  export NF_SMOKE_HF_PYTHON=${NF_SMOKE_HF_PYTHON:-$hf_python} NF_SMOKE_HF_PYTHONPATH="$PWD"
   exec env PYTHONPATH="$PWD" OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" GLOO_SOCKET_IFNAME=lo MASTER_ADDR=127.0.0.1 \
     "$venv/bin/python" tools/gpu_smoke.py "$@"
 fi
@@ -100,6 +104,8 @@ done
 [ $install_only = 1 ] && { echo "== installed" >&2; exit 0; }
 # the megatron phase's process sees the megatron stack only; the parent (model build) and the TRL peer the aligner's
 [ $backend = megatron ] && export NF_SMOKE_MEGATRON_PYTHONPATH="$site-megatron:$PWD"
+# the hf backend's phase: the machine's own torch and transformers 5 (the carried stacks pin older transformers)
+export NF_SMOKE_HF_PYTHONPATH="$PWD"
 if [ $backend = megatron ] && [ $skip_trl = 1 ]; then
   export PYTHONPATH="$site-megatron:$PWD"
 else

@@ -1,7 +1,10 @@
 """The GPU smoke kit's megatron phase (``bash tools/gpu_smoke.sh --backend megatron``): the megatron backend's actor
 (``MegatronActor``: Megatron-Core 0.16.1 + Megatron-Bridge 0.3.1, local layer spec) built straight from the kit's HF
-folder, measured the way the aligner phase measures NeMo-Aligner's: generation tokens/s at rollout batch 16 and at the
-largest batch that fits, ``--steps`` GRPO steps of the real stage with the step-time split, and peak GPU memory.
+folder, measured the way the aligner phase measures NeMo-Aligner's: its static engine against its dynamic engine
+(``compare_engines``: greedy at two batches, tokens/s, wall and GPU ms per decode step, token equality; the dynamic
+engine with CUDA graphs of its decode steps on a GPU and plain-torch paged attention where flash-attn is missing), then
+on the faster one generation tokens/s at rollout batch 16 and at the largest batch that fits, ``--steps`` GRPO steps of
+the real stage with the step-time split, and peak GPU memory.
 
 * Transformer Engine: a bare GPU machine has none, and Bridge 0.3.1 imports ``transformer_engine.pytorch``
   unconditionally. ``nemo_factuality.testing.megatron_cpu.apply()`` imports Bridge with a throw-away TE stand-in that is
@@ -40,8 +43,19 @@ def _config(args, hf: Path, run_dir: Path, s: dict, dtype: str):
                  f"grpo.num_prompts_per_step={s['prompts_per_step']}", f"grpo.num_rollouts_per_prompt={s['group']}",
                  "grpo.truncated=keep", "data.apply_chat_template=false", f"exp_manager.explicit_log_dir={run_dir}",
                  "exp_manager.create_tensorboard_logger=false",
-                 "remote_rm.url=http://127.0.0.1:1"]  # schema: a reward must be named; the stage gets the toy one
+                 "remote_rm.url=http://127.0.0.1:1",  # schema: a reward must be named; the stage gets the toy one
+                 # built for the dynamic engine (its CUDA graph managers on a GPU); the static engine is measured too
+                 "model.megatron.inference_engine=dynamic", f"model.megatron.attention_kernels={_kernels()}",
+                 f"model.megatron.inference_buffer_gb={0.05 if args.cpu else 16}",
+                 f"model.megatron.inference_cuda_graphs={0 if args.cpu else 16}"]
     return load_train_config(GRPOConfig, None, overrides)
+
+
+def _kernels() -> str:
+    """flash_attn where an importable flash-attn is new enough for Megatron's paged kernels, else the torch ones."""
+    import importlib.util
+
+    return "flash_attn" if importlib.util.find_spec("flash_attn") else "torch"
 
 
 def config_with_dtype(args, hf: Path, run_dir: Path, s: dict):
@@ -68,6 +82,63 @@ def largest_generation(actor, ids, cap: int, new_tokens: int, measure) -> tuple[
         torch.cuda.empty_cache()
         batch //= 2
     return None, tried
+
+
+def _greedy(actor, rows: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
+    """(each row's generated tokens, wall seconds) of one greedy generation of ``rows`` at once."""
+    import torch
+
+    from nemo_factuality.trainers.interfaces import SamplingParams
+
+    actor.cfg.rollout_micro_batch_size = len(rows)
+    start = time.perf_counter()
+    rollout = actor.generate(rows, SamplingParams(max_new_tokens=new_tokens, use_greedy=True))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    tokens = [rollout.tokens[i, int(p):int(r)].tolist() for i, (p, r) in
+              enumerate(zip(rollout.prompt_lengths, rollout.response_lengths, strict=True))]
+    return tokens, seconds
+
+
+def _gpu_busy_ms(fn) -> float | None:
+    """Milliseconds the GPU spent in kernels while ``fn()`` ran (torch.profiler's device time): against the wall time,
+    how host-bound a run is. None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1000.0
+
+
+def compare_engines(actor, ids: list[list[int]], batches: tuple[int, ...], new_tokens: int) -> dict:
+    """Megatron's static engine against its dynamic engine (paged KV, continuous batching; on a GPU its decode steps as
+    CUDA graphs) on the same prompts, greedy: per engine and batch the tokens/s, wall ms per decode step (the batch's
+    wall time over its ``new_tokens`` steps) and GPU ms per decode step (kernel time, a second profiled pass), each
+    after a warm-up call (the dynamic engine is built and its graphs captured by its first); per batch the fraction of
+    sequences whose greedy tokens are equal on both."""
+    out: dict = {"static": {}, "dynamic": {}, "greedy_equal": {}}
+    for batch in batches:
+        rows = [ids[i % len(ids)] for i in range(batch)]
+        tokens = {}
+        for engine in ("static", "dynamic"):
+            actor.cfg.megatron.inference_engine = engine
+            _greedy(actor, rows, new_tokens)  # warm-up
+            tokens[engine], seconds = _greedy(actor, rows, new_tokens)
+            gpu_ms = _gpu_busy_ms(lambda rows=rows: _greedy(actor, rows, new_tokens))
+            count = sum(len(t) for t in tokens[engine])
+            out[engine][str(batch)] = {"tokens_per_s": count / seconds, "wall_ms_per_step": 1000 * seconds / new_tokens,
+                                       "gpu_ms_per_step": None if gpu_ms is None else gpu_ms / new_tokens}
+        same = sum(a == b for a, b in zip(tokens["static"], tokens["dynamic"], strict=True))
+        out["greedy_equal"][str(batch)] = same / batch
+    first = str(batches[0])
+    out["faster"] = max(("static", "dynamic"), key=lambda e: out[e][first]["tokens_per_s"])
+    return out
 
 
 def run_megatron(args, hf: Path, run_dir: Path) -> dict:
@@ -100,6 +171,8 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
 
     texts = prompts(64, s["prompt_tokens"], arch.vocab)
     ids = [actor.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    engines = compare_engines(actor, ids, (4, 16) if args.cpu else (16, 256), s["new_tokens"])
+    actor.cfg.megatron.inference_engine = engines["faster"]  # the sampled rollouts and the GRPO steps run on it
     measure(actor, ids, 16, s["new_tokens"])  # warm-up: first-call allocations, kernel selection
     gen16 = measure(actor, ids, 16, s["new_tokens"])
     gen_max, tried = largest_generation(actor, ids, args.max_batch_cap, s["new_tokens"], measure)
@@ -108,7 +181,9 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
     history = fit_toy_grpo(cfg, actor, texts[: 4 * s["prompts_per_step"]], run_dir)
     per_parameter = STATE_BYTES_PER_PARAMETER.get(dtype)
     return {
-        "backend": "megatron", "dtype": dtype, "setup_s": setup_s,
+        "backend": "megatron", "dtype": dtype, "setup_s": setup_s, "engines": engines,
+        "attention_kernels": actor.cfg.megatron.attention_kernels, "cuda_graphs": actor.settings.cuda_graphs,
+        "dynamic_engine_builds": actor._dynamic.builds if actor._dynamic else 0,
         "transformer_engine": megatron_build.transformer_engine_available(), "device": str(actor._device()),
         # the stand-in must be gone once Bridge has imported: nothing later may take it for Transformer Engine
         "te_stand_in_left": any(name.split(".")[0] == "transformer_engine" for name in sys.modules),
@@ -126,7 +201,16 @@ def report_rows(a: dict, t: dict) -> list[str]:
     """The megatron column's table rows (the TRL peer's beside them), in ``gpu_smoke.report``'s layout."""
     g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
     trl_gen = f"{t['generation']['tokens_per_s']:.0f}" if t else "not run"
-    rows = [f"| generation tokens/s, rollout batch 16 | {g16['tokens_per_s']:.0f} | {trl_gen} |"]
+    rows = []
+    for batch, equal in a["engines"]["greedy_equal"].items():
+        cells = []
+        for engine in ("static", "dynamic"):
+            m = a["engines"][engine][batch]
+            gpu = "—" if m["gpu_ms_per_step"] is None else f"{m['gpu_ms_per_step']:.1f}"
+            cells.append(f"{engine} {m['tokens_per_s']:.0f} tok/s, {m['wall_ms_per_step']:.1f} ms/step (GPU {gpu})")
+        rows.append(f"| greedy, batch {batch}: {'; '.join(cells)}; equal tokens {equal:.0%} | — | — |")
+    rows.append(f"| generation tokens/s, rollout batch 16 ({a['engines']['faster']} engine, sampled) | "
+                f"{g16['tokens_per_s']:.0f} | {trl_gen} |")
     if gmax:
         rows.append(f"| generation tokens/s, rollout batch {gmax['batch']} (largest tried that fit; out of memory at "
                     f"{a['oom_batches'] or 'none'}) | {gmax['tokens_per_s']:.0f} | — |")

@@ -82,14 +82,19 @@ class MegatronModelConfig:
     # 2.7.3) or 3 as Megatron-Core found it at import | torch = plain-torch paged attention (SDPA over gathered pages;
     # decode in fixed shapes without a host sync), for machines without flash-attn; never replaces flash-attn elsewhere
     attention_kernels: str = "flash_attn"
-    # inference_engine=dynamic: GiB (Megatron's buffer_size_gb, 1024³ bytes) of the paged KV cache allocated on each GPU
-    # for the length of a generate call (freed after it); requests beyond what it holds wait
+    # inference_engine=dynamic: GiB (Megatron's buffer_size_gb, 1024³ bytes) of the paged KV cache on each GPU, allocated
+    # by the first generate call and held for the run (reused by every later one); requests beyond what it holds wait
     inference_buffer_gb: float = 4.0
     # inference_engine=dynamic: tokens per page of its KV cache; flash-attn 2's paged kernels need a multiple of 256
     inference_block_tokens: int = 256
     # inference_engine=dynamic: tokens one engine step takes (a longer prefill is chunked), a multiple of 64 (the context
     # pads each step's tokens to one); null = Megatron-Core's default, 16384
     inference_max_step_tokens: int | None = None
+    # inference_engine=dynamic on a GPU: decode batch sizes captured as CUDA graphs (Megatron-Core's local graphs,
+    # num_cuda_graphs; prefill runs eager), switched on only while generating, replayed by every later rollout step
+    # (the engine, its KV buffer and its graphs are built by the first generate call and held for the run); 0 = none.
+    # No CUDA graphs on CPU
+    inference_cuda_graphs: int = 16
 
 
 @dataclass
@@ -461,6 +466,8 @@ def validate_train_config(cfg: GRPOConfig | PPOConfig | KTOConfig) -> None:
                         f"model.micro_batch_size ({m.micro_batch_size})")
     if m.megatron.inference_buffer_gb <= 0:
         problems.append(f"model.megatron.inference_buffer_gb must be > 0, got {m.megatron.inference_buffer_gb}")
+    if m.megatron.inference_cuda_graphs < 0:
+        problems.append(f"model.megatron.inference_cuda_graphs must be >= 0, got {m.megatron.inference_cuda_graphs}")
     if m.megatron.inference_block_tokens < 1:
         problems.append(f"model.megatron.inference_block_tokens must be >= 1, got {m.megatron.inference_block_tokens}")
     steps = m.megatron.inference_max_step_tokens

@@ -266,7 +266,17 @@ def dynamic_generations(actor, prompts: list[list[int]], greedy: SamplingParams)
     attention.flash_attn_with_kvcache = counted("kvcache", paged_attention.decode)
     m.megatron.inference_block_tokens, m.megatron.inference_max_step_tokens, m.megatron.inference_buffer_gb = 4, 64, 0.01
     m.megatron.inference_engine, m.rollout_micro_batch_size = "dynamic", 2
+    actor.max_sequence_length = None  # each engine sized to its call: the refusal below names one call's need
     out = {"dynamic_greedy": _as_lists(actor.generate(prompts, greedy)), "greedy_chunks": calls["chunk"]}
+    built, context = actor._dynamic.builds, actor._dynamic._engine.context
+    # the same call again: the run's engine reused (its requests reset, every page free), not built again
+    out["dynamic_greedy_again"] = _as_lists(actor.generate(prompts, greedy))
+    out["dynamic_reused"] = [actor._dynamic.builds - built, actor._dynamic._engine.context is context]
+    # a prompt longer than the context holds: built again for it, then reused by the calls it covers
+    out["dynamic_longer"] = _as_lists(actor.generate([list(range(5, 105))], greedy))
+    out["dynamic_builds_after_longer"] = actor._dynamic.builds - built
+    out["dynamic_greedy_in_longer"] = _as_lists(actor.generate(prompts, greedy))
+    out["dynamic_builds_after_reuse"] = actor._dynamic.builds - built
     m.megatron.inference_block_tokens = 256  # the production page size (flash-attn's paged kernels need its multiples)
     out["dynamic_greedy_256"] = _as_lists(actor.generate(prompts, greedy))
     m.megatron.inference_block_tokens = 4

@@ -142,7 +142,8 @@ def main() -> int:
     rank = torch.distributed.get_rank()
     (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "dp_rank": actor.data_parallel_rank,
                                                       "dp": actor.data_parallel_size, "runs": runs,
-                                                      "paged_decode_calls": decodes[0]}))
+                                                      "paged_decode_calls": decodes[0],
+                                                      "dynamic_builds": actor._dynamic.builds if actor._dynamic else 0}))
     return 0
 
 

@@ -45,11 +45,24 @@ def test_the_aligner_backend_generates_and_trains_with_the_presets_settings(smok
 def test_trl_grpo_runs_as_the_peer_on_the_same_model_and_batch(smoke):
     result, report = smoke
     t = result["trl"]
-    assert t["steps"] == 2 and t["step_s"] > 0
-    assert 0 < t["generation"]["tokens"] <= 2 * 16 * result["shape"]["new_tokens"] and t["generation"]["tokens_per_s"] > 0
+    assert t["steps"] == 2 and t["step_s"] > 0 and t["first_step_s"] > 0
+    # the steady state: the first step's generate call (TRL's warm-up) is not counted, the second is
+    assert t["generation"]["calls_counted"] == 1
+    assert 0 < t["generation"]["tokens"] <= 16 * result["shape"]["new_tokens"] and t["generation"]["tokens_per_s"] > 0
     assert math.isnan(t["peak_gib"])  # no GPU: memory is not measured, and says so
     assert "TRL GRPOTrainer 0.15.2" in report and "generation tokens/s, rollout batch 16" in report
     assert "rollout batch 48" in report
+
+
+def test_the_hf_backends_eager_and_compiled_rollouts_are_measured_and_equal(smoke):
+    """The hf phase (TRL's stack): eager ``generate`` against ``model.hf_generation=compiled`` greedy at batch 16; on CPU
+    the graphs are traced with torch.compile's eager backend, and the tokens are the same."""
+    result, report = smoke
+    h = result["hf"]
+    assert h["compile_backend"] == "eager" and h["greedy_equal"] == 1.0
+    assert h["eager"]["tokens_per_s"] > 0 and h["compiled"]["tokens_per_s"] > 0 and h["compiled"]["graphs"] >= 1
+    assert h["eager"]["graphs"] is None  # eager traces nothing
+    assert "hf backend, greedy at batch 16: eager" in report and "equal tokens 100%" in report
 
 
 def test_the_gpu_path_refuses_a_machine_without_a_gpu_in_one_line(tmp_path):

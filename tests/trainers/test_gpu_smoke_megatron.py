@@ -70,6 +70,25 @@ def test_generation_at_16_and_at_the_largest_batch_then_grpo_steps_with_the_spli
     assert "rollout batch 48" in report and "Transformer Engine in use: False" in report
 
 
+@pytest.mark.slow
+def test_the_static_and_dynamic_engines_are_compared_greedy_with_equal_tokens(smoke):
+    """Megatron's static engine against its dynamic engine (plain-torch paged attention: no flash-attn here; CUDA graphs
+    only on a GPU), greedy at batches 4 and 16: each measured after a warm-up, the same tokens on both (fp32 on CPU), the
+    faster one named and used for the rest of the phase."""
+    result, report, _ = smoke
+    m = result["megatron"]
+    engines = m["engines"]
+    assert engines["greedy_equal"] == {"4": 1.0, "16": 1.0}
+    for engine in ("static", "dynamic"):
+        for batch in ("4", "16"):
+            run = engines[engine][batch]
+            assert run["tokens_per_s"] > 0 and run["wall_ms_per_step"] > 0 and run["gpu_ms_per_step"] is None
+    assert engines["faster"] in ("static", "dynamic")
+    assert (m["attention_kernels"], m["cuda_graphs"]) == ("torch", False)
+    assert m["dynamic_engine_builds"] >= 2  # one per number of requests in flight (4, 16, ...), reused within each
+    assert "greedy, batch 16: static" in report and "equal tokens 100%" in report
+
+
 # ------------------------------------------------------------------------------------------------ dtype on a GPU
 def test_on_a_gpu_the_kit_runs_bf16_as_the_peer_does_and_float32_on_cpu(tmp_path):
     sys.path.insert(0, str(REPO_ROOT / "tools"))

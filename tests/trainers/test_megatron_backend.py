@@ -129,10 +129,16 @@ def test_the_dynamic_engine_generates_transformers_greedy_tokens(parity):
     plain-torch paged attention, ``backends/megatron/paged_attention.py``): 6 prompts of 2–75 tokens, 2 requests in
     flight, pages of 4 tokens, steps of 64 tokens — packed varlen prefill, chunked prefill of the 75-token prompt, paged
     decode, continuous batching. Greedy tokens equal transformers' ``generate`` and the static engine's, with pages of 4
-    and of the production 256; with an EOS a response reaches after 2 tokens, the rollouts (tokens, lengths, ``is_end``) equal the static engine's. Both kernels ran, a
+    and of the production 256; with an EOS a response reaches after 2 tokens, the rollouts (tokens, lengths, ``is_end``) equal the static engine's. The engine is built once
+    and reused by later calls (``DynamicGenerator``), built again only for a longer sequence. Both kernels ran, a
     prompt was prefilled in chunks, and the KV cache was written by Megatron's torch path (no triton)."""
     for rank in parity:
         assert rank["dynamic_greedy"] == rank["hf_greedy"] == rank["greedy"] == rank["dynamic_greedy_256"]
+        # one engine for the run: the second call reused it (no build, the same context) with the same tokens; a longer
+        # prompt built it again, and the calls after reused that one
+        assert rank["dynamic_greedy_again"] == rank["dynamic_greedy"] == rank["dynamic_greedy_in_longer"]
+        assert rank["dynamic_reused"] == [0, True]
+        assert (rank["dynamic_builds_after_longer"], rank["dynamic_builds_after_reuse"]) == (1, 1)
         assert rank["dynamic_eos_greedy"] == rank["static_eos_greedy"]
         tokens, lengths, ended = rank["dynamic_eos_greedy"]
         assert lengths[3] == 5 and ended == [False, False, False, True, False, False]  # 354 ended prompt 3's response

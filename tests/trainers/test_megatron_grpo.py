@@ -64,6 +64,9 @@ def test_the_stage_trains_three_steps_with_a_checkpoint_each(ranks, request):
     for r in ranks:
         # the rollouts came from the engine the layout names: the dynamic engine's paged decode, or none of it
         assert (r["paged_decode_calls"] > 0) == (_layout(request) == "tp2dp2_dynamic"), r["paged_decode_calls"]
+        # the dynamic engine (its context sized for data.max_prompt_tokens + the response) built once, reused by the 6
+        # rollout steps of the three runs (straight 3, interrupted 2, resumed 1) and across the checkpoint loads between them
+        assert r["dynamic_builds"] == (1 if _layout(request) == "tp2dp2_dynamic" else 0)
         run = r["runs"]["straight"]
         assert run["exit"] == 0 and run["checkpoints"][-1] == "step_000003" and "latest" in run["checkpoints"]
         assert [m["step"] for m in run["metrics"]] == [1, 2, 3]

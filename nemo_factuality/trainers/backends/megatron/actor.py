@@ -40,8 +40,9 @@ from nemo_factuality.trainers.backends.collectives import on_group_source
 from nemo_factuality.trainers.backends.hf.actor import SampledDistribution, token_logprobs
 from nemo_factuality.trainers.backends.megatron import build
 from nemo_factuality.trainers.backends.megatron.generate import (
+    DynamicGenerator,
     check_inference_engine,
-    generate_dynamic_chunks,
+    cuda_graphs_on,
     generate_static_batch,
     sequence_parallel_off,
 )
@@ -56,7 +57,7 @@ class MegatronActor(MegatronModel):
     """``PolicyActor`` on Megatron-Core + Megatron-Bridge (module docstring); one instance per rank."""
 
     def __init__(self, cfg: Any, *, max_steps: int, distributed_timeout_s: float, gradient_clip_val: float = 1.0,
-                 seed: int = 1234, device: str = "cpu") -> None:
+                 seed: int = 1234, device: str = "cpu", max_sequence_length: int | None = None) -> None:
         from transformers import AutoTokenizer
 
         from nemo_factuality.local_models import from_pretrained
@@ -66,14 +67,18 @@ class MegatronActor(MegatronModel):
         self.cfg = cfg
         check_inference_engine(cfg.megatron.inference_engine, cfg.megatron.attention_kernels)
         sampling_seed = torch.initial_seed()  # the stage's seed: Megatron's own seeding must not replace it
-        self.layout = build.init_process_groups(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                                                device, seed, distributed_timeout_s)
         self.on_gpu = device.startswith("cuda")
-        self.settings = build.Settings.of(cfg)
+        self.settings = build.Settings.of(cfg, on_gpu=self.on_gpu)
+        self.layout = build.init_process_groups(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
+                                                device, seed, distributed_timeout_s,
+                                                cudagraphable_rng=self.settings.cuda_graphs)
         self.bridge, self.chunks = build.build_model(cfg.path, self.layout, self.settings, on_gpu=self.on_gpu)
         # this rank's GPTModel (one pipeline stage; no virtual pipelining), inside DDP (and Float16Module with bf16):
         # its parameter names and state dict are the checkpoints' and the reference's whatever the wrappers
         self.model = build.bare_model(self.chunks[0])
+        # the run's dynamic engine (built by the first dynamic generate), its context sized for the stage's sequences
+        self._dynamic: DynamicGenerator | None = None
+        self.max_sequence_length = max_sequence_length
         torch.manual_seed(sampling_seed + self.data_parallel_rank)  # replicas sample different rollouts
         self.tokenizer = from_pretrained(AutoTokenizer.from_pretrained, cfg.path, "model.path")
         self.eos_id = self.tokenizer.eos_token_id
@@ -119,18 +124,21 @@ class MegatronActor(MegatronModel):
 
     def _dynamic_chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                         asked: SampledDistribution) -> Iterator[RolloutChunk]:
-        """All prompts through one dynamic engine (``model.rollout_micro_batch_size`` in flight); the model is in
-        generation mode (eval, no grad, no SP) only while the engine steps, not while the stage holds a chunk."""
+        """All prompts through the run's dynamic engine (``model.rollout_micro_batch_size`` in flight); the model is in
+        generation mode (eval, no grad, no SP, its CUDA graphs on) only while the engine steps, not while the stage
+        holds a chunk."""
         # the start-up check again (idempotent): binds the torch kernels where the engine was switched on since
         check_inference_engine("dynamic", self.cfg.megatron.attention_kernels)
-        steps = generate_dynamic_chunks(self.model, self.tokenizer, self.eos_id, self.pad_id, prompt_ids, sampling,
-                                        asked, max_requests=max(1, self.cfg.rollout_micro_batch_size),
-                                        buffer_gb=self.cfg.megatron.inference_buffer_gb,
-                                        block_tokens=self.cfg.megatron.inference_block_tokens,
-                                        max_step_tokens=self.cfg.megatron.inference_max_step_tokens)
+        if self._dynamic is None:
+            self._dynamic = DynamicGenerator(self.model, self.tokenizer, self.pad_id, self.max_sequence_length)
+        m = self.cfg.megatron
+        steps = self._dynamic.chunks(prompt_ids, sampling, asked, eos_id=self.eos_id,
+                                     max_requests=self.cfg.rollout_micro_batch_size, buffer_gb=m.inference_buffer_gb,
+                                     block_tokens=m.inference_block_tokens, max_step_tokens=m.inference_max_step_tokens,
+                                     cuda_graphs=m.inference_cuda_graphs if self.settings.cuda_graphs else 0)
         while True:
             self.model.eval()
-            with torch.no_grad(), sequence_parallel_off(self.model):
+            with torch.no_grad(), sequence_parallel_off(self.model), cuda_graphs_on(self.model, self.settings.cuda_graphs):
                 chunk = next(steps, None)
             if chunk is None:
                 return
@@ -321,8 +329,10 @@ def build_megatron(cfg: Any, *, critic: bool = False, max_steps: int) -> tuple[M
     """(actor, critic or None) for a stage config with ``trainer.backend=megatron`` (the ``BACKENDS`` builder shape); the
     critic (PPO) is a second Megatron-Core model on the actor's layout (``critic.py``)."""
     t, m = cfg.trainer, cfg.model
+    longest = cfg.data.max_prompt_tokens + m.length_params.max_length  # a prompt + its response, at most
     actor = MegatronActor(m, max_steps=max_steps, distributed_timeout_s=t.distributed_timeout_s,
-                          gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device)
+                          gradient_clip_val=t.gradient_clip_val, seed=t.seed, device=t.device,
+                          max_sequence_length=longest)
     if not critic:
         return actor, None
     from nemo_factuality.trainers.backends.megatron.critic import MegatronCritic

@@ -78,24 +78,31 @@ class Settings:
     transformer_engine: bool = False  # Megatron-Core's TE layer spec instead of the local one
     distributed_optimizer: bool = False
     optimizer_checkpoint: str = "dp_reshardable"  # the distributed optimizer's checkpoint format (model.OPTIMIZER_FORMATS)
+    # the dynamic engine's decode steps as CUDA graphs (a GPU, inference_engine=dynamic, inference_cuda_graphs > 0):
+    # the layers get Megatron's graph managers at build, switched on only while generating; the RNG graph-safe
+    cuda_graphs: bool = False
 
     @classmethod
-    def of(cls, model: Any) -> Settings:
-        """From a stage's ``model`` config (``PolicyModelConfig``)."""
+    def of(cls, model: Any, *, on_gpu: bool = False) -> Settings:
+        """From a stage's ``model`` config (``PolicyModelConfig``); ``on_gpu``: the trainer's device is CUDA (CUDA
+        graphs exist only there)."""
         m = model.megatron
+        graphs = on_gpu and m.inference_engine == "dynamic" and m.inference_cuda_graphs > 0
         return cls(bf16=model.dtype == "bfloat16", sequence_parallel=m.sequence_parallel, recompute=m.recompute,
                    transformer_engine=m.transformer_engine, distributed_optimizer=m.use_distributed_optimizer,
-                   optimizer_checkpoint=m.optimizer_checkpoint)
+                   optimizer_checkpoint=m.optimizer_checkpoint, cuda_graphs=graphs)
 
     @property
     def dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.bf16 else torch.float32
 
 
-def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, timeout_s: float) -> ParallelLayout:
+def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, timeout_s: float, *,
+                        cudagraphable_rng: bool = False) -> ParallelLayout:
     """torch.distributed (gloo on CPU, NCCL on GPU; one process: a single-rank group) and Megatron-Core's groups, each
     timing out after ``timeout_s`` (``trainer.distributed_timeout_s``; Megatron counts whole minutes, rounded up);
-    Megatron's model-parallel RNG seeded. A second actor in the same process must ask for the same layout."""
+    Megatron's model-parallel RNG seeded (graph-safe with ``cudagraphable_rng``: CUDA graphs replay its draws). A
+    second actor in the same process must ask for the same layout."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -125,7 +132,7 @@ def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, time
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
                                                  distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
-        model_parallel_cuda_manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cudagraphable_rng)
     return ParallelLayout(tensor, pipeline, parallel_state.get_data_parallel_world_size())
 
 
@@ -255,6 +262,8 @@ def configure_provider(provider: Any, layout: ParallelLayout, settings: Settings
     # the number of micro batches nor DDP average over data-parallel ranks (both skip that with this flag, and this
     # backend never hands the schedule a token count to divide by)
     provider.calculate_per_token_loss = True
+    if settings.cuda_graphs:  # graph managers on every layer; build_model switches them off until generation
+        provider.cuda_graph_impl = "local"
     provider.cross_entropy_loss_fusion = False  # rounds the logits' gradient to bf16; unused by the log-probs anyway
     if settings.transformer_engine:
         if not transformer_engine_available():
@@ -348,6 +357,10 @@ def build_model(path: str, layout: ParallelLayout, settings: Settings, *, on_gpu
     unmarked = tensor_parallel_weights_unmarked(chunks)
     if unmarked:
         raise RuntimeError(f"TP-sharded weights not marked tensor-parallel after the build: {unmarked[:4]}")
+    if settings.cuda_graphs:  # off for training: generate.cuda_graphs_on switches them on around each engine step
+        from megatron.core.transformer.utils import toggle_cuda_graphs
+
+        toggle_cuda_graphs(bare_model(chunks[0]), set_to="none", reset_cuda_graphs=False)
     return bridge, chunks
 
 

@@ -13,7 +13,8 @@ micro batch) over the policy's own weights, sampling from exactly the distributi
   exclude the EOS, so a response that ended is the tokens plus EOS (``is_end``), as the hf backend returns it.
 
 ``model.megatron.inference_engine=dynamic`` generates with Megatron-Core's ``DynamicInferenceEngine`` instead
-(``generate_dynamic_chunks``): a paged KV cache (``model.megatron.inference_buffer_gb``, blocks handed to requests as
+(``DynamicGenerator``, built once per run and reused: its context and, on a GPU, CUDA graphs of its decode steps
+switched on only while it generates): a paged KV cache (``model.megatron.inference_buffer_gb``, blocks handed to requests as
 they grow), prefill of prompts of different lengths packed into one varlen forward (chunked when longer than the
 engine's token budget) and continuous batching (``model.rollout_micro_batch_size`` requests in flight, the rest wait
 for a finished one's slot). Its attention is flash-attn 2's paged kernels only, so it needs flash-attn >= 2.7.3
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import logging
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,6 +41,8 @@ from nemo_factuality.trainers.interfaces import Rollout, RolloutChunk, SamplingP
 
 # Megatron-Core 0.16.1's attention asserts this flash-attn version for dynamic batching (core/transformer/attention.py)
 FLASH_ATTN_MIN_VERSION = "2.7.3"
+
+log = logging.getLogger(__name__)
 
 
 class _TokenizerAdapter:
@@ -201,26 +205,30 @@ def _flash_attn_version() -> str | None:
 
 
 def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, buffer_gb: float, block_tokens: int,
-                     max_step_tokens: int | None) -> Any:
+                     max_step_tokens: int | None, cuda_graphs: int, sequence_tokens: int | None = None) -> Any:
     """A ``DynamicInferenceContext`` for this rank's stage of ``model``: its KV cache ``buffer_gb`` of pages of
-    ``block_tokens`` tokens, ``max_step_tokens`` per engine step (None: Megatron's default); CUDA graphs, unified memory and flashinfer's fused RoPE off (none is needed to
-    generate, and each is a CUDA-only path). Refuses a buffer too small for one sequence of ``max_sequence_length``."""
+    ``block_tokens`` tokens, ``max_step_tokens`` per engine step (None: Megatron's default); ``cuda_graphs`` decode
+    batch sizes captured as CUDA graphs (0: none; prefill always eager); unified memory and flashinfer's fused RoPE
+    off (CUDA-only paths nothing here needs). Refuses a buffer too small for one sequence of ``max_sequence_length``
+    (named as ``sequence_tokens``, the length asked for before rounding up to whole pages)."""
     from megatron.core.inference.contexts import DynamicInferenceContext
 
     config = model.config
+    graphs = {"num_cuda_graphs": cuda_graphs, "use_cuda_graphs_for_non_decode_steps": False} if cuda_graphs else {}
     context = DynamicInferenceContext(
         params_dtype=config.params_dtype, num_layers=len(model.decoder.layers), kv_channels=config.kv_channels,
         num_attention_heads=config.num_query_groups or config.num_attention_heads,
         tensor_model_parallel_size=config.tensor_model_parallel_size,
         pipeline_model_parallel_size=config.pipeline_model_parallel_size, max_sequence_length=max_sequence_length,
         buffer_size_gb=buffer_gb, max_requests=max_requests, max_tokens=max_step_tokens,
-        block_size_tokens=block_tokens, use_flashinfer_fused_rope=False, unified_memory_level=0)
+        block_size_tokens=block_tokens, use_flashinfer_fused_rope=False, unified_memory_level=0, **graphs)
     pages = -(-max_sequence_length // block_tokens)
     if context.block_allocator.total_count - 1 < pages:  # one page is Megatron's dummy block
         need = _round_up((pages + 1) * context.block_size_bytes / 1024**3)  # Megatron's GB are GiB
         held = context.block_allocator.total_count - 1
         raise ConfigError(f"model.megatron.inference_buffer_gb={buffer_gb} holds {held} KV pages of {block_tokens} "
-                          f"tokens; one sequence of {max_sequence_length} tokens needs {pages}: set it to at least "
+                          f"tokens; one sequence of {sequence_tokens or max_sequence_length} tokens needs {pages}: set "
+                          "it to at least "
                           f"{need:g}")
     return context
 
@@ -231,49 +239,101 @@ def _round_up(value: float, digits: int = 4) -> float:
     return math.ceil(value * scale) / scale
 
 
-def generate_dynamic_chunks(model: Any, tokenizer: Any, eos_id: int, pad_id: int, prompt_ids: Sequence[Sequence[int]],
-                            sampling: SamplingParams, distribution: SampledDistribution, *, max_requests: int,
-                            buffer_gb: float, block_tokens: int = 256,
-                            max_step_tokens: int | None = None) -> Iterator[RolloutChunk]:
-    """Every prompt of ``prompt_ids`` through one Megatron-Core ``DynamicInferenceEngine`` on ``model`` (the bare
-    ``GPTModel`` of this rank's pipeline stage), at most ``max_requests`` in flight → ``RolloutChunk`` s of
-    ``max_requests`` rows (the last one fewer) in the order the requests finish, each as soon as it is complete.
+@contextlib.contextmanager
+def cuda_graphs_on(model: Any, enabled: bool) -> Iterator[None]:
+    """``model``'s CUDA graph managers switched on for the duration (Megatron's ``toggle_cuda_graphs``, the managers
+    the build made, so graphs captured once are replayed by every later call), then off: no training forward goes
+    through them. A no-op when ``enabled`` is false (CPU, or ``model.megatron.inference_cuda_graphs=0``)."""
+    if not enabled:
+        yield
+        return
+    from megatron.core.transformer.utils import toggle_cuda_graphs
+
+    toggle_cuda_graphs(model, set_to="local", reset_cuda_graphs=False)
+    try:
+        yield
+    finally:
+        toggle_cuda_graphs(model, set_to="none", reset_cuda_graphs=False)
+
+
+class DynamicGenerator:
+    """Megatron-Core's ``DynamicInferenceEngine`` on ``model`` (the bare ``GPTModel`` of this rank's pipeline stage),
+    built once and reused by every generate call of the run: its inference context (the paged KV buffer, the request
+    tables) and, on a GPU, the decode steps' CUDA graphs are made on the first call and kept, each later call only
+    resets the engine's requests. The context holds sequences of ``max_sequence_length`` tokens (the stage's longest
+    prompt plus response; None: the first call's longest), in whole pages; a call that needs longer ones, or other
+    engine settings, builds it again (logged, counted in ``builds``).
 
     Every rank of a model replica steps the engine in lockstep (the forward's collectives) and sees the same tokens
     (sampled on the source rank), so all of them yield the same chunks."""
-    from megatron.core.inference.engines import DynamicInferenceEngine
-    from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
-    from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
-    from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
 
-    if not prompt_ids or min(len(p) for p in prompt_ids) < 1:
-        raise ValueError("generate: every prompt needs at least one token")
-    requests = max(1, min(max_requests, len(prompt_ids)))
-    longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
-    wrapper_config = InferenceWrapperConfig(
-        hidden_size=model.config.hidden_size, params_dtype=model.config.params_dtype,
-        inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size, inference_max_requests=requests,
-        inference_max_seq_length=longest)
-    context = _dynamic_context(model, requests, longest, buffer_gb, block_tokens, max_step_tokens)
-    controller = _controller_class()(inference_wrapped_model=GPTInferenceWrapper(model, wrapper_config, context),
-                                     tokenizer=_TokenizerAdapter(tokenizer, eos_id))
-    controller.distribution, controller.greedy = distribution, sampling.use_greedy
-    engine = DynamicInferenceEngine(controller, context, random_seed=0)  # unused: the controller samples with torch's
-    asked = MegatronSampling(num_tokens_to_generate=sampling.max_new_tokens, termination_id=eos_id)
-    for i, prompt in enumerate(prompt_ids):
-        engine.add_request(i, list(map(int, prompt)), asked)
-    if engine.failed_request_ids:
-        raise ValueError(f"generate: Megatron's dynamic engine refused prompt rows {engine.failed_request_ids[:8]}")
-    done: list[Any] = []
-    try:
-        while engine.has_unfinished_requests():
-            done += [record.merge() for record in engine.step_modern()["finished_request_records"]]
-            while len(done) >= requests or (done and not engine.has_unfinished_requests()):
-                _drop_inference_mode_buffers()  # the stage may train on a chunk before the next step
-                ready, done = done[:requests], done[requests:]
-                yield _dynamic_chunk(prompt_ids, ready, sampling.max_new_tokens, eos_id, pad_id)
-    finally:
-        _drop_inference_mode_buffers()
+    def __init__(self, model: Any, tokenizer: Any, pad_id: int, max_sequence_length: int | None = None) -> None:
+        self.model, self.tokenizer, self.pad_id = model, tokenizer, pad_id
+        self.max_sequence_length = max_sequence_length
+        self.builds = 0
+        self._key: tuple | None = None
+        self._engine: Any = None
+        self._controller: Any = None
+
+    def _engine_for(self, key: tuple, longest: int, cuda_graphs: int) -> Any:
+        """The engine for settings ``key`` holding sequences of ``longest`` tokens: the one held, or a new one."""
+        from megatron.core.inference.engines import DynamicInferenceEngine
+        from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
+        from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
+
+        requests, eos_id, buffer_gb, block_tokens, max_step_tokens = key
+        if self._engine is not None and self._key is not None and self._key[:-1] == key and self._key[-1] >= longest:
+            self._engine.reset()  # the last call's requests gone, every page free; graphs and buffers kept
+            return self._engine
+        sequence = max(longest, self.max_sequence_length or 0)
+        capacity = -(-sequence // block_tokens) * block_tokens
+        model = self.model
+        wrapper_config = InferenceWrapperConfig(
+            hidden_size=model.config.hidden_size, params_dtype=model.config.params_dtype,
+            inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size,
+            inference_max_requests=requests, inference_max_seq_length=capacity)
+        self._engine = self._controller = None  # the old context's buffers go before the new one's are allocated
+        context = _dynamic_context(model, requests, capacity, buffer_gb, block_tokens, max_step_tokens, cuda_graphs,
+                                   sequence)
+        self._controller = _controller_class()(inference_wrapped_model=GPTInferenceWrapper(model, wrapper_config, context),
+                                               tokenizer=_TokenizerAdapter(self.tokenizer, eos_id))
+        # the engine captures its CUDA graphs here when they are on (the caller holds them on); random_seed is unused:
+        # the controller samples with torch's generator
+        self._engine = DynamicInferenceEngine(self._controller, context, random_seed=0)
+        self._key, self.builds = (*key, capacity), self.builds + 1
+        log.info("megatron dynamic engine built (%d): %d requests in flight, sequences up to %d tokens, %s",
+                 self.builds, requests, capacity, f"{cuda_graphs} decode CUDA graphs" if cuda_graphs else "no CUDA graphs")
+        return self._engine
+
+    def chunks(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, distribution: SampledDistribution,
+               *, eos_id: int, max_requests: int, buffer_gb: float, block_tokens: int = 256,
+               max_step_tokens: int | None = None, cuda_graphs: int = 0) -> Iterator[RolloutChunk]:
+        """Every prompt of ``prompt_ids`` through the engine, at most ``max_requests`` in flight → ``RolloutChunk`` s
+        of ``max_requests`` rows (the last one fewer) in the order the requests finish, each as soon as it is
+        complete. The caller holds the model in generation mode (and its CUDA graphs on) while it steps this."""
+        from megatron.core.inference.sampling_params import SamplingParams as MegatronSampling
+
+        if not prompt_ids or min(len(p) for p in prompt_ids) < 1:
+            raise ValueError("generate: every prompt needs at least one token")
+        requests = max(1, max_requests)
+        longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
+        engine = self._engine_for((requests, eos_id, buffer_gb, block_tokens, max_step_tokens), longest, cuda_graphs)
+        self._controller.distribution, self._controller.greedy = distribution, sampling.use_greedy
+        asked = MegatronSampling(num_tokens_to_generate=sampling.max_new_tokens, termination_id=eos_id)
+        for i, prompt in enumerate(prompt_ids):
+            engine.add_request(i, list(map(int, prompt)), asked)
+        if engine.failed_request_ids:
+            raise ValueError(f"generate: Megatron's dynamic engine refused prompt rows {engine.failed_request_ids[:8]}")
+        done: list[Any] = []
+        try:
+            while engine.has_unfinished_requests():
+                done += [record.merge() for record in engine.step_modern()["finished_request_records"]]
+                while len(done) >= requests or (done and not engine.has_unfinished_requests()):
+                    _drop_inference_mode_buffers()  # the stage may train on a chunk before the next step
+                    ready, done = done[:requests], done[requests:]
+                    yield _dynamic_chunk(prompt_ids, ready, sampling.max_new_tokens, eos_id, self.pad_id)
+        finally:
+            _drop_inference_mode_buffers()
 
 
 def _dynamic_chunk(prompt_ids: Sequence[Sequence[int]], finished: list[Any], max_new_tokens: int, eos_id: int,
