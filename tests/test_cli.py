@@ -1,8 +1,6 @@
 """The CLI error boundary: every user error is one line on stderr and exit 2 (no traceback); --debug shows it.
 
-Each case runs the real ``nemo-factuality`` entry point (``nemo_factuality.cli`` as ``__main__``) in a new process, in a
-scratch working directory: forked from one server that imported torch, transformers and the command modules once
-(``testing.preloaded``; what those imports print is in front of every captured output, as in a new interpreter).
+Each case runs the real ``nemo-factuality`` entry point in a subprocess, in a scratch working directory.
 """
 
 from __future__ import annotations
@@ -11,13 +9,13 @@ import json
 import os
 import sqlite3
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from nemo_factuality import __version__
 from nemo_factuality.config import REPO_ROOT
-from nemo_factuality.testing.preloaded import CONVERTERS, PreloadedCommands
 
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
 ENV.pop("NEMO_FACTUALITY_DEBUG", None)
@@ -35,24 +33,9 @@ def _parser_column(text: str) -> int:
     raise AssertionError("UNCLOSED must not parse")
 
 
-# what the commands import at their start (torch, transformers, the command modules): paid once by the module's
-# preloaded command server, not by each of its ~60 commands (testing.preloaded)
-PRELOAD = ("torch", "transformers", "nemo_factuality.cli", "nemo_factuality.trainers.cli", "nemo_factuality.trainers.config",
-           *CONVERTERS)
-COMMANDS: PreloadedCommands | None = None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _commands():
-    global COMMANDS
-    with PreloadedCommands(PRELOAD, ENV) as COMMANDS:
-        yield
-    COMMANDS = None
-
-
 def _cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    """``python -m nemo_factuality.cli ARGS…`` in ``cwd``, forked from the module's preloaded server."""
-    return COMMANDS.run(args, cwd=cwd, timeout=180, **env)
+    return subprocess.run([sys.executable, "-m", "nemo_factuality.cli", *args], cwd=cwd, env=dict(ENV, **env),
+                          capture_output=True, text=True, timeout=180)
 
 
 @pytest.fixture(scope="module")
