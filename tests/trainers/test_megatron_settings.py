@@ -148,3 +148,54 @@ def test_the_test_command_exports_the_megatron_venv_it_finds(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert f"RESOLVED {venv} {venv}" in res.stdout
     assert f"== Megatron-Core/Bridge venv: {venv}" in res.stderr and "building" not in res.stderr
+
+
+@pytest.mark.parametrize("text, named", [
+    ('{"use_distributed_optimizer": true, "optimizer_checkpoint": "sharded", "last_epoch": 3}',
+     "optimizer_checkpoint is 'sharded', not one of dp_reshardable, fully_reshardable"),
+    ('{"optimizer_checkpoint": "dp_reshardable"}', "use_distributed_optimizer is None, not true/false"),
+    ('{"use_distributed_optimizer": false, "tensor_model_parallel_size": "2"}',
+     "tensor_model_parallel_size is '2', not a positive integer"),
+    ('{"use_distributed_optimizer": true, "optimizer_ch', "is not the JSON the megatron backend writes"),
+    ("[1, 2]", "holds list, not the JSON object"),
+])
+def test_a_schedule_file_the_backend_did_not_write_is_refused_in_one_line(tmp_path, text, named):
+    """``megatron_schedule.json`` is read before anything loads: a changed or foreign file is one line naming the file
+    and the key (before, an unknown format was a KeyError traceback deep in the load)."""
+    from nemo_factuality.trainers.backends.megatron.model import SCHEDULE_FILE, read_schedule
+    from nemo_factuality.types import FactualityInputError
+
+    path = tmp_path / SCHEDULE_FILE
+    path.write_text(text)
+    with pytest.raises(FactualityInputError) as caught:
+        read_schedule(path)
+    assert named in str(caught.value) and str(path) in str(caught.value) and "\n" not in str(caught.value)
+    path.write_text('{"use_distributed_optimizer": true, "optimizer_checkpoint": "dp_reshardable", '
+                    '"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1, "last_epoch": 3}')
+    assert read_schedule(path)["last_epoch"] == 3  # what save_model writes passes
+
+
+def test_an_optimizer_state_resumes_only_into_the_class_that_wrote_it(tmp_path):
+    """torch's AdamW (no TE) keeps Adam's step per parameter, TE's FusedAdam per group: a checkpoint written by one and
+    loaded by the other is refused in one line naming both (before: a KeyError on ``bias_correction`` at FusedAdam's
+    first step); the same class, or a checkpoint recording none, passes. The kind is the class inside the wrappers."""
+    import torch
+
+    from nemo_factuality.trainers.backends.megatron.model import check_optimizer_kind, optimizer_kind
+    from nemo_factuality.types import FactualityInputError
+
+    class Wrapper:  # Megatron's optimizer around the one that steps (its .optimizer), chained or not
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    assert optimizer_kind(Wrapper(adamw)) == "torch.optim.adamw.AdamW"
+    chained = type("Chained", (), {"chained_optimizers": [Wrapper(adamw)]})()
+    assert optimizer_kind(chained) == "torch.optim.adamw.AdamW"
+    fused = "transformer_engine.pytorch.optimizers.fused_adam.FusedAdam"
+    check_optimizer_kind(tmp_path, "torch.optim.adamw.AdamW", "torch.optim.adamw.AdamW")
+    check_optimizer_kind(tmp_path, None, fused)  # written before the kind was recorded
+    with pytest.raises(FactualityInputError) as caught:
+        check_optimizer_kind(tmp_path, "torch.optim.adamw.AdamW", fused)
+    line = str(caught.value)
+    assert "torch.optim.adamw.AdamW" in line and fused in line and str(tmp_path) in line and "\n" not in line

@@ -47,6 +47,55 @@ OPTIMIZER_FORMATS = {
 # what a checkpoint that does not record its format was written in (this backend's only format before)
 _UNRECORDED_FORMAT = "fully_reshardable"
 
+
+def read_schedule(path: Path) -> dict[str, Any]:
+    """``megatron_schedule.json`` as ``save_model`` wrote it; a file that is not (no JSON object, no
+    ``use_distributed_optimizer`` flag, a format or layout this backend does not write) is refused in one line naming
+    the file and the key, before anything loads."""
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FactualityInputError(f"{path} is not the JSON the megatron backend writes ({err}): restore it from the "
+                                   "run's other checkpoints or resume from another one") from None
+    problems = []
+    if not isinstance(state, dict):
+        raise FactualityInputError(f"{path} holds {type(state).__name__}, not the JSON object the megatron backend writes")
+    if not isinstance(state.get("use_distributed_optimizer"), bool):
+        problems.append(f"use_distributed_optimizer is {state.get('use_distributed_optimizer')!r}, not true/false")
+    if state.get("optimizer_checkpoint", _UNRECORDED_FORMAT) not in OPTIMIZER_FORMATS:
+        problems.append(f"optimizer_checkpoint is {state['optimizer_checkpoint']!r}, not one of "
+                        f"{', '.join(OPTIMIZER_FORMATS)}")
+    if not isinstance(state.get("optimizer", ""), str):
+        problems.append(f"optimizer is {state['optimizer']!r}, not a class name")
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        value = state.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{key} is {value!r}, not a positive integer")
+    if problems:
+        raise FactualityInputError(f"{path} was not written by the megatron backend as it stands: {'; '.join(problems)}")
+    return state
+
+
+def optimizer_kind(optimizer: Any) -> str:
+    """The class that steps the parameters inside Megatron's optimizer wrapper (torch's AdamW without TE or Apex, TE's
+    FusedAdam in the container), as a checkpoint records it."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    inner = getattr(inner, "optimizer", inner)
+    return f"{type(inner).__module__}.{type(inner).__qualname__}"
+
+
+def check_optimizer_kind(where: Path, written: str | None, here: str) -> None:
+    """A checkpoint's optimizer state resumes only into the class that wrote it: torch's AdamW keeps Adam's step per
+    parameter, TE's FusedAdam per group with its own group keys (a CPU-written checkpoint stepped by FusedAdam failed
+    on a missing ``bias_correction``). Refused in one line; a checkpoint that records none is not checked."""
+    if written is None or written == here:
+        return
+    raise FactualityInputError(f"{where} holds the optimizer state of {written}, and this run's optimizer is {here}: "
+                               "their states are laid out differently; resume where the same optimizer is built (Transformer "
+                               "Engine installed or not, the same model.optim.name), or start a new stage from its "
+                               "exported weights (model.path=<run>/final)")
+
+
 # (what the model returned for one micro batch, that micro batch) → the loss function's inputs, e.g. {"logprobs": …}
 OutputsOf = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -257,7 +306,7 @@ class MegatronModel(ProcessGroupDataParallel):
         if self.global_rank == 0:
             state = {**self.schedule.state_dict(), "use_distributed_optimizer": self.use_distributed_optimizer,
                      "optimizer_checkpoint": written, "tensor_model_parallel_size": self.layout.tp,
-                     "pipeline_model_parallel_size": self.layout.pp}
+                     "pipeline_model_parallel_size": self.layout.pp, "optimizer": optimizer_kind(self.optimizer)}
             (where / SCHEDULE_FILE).write_text(json.dumps(state), encoding="utf-8")
 
     def load_model(self, where: Path) -> None:
@@ -265,11 +314,12 @@ class MegatronModel(ProcessGroupDataParallel):
         where = Path(where)
         if not (where / SCHEDULE_FILE).is_file():
             raise FileNotFoundError(f"{where} has no {SCHEDULE_FILE}: not written by the megatron backend")
-        state = json.loads((where / SCHEDULE_FILE).read_text(encoding="utf-8"))
+        state = read_schedule(where / SCHEDULE_FILE)
         written = state.pop("use_distributed_optimizer")
         if written != self.use_distributed_optimizer:  # the two optimizers' states are stored differently
             raise FactualityInputError(f"{where} was written with model.megatron.use_distributed_optimizer={written}; "
                                        "resume with the same setting (the TP/PP/DP layout may change)")
+        check_optimizer_kind(where, state.pop("optimizer", None), optimizer_kind(self.optimizer))
         optimizer_format = state.pop("optimizer_checkpoint", _UNRECORDED_FORMAT)
         layout = (state.pop("tensor_model_parallel_size", None), state.pop("pipeline_model_parallel_size", None))
         self._check_resumable_layout(where, optimizer_format, layout)
