@@ -197,6 +197,10 @@ def main() -> int:
         from nemo_factuality.testing.training import build_policy
 
         model = str(build_policy(work / "policy", head_dim=args.head_dim))
+        # transformers 5 records its tokenizer class as TokenizersBackend, which the megatron venv's transformers 4.57
+        # does not know; the generic fast tokenizer's name loads the same tokenizer.json in both
+        config = Path(model) / "tokenizer_config.json"
+        config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}))
     cfg = load_train_config(GRPOConfig, None, [f"model.path={model}", f"model.dtype={args.dtype}", "remote_rm.url=http://x:1",
                                                "model.optim.name=sgd", "model.optim.lr=0.1", "model.rollout_micro_batch_size=100000"])
     actor = HFActor(cfg.model, max_steps=10, device=args.device)
