@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 
@@ -29,25 +27,17 @@ def _config(args: argparse.Namespace, prompt_tokens: int):
         f"data.max_prompt_tokens={prompt_tokens}", f"model.length_params.max_length={args.new_tokens}"])
 
 
-def _measure(actor, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    import torch
+def _measure(actor, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict | None:
+    """``rollout_bench._measure`` of the actor's greedy generation at ``len(prompts)`` rows after a warm-up call at that
+    batch; None when the batch does not fit."""
+    from rollout_bench import _measure as median_of_runs  # this script's folder is on the path
 
     from nemo_factuality.trainers.interfaces import SamplingParams
 
     greedy = SamplingParams(max_new_tokens=new_tokens, use_greedy=True)
     actor.cfg.rollout_micro_batch_size = len(prompts)
     actor.generate(prompts, greedy)  # warm-up at this batch
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        rollout = actor.generate(prompts, greedy)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    tokens = [rollout.tokens[i, int(p):int(r)].tolist()
-              for i, (p, r) in enumerate(zip(rollout.prompt_lengths, rollout.response_lengths, strict=True))]
-    return {"tok_s": sum(map(len, tokens)) / seconds, "ms_per_step": 1000 * seconds / new_tokens, "tokens": tokens}
+    return median_of_runs(actor.generate, [(len(prompts), prompts)], greedy, new_tokens, repeats).get(len(prompts))
 
 
 def main() -> int:
@@ -76,10 +66,15 @@ def main() -> int:
         actor.cfg.megatron.inference_engine = engine
         for batch, prompts in sorted(batches.items()):
             try:
-                out[engine][batch] = _measure(actor, prompts, args.new_tokens, args.repeats)
-            except (RuntimeError, MemoryError) as err:  # past the largest batch that fits
-                out[engine][f"{batch}_error"] = str(err).splitlines()[0]
+                result = _measure(actor, prompts, args.new_tokens, args.repeats)
+            except (RuntimeError, MemoryError) as err:  # the warm-up past the largest batch that fits
+                result, reason = None, str(err).splitlines()[0]
+            else:
+                reason = "did not fit (the log says why)"
+            if result is None:
+                out[engine][f"{batch}_error"] = reason
                 break
+            out[engine][batch] = result
     Path(args.out).write_text(json.dumps(out))
     return 0
 

@@ -90,16 +90,23 @@ def _measure(generate, batches, sampling, new_tokens: int, repeats: int = 3) -> 
             for _ in range(repeats):
                 start = time.perf_counter()
                 rollout = generate(prompts, sampling)
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
             seconds = statistics.median(times)
         except (RuntimeError, MemoryError) as err:  # past the largest batch that fits
             log.info("batch %d does not fit: %s", batch, err)
             break
         new = int((rollout.response_lengths - rollout.prompt_lengths).sum())
-        tokens = [rollout.tokens[i, int(rollout.prompt_lengths[i]):int(rollout.response_lengths[i])].tolist()
-                  for i in range(batch)]
+        tokens = [rollout.response_ids(i) for i in range(batch)]
         out[batch] = {"tok_s": new / seconds, "ms_per_step": 1000 * seconds / new_tokens, "tokens": tokens}
     return out
+
+
+def _keep_best(best: dict[int, dict], batch: int, result: dict, threads: int) -> None:
+    """``best[batch]``: the faster of what it holds and ``result`` (measured at ``threads``)."""
+    if batch not in best or result["tok_s"] > best[batch]["tok_s"]:
+        best[batch] = {**result, "threads": threads}
 
 
 def _native_alone(actor, batches, sampling, args) -> dict[int, dict]:
@@ -111,8 +118,7 @@ def _native_alone(actor, batches, sampling, args) -> dict[int, dict]:
         for batch, result in _measure(actor.generate, batches, sampling, args.new_tokens, args.repeats).items():
             log.info("native, %d threads, batch %d: %.0f tok/s, %.1f ms/step", threads, batch, result["tok_s"],
                      result["ms_per_step"])
-            if batch not in best or result["tok_s"] > best[batch]["tok_s"]:
-                best[batch] = {**result, "threads": threads}
+            _keep_best(best, batch, result, threads)
     return best
 
 
@@ -135,8 +141,7 @@ def _hf_compiled_alone(cfg, batches, sampling, args) -> dict[int, dict]:
                 break
             log.info("hf compiled, %d threads, batch %d: %.0f tok/s, %.1f ms/step", threads, batch, result["tok_s"],
                      result["ms_per_step"])
-            if batch not in best or result["tok_s"] > best[batch]["tok_s"]:
-                best[batch] = {**result, "threads": threads}
+            _keep_best(best, batch, result, threads)
     return best
 
 
@@ -160,9 +165,7 @@ def _megatron_alone(model: str, batches, args, work: Path) -> dict[str, dict[int
                     continue
                 log.info("megatron %s, %d threads, batch %s: %.0f tok/s, %.1f ms/step", engine, threads, batch,
                          result["tok_s"], result["ms_per_step"])
-                kept = best[f"megatron_{engine}"]
-                if int(batch) not in kept or result["tok_s"] > kept[int(batch)]["tok_s"]:
-                    kept[int(batch)] = {**result, "threads": threads}
+                _keep_best(best[f"megatron_{engine}"], int(batch), result, threads)
     return best
 
 
@@ -227,8 +230,7 @@ def main() -> int:
             for batch, result in measured.items():
                 log.info("vLLM, OMP_NUM_THREADS=%d, batch %d: %.0f tok/s, %.1f ms/step", threads, batch, result["tok_s"],
                          result["ms_per_step"])
-                if batch not in vllm or result["tok_s"] > vllm[batch]["tok_s"]:
-                    vllm[batch] = {**result, "threads": threads}
+                _keep_best(vllm, batch, result, threads)
             if threads == args.engine_threads[-1]:  # the refit does not depend on the batch or the threads: once
                 _one_step(rollout)
                 refit = {mode: _refit_seconds(rollout, engine, mode, args.refit_repeats) for mode in ("file", "broadcast")}

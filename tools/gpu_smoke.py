@@ -45,6 +45,7 @@ from gpu_smoke_common import (  # the kit's shared pieces (this folder is on sys
     reset_peak,
     shape,
     step_split,
+    timed_greedy,
     toy_reward_scores,
 )
 
@@ -211,17 +212,14 @@ def run_hf(args, hf: Path, _run_dir: Path) -> dict:
     ``torch.compile``, shapes bucketed), greedy at rollout batch 16 on the kit's policy: tokens/s and ms per decode
     step after a warm-up call (the compile's), the graphs traced, the fraction of sequences equal on both. On CPU the
     graphs are traced with torch.compile's ``eager`` backend (inductor's code generation takes about a minute there)."""
-    import torch
+    from transformers import PreTrainedTokenizerFast
 
     from nemo_factuality.trainers.backends.hf import compiled
     from nemo_factuality.trainers.backends.hf.actor import HFActor
     from nemo_factuality.trainers.config import GRPOConfig
-    from nemo_factuality.trainers.interfaces import SamplingParams
 
     if args.cpu:
         compiled.COMPILE_BACKEND = "eager"
-    from transformers import PreTrainedTokenizerFast
-
     # the kit's word-level tokenizer as its tokenizer.json says: transformers 5's AutoTokenizer takes the model type's
     # (Qwen2's BPE) and encodes every prompt to nothing
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(hf))
@@ -235,18 +233,11 @@ def run_hf(args, hf: Path, _run_dir: Path) -> dict:
         actor = HFActor(cfg.model, max_steps=1, device="cpu" if args.cpu else "cuda", tokenizer=tokenizer)
         texts = prompts(16, s["prompt_tokens"], actor.model.config.vocab_size)
         ids = [actor.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        greedy = SamplingParams(max_new_tokens=s["new_tokens"], use_greedy=True)
-        start = time.perf_counter()
-        actor.generate(ids, greedy)  # warm-up: the compile
-        warm = time.perf_counter() - start
-        start = time.perf_counter()
-        rollout = actor.generate(ids, greedy)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        tokens[generation] = [rollout.tokens[i, : int(n)].tolist() for i, n in enumerate(rollout.response_lengths)]
-        count = int((rollout.response_lengths - rollout.prompt_lengths).sum())
-        out[generation] = {"tokens_per_s": count / seconds, "ms_per_step": 1000 * seconds / s["new_tokens"],
+        warm = timed_greedy(actor, ids, s["new_tokens"])["seconds"]  # warm-up: the compile
+        run = timed_greedy(actor, ids, s["new_tokens"])
+        tokens[generation] = run["tokens"]
+        out[generation] = {"tokens_per_s": run["count"] / run["seconds"],
+                           "ms_per_step": 1000 * run["seconds"] / s["new_tokens"],
                            "first_call_s": warm, "graphs": getattr(getattr(actor, "_graphs", None), "graphs", None)}
         del actor
     out["greedy_equal"] = sum(a == b for a, b in zip(tokens["eager"], tokens["compiled"], strict=True)) / 16

@@ -119,6 +119,22 @@ def measure_generation(actor, ids: list[list[int]], batch: int, new_tokens: int,
     return {"batch": batch, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": peak_gib()}
 
 
+def timed_greedy(actor, rows: list[list[int]], new_tokens: int) -> dict:
+    """One greedy generation of ``rows`` at once: each row's response tokens (``Rollout.response_ids``), the tokens
+    generated and the wall seconds (the GPU synchronised before the clock stops)."""
+    import torch
+
+    from nemo_factuality.trainers.interfaces import SamplingParams
+
+    start = time.perf_counter()
+    rollout = actor.generate(rows, SamplingParams(max_new_tokens=new_tokens, use_greedy=True))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {"tokens": [rollout.response_ids(i) for i in range(len(rollout))], "seconds": seconds,
+            "count": int((rollout.response_lengths - rollout.prompt_lengths).sum())}
+
+
 def fit_toy_grpo(cfg, actor, texts: list[str], run_dir: Path) -> list[dict]:
     """The real GRPO stage on ``actor`` with the toy reward over ``texts`` (one user turn each), peak memory counted
     from its start; the stage's per-step metrics."""

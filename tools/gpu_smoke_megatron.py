@@ -84,21 +84,12 @@ def largest_generation(actor, ids, cap: int, new_tokens: int, measure) -> tuple[
     return None, tried
 
 
-def _greedy(actor, rows: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float]:
-    """(each row's generated tokens, wall seconds) of one greedy generation of ``rows`` at once."""
-    import torch
-
-    from nemo_factuality.trainers.interfaces import SamplingParams
+def _greedy(actor, rows: list[list[int]], new_tokens: int) -> dict:
+    """``timed_greedy`` with the engine taking all of ``rows`` at once."""
+    from gpu_smoke_common import timed_greedy
 
     actor.cfg.rollout_micro_batch_size = len(rows)
-    start = time.perf_counter()
-    rollout = actor.generate(rows, SamplingParams(max_new_tokens=new_tokens, use_greedy=True))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    tokens = [rollout.tokens[i, int(p):int(r)].tolist() for i, (p, r) in
-              enumerate(zip(rollout.prompt_lengths, rollout.response_lengths, strict=True))]
-    return tokens, seconds
+    return timed_greedy(actor, rows, new_tokens)
 
 
 def _gpu_busy_ms(fn) -> float | None:
@@ -129,10 +120,11 @@ def compare_engines(actor, ids: list[list[int]], batches: tuple[int, ...], new_t
         for engine in ("static", "dynamic"):
             actor.cfg.megatron.inference_engine = engine
             _greedy(actor, rows, new_tokens)  # warm-up
-            tokens[engine], seconds = _greedy(actor, rows, new_tokens)
+            run = _greedy(actor, rows, new_tokens)
+            tokens[engine], seconds = run["tokens"], run["seconds"]
             gpu_ms = _gpu_busy_ms(lambda rows=rows: _greedy(actor, rows, new_tokens))
-            count = sum(len(t) for t in tokens[engine])
-            out[engine][str(batch)] = {"tokens_per_s": count / seconds, "wall_ms_per_step": 1000 * seconds / new_tokens,
+            out[engine][str(batch)] = {"tokens_per_s": run["count"] / seconds,
+                                       "wall_ms_per_step": 1000 * seconds / new_tokens,
                                        "gpu_ms_per_step": None if gpu_ms is None else gpu_ms / new_tokens}
         same = sum(a == b for a, b in zip(tokens["static"], tokens["dynamic"], strict=True))
         out["greedy_equal"][str(batch)] = same / batch

@@ -228,8 +228,7 @@ def _dynamic_context(model: Any, max_requests: int, max_sequence_length: int, bu
         held = context.block_allocator.total_count - 1
         raise ConfigError(f"model.megatron.inference_buffer_gb={buffer_gb} holds {held} KV pages of {block_tokens} "
                           f"tokens; one sequence of {sequence_tokens or max_sequence_length} tokens needs {pages}: set "
-                          "it to at least "
-                          f"{need:g}")
+                          f"it to at least {need:g}")
     return context
 
 
@@ -271,20 +270,21 @@ class DynamicGenerator:
         self.model, self.tokenizer, self.pad_id = model, tokenizer, pad_id
         self.max_sequence_length = max_sequence_length
         self.builds = 0
-        self._key: tuple | None = None
+        self._settings: tuple | None = None  # what the held engine was built with
+        self._capacity = 0  # the longest sequence its context holds, tokens
         self._engine: Any = None
         self._controller: Any = None
 
-    def _engine_for(self, key: tuple, longest: int, cuda_graphs: int) -> Any:
-        """The engine for settings ``key`` holding sequences of ``longest`` tokens: the one held, or a new one."""
+    def _engine_for(self, settings: tuple, longest: int) -> Any:
+        """The engine for ``settings`` holding sequences of ``longest`` tokens: the one held, or a new one."""
         from megatron.core.inference.engines import DynamicInferenceEngine
         from megatron.core.inference.model_inference_wrappers.gpt.gpt_inference_wrapper import GPTInferenceWrapper
         from megatron.core.inference.model_inference_wrappers.inference_wrapper_config import InferenceWrapperConfig
 
-        requests, eos_id, buffer_gb, block_tokens, max_step_tokens = key
-        if self._engine is not None and self._key is not None and self._key[:-1] == key and self._key[-1] >= longest:
+        if self._engine is not None and self._settings == settings and self._capacity >= longest:
             self._engine.reset()  # the last call's requests gone, every page free; graphs and buffers kept
             return self._engine
+        requests, eos_id, buffer_gb, block_tokens, max_step_tokens, cuda_graphs = settings
         sequence = max(longest, self.max_sequence_length or 0)
         capacity = -(-sequence // block_tokens) * block_tokens
         model = self.model
@@ -300,7 +300,7 @@ class DynamicGenerator:
         # the engine captures its CUDA graphs here when they are on (the caller holds them on); random_seed is unused:
         # the controller samples with torch's generator
         self._engine = DynamicInferenceEngine(self._controller, context, random_seed=0)
-        self._key, self.builds = (*key, capacity), self.builds + 1
+        self._settings, self._capacity, self.builds = settings, capacity, self.builds + 1
         log.info("megatron dynamic engine built (%d): %d requests in flight, sequences up to %d tokens, %s",
                  self.builds, requests, capacity, f"{cuda_graphs} decode CUDA graphs" if cuda_graphs else "no CUDA graphs")
         return self._engine
@@ -317,7 +317,7 @@ class DynamicGenerator:
             raise ValueError("generate: every prompt needs at least one token")
         requests = max(1, max_requests)
         longest = max(len(p) for p in prompt_ids) + sampling.max_new_tokens
-        engine = self._engine_for((requests, eos_id, buffer_gb, block_tokens, max_step_tokens), longest, cuda_graphs)
+        engine = self._engine_for((requests, eos_id, buffer_gb, block_tokens, max_step_tokens, cuda_graphs), longest)
         self._controller.distribution, self._controller.greedy = distribution, sampling.use_greedy
         asked = MegatronSampling(num_tokens_to_generate=sampling.max_new_tokens, termination_id=eos_id)
         for i, prompt in enumerate(prompt_ids):

@@ -57,9 +57,9 @@ def read_schedule(path: Path) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise FactualityInputError(f"{path} is not the JSON the megatron backend writes ({err}): restore it from the "
                                    "run's other checkpoints or resume from another one") from None
-    problems = []
     if not isinstance(state, dict):
         raise FactualityInputError(f"{path} holds {type(state).__name__}, not the JSON object the megatron backend writes")
+    problems = []
     if not isinstance(state.get("use_distributed_optimizer"), bool):
         problems.append(f"use_distributed_optimizer is {state.get('use_distributed_optimizer')!r}, not true/false")
     if state.get("optimizer_checkpoint", _UNRECORDED_FORMAT) not in OPTIMIZER_FORMATS:
