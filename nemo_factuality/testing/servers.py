@@ -69,6 +69,38 @@ def wait_group_empty(pgid: int, timeout_s: float) -> dict[int, str]:
     return members
 
 
+def shared_memory_of(pgid: int) -> set[Path]:
+    """The ``/dev/shm`` files that process group ``pgid``'s live processes map (PyTriton's tensor stores and Triton's
+    Python-backend regions): a server killed by SIGKILL never unlinks them."""
+    files = set()
+    for pid in group_members(pgid):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        for line in maps.splitlines():
+            fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith("(deleted)"):
+                files.add(Path(fields[5]))
+    return files
+
+
+def kill_group(proc: subprocess.Popen, *, timeout_s: float = 30) -> dict[int, str]:
+    """SIGKILL ``proc``'s process group (started with ``start_new_session``), as a crash or ``scancel`` does; wait for
+    its processes to end and remove the shared memory they held, so that a test's crash leaves nothing behind
+    (``/dev/shm`` is memory). Returns the processes still there after ``timeout_s`` (none expected)."""
+    held = shared_memory_of(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=timeout_s)
+    left = wait_group_empty(proc.pid, timeout_s)
+    for path in held:  # only files this group mapped: another test's server keeps its own
+        path.unlink(missing_ok=True)
+    return left
+
+
 def wait_reward_ready(proc: subprocess.Popen, ports: dict[str, int], log: Path, timeout_s: float = 150.0) -> None:
     """Until Triton serves ``reward_model`` and the health endpoint says ready; fails with the log's tail."""
     import httpx
@@ -173,15 +205,14 @@ def critic_server(venv: Path, overrides: list[str], port: int, log: Path, *,
                 assert time.monotonic() < deadline, f"critic server not ready in {ready_timeout_s:.0f} s:\n{log.read_text()[-4000:]}"
         yield proc
     finally:
+        held = shared_memory_of(proc.pid)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        try:  # Triton's own children share the group; none may outlive the test
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+                pass
+        kill_group(proc)  # Triton's own children share the group; none may outlive the test
+        for path in held:  # nor the shared memory they held before the stop
+            path.unlink(missing_ok=True)
         shutil.rmtree(home, ignore_errors=True)

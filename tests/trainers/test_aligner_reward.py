@@ -1,9 +1,10 @@
-"""Reward-server hygiene for the aligner backend: a server that is down or lacks the model fails fast and
-names the URL; Aligner's own client (in its venv) fails a request within our timeout and leaves no
-thread behind when the block raises."""
+"""Reward-server hygiene for the aligner backend: a server that is down or still loading its models is waited
+for within the window, then fails naming the URL and the model; Aligner's own client (in its venv) fails a request
+within our timeout and leaves no thread behind when the block raises."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import threading
 import time
@@ -27,20 +28,31 @@ def test_a_closed_port_fails_within_the_timeout_naming_the_url():
     assert f"http://127.0.0.1:{port}" in message and "factuality_reward" in message and "remote_rm" in message
 
 
-class _Triton(http.server.BaseHTTPRequestHandler):
-    """Answers Triton's readiness route: ready for ``factuality_reward`` only."""
+def _triton_like(ready_after_s: dict[str, float]):
+    """A loopback server with Triton's readiness answers: ``/v2/models/<m>/ready`` is 200 from ``ready_after_s[m]``
+    seconds after the start and 400 before (and for any other model), as Triton answers a model it is still
+    loading or does not serve; any other route is 404."""
+    start = time.monotonic()
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
-        self.send_response(200 if self.path == "/v2/models/factuality_reward/ready" else 400)
-        self.end_headers()
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            parts = self.path.strip("/").split("/")
+            if len(parts) != 4 or parts[:2] != ["v2", "models"] or parts[3] != "ready":
+                self.send_response(404)
+            else:
+                after = ready_after_s.get(parts[2])
+                self.send_response(200 if after is not None and time.monotonic() - start >= after else 400)
+            self.end_headers()
 
-    def log_message(self, *args):
-        pass
+        def log_message(self, *args):
+            pass
+
+    return http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
 
 
-@pytest.fixture
-def triton_like():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Triton)
+@contextlib.contextmanager
+def serving(ready_after_s: dict[str, float]):
+    server = _triton_like(ready_after_s)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -51,12 +63,37 @@ def triton_like():
         thread.join(timeout=5)
 
 
-def test_a_server_without_the_model_fails_at_once_and_a_ready_one_passes(triton_like):
-    check_reward_server(triton_like, "factuality_reward", timeout_s=5)
-    t0 = time.monotonic()
-    with pytest.raises(RemoteRewardError, match="HTTP 400 for /v2/models/reward_model/ready"):
-        check_reward_server(triton_like, "reward_model", timeout_s=30)
-    assert time.monotonic() - t0 < 5  # no point waiting: the server is up, the model is not there
+def test_a_model_still_loading_is_waited_for_and_one_never_served_fails_after_the_window_naming_it():
+    with serving({"factuality_reward": 1.0}) as url:
+        t0 = time.monotonic()
+        check_reward_server(url, "factuality_reward", timeout_s=20)  # Triton's 400 while loading: wait, not fail
+        assert 1.0 <= time.monotonic() - t0 < 10
+        t0 = time.monotonic()
+        with pytest.raises(RemoteRewardError, match="HTTP 400 for /v2/models/reward_model/ready: still loading"):
+            check_reward_server(url, "reward_model", timeout_s=1.5)
+        assert 1.5 <= time.monotonic() - t0 < 6
+
+
+def test_a_port_that_is_not_triton_fails_at_once():
+    with serving({}) as url:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteRewardError, match="HTTP 404"):
+            check_reward_server(url + "/elsewhere", "factuality_reward", timeout_s=30)
+        assert time.monotonic() - t0 < 5
+
+
+def test_the_critic_client_starts_once_every_model_a_step_uses_is_ready():
+    """Triton readies a server's models one by one: critic_infer answering says nothing of critic_state (a loaded
+    CI node took over 10 s between them, and the first critic_state request timed out)."""
+    from nemo_factuality.trainers.backends.aligner.critic import RemoteCritic, RemoteCriticError
+
+    ready = {"critic_infer": 0.2, "critic_train": 0.6, "critic_state": 1.5}
+    with serving(ready) as url:
+        t0 = time.monotonic()
+        RemoteCritic(SimpleNamespace(url=url, timeout_s=5, init_timeout_s=20, micro_batch_size=4))
+        assert time.monotonic() - t0 >= 1.5  # it returned only once critic_state was ready
+    with serving({"critic_infer": 0.0, "critic_train": 0.0}) as url, pytest.raises(RemoteCriticError, match="critic_state"):
+        RemoteCritic(SimpleNamespace(url=url, timeout_s=5, init_timeout_s=1.0, micro_batch_size=4))
 
 
 def test_endpoint_from_url_or_ip_port_and_a_clear_error_without_either():

@@ -7,9 +7,7 @@ checkpoint, and one that stays away past ``critic.retry.max_wait_s`` ends it wit
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +21,7 @@ import pytest
 import torch
 
 from nemo_factuality.testing.ports import free_ports
-from nemo_factuality.testing.servers import subprocess_env
+from nemo_factuality.testing.servers import kill_group, subprocess_env
 from nemo_factuality.trainers.backends.aligner.critic import (
     CriticServerRestarted,
     CriticServerUnavailable,
@@ -61,12 +59,7 @@ class _Critic:
 
     def kill(self) -> None:
         if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the server and Triton in its group, nothing else
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-            time.sleep(0.5)
+            assert not kill_group(self.proc)  # the server and Triton in its group (and their shared memory), nothing else
 
     def restart_later(self, delay_s: float, *flags: str) -> threading.Thread:
         def go() -> None:

@@ -17,8 +17,6 @@ rank waits and resends while the other rank waits in the broadcast; both runs lo
 from __future__ import annotations
 
 import math
-import os
-import signal
 import threading
 import time
 import zlib
@@ -30,7 +28,7 @@ import pytest
 from nemo_factuality.testing.aligner_env import run_in_aligner_venv
 from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
 from nemo_factuality.testing.ports import free_ports
-from nemo_factuality.testing.servers import SERVE_PORT_KEYS, reward_server
+from nemo_factuality.testing.servers import SERVE_PORT_KEYS, kill_group, reward_server
 from nemo_factuality.testing.training import read_metrics, write_jsonl
 
 pytest.importorskip("pytriton")
@@ -73,8 +71,7 @@ def _serve(env: dict, stack: ExitStack, name: str) -> dict:
 
 
 def _kill(server: dict) -> None:
-    os.killpg(server["proc"].pid, signal.SIGKILL)
-    server["proc"].wait(timeout=30)
+    assert not kill_group(server["proc"])  # a crash: Triton, its stubs and their shared memory gone
 
 
 def _args(env: dict, run_dir: Path, max_wait_s: float) -> list[str]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -97,8 +98,12 @@ class RemoteCritic:
         if check:
             from nemo_factuality.trainers.backends.aligner.reward import check_reward_server
 
-            check_reward_server(self.url, INFER, timeout_s=self.init_timeout_s, hint=_what_to_check(self.url),
-                                error=RemoteCriticError, what="critic server")
+            # every model a step sends to, in one window: Triton readies a server's models one by one, so a
+            # critic_infer that answers says nothing of critic_state (a loaded node takes seconds between them)
+            deadline = time.monotonic() + self.init_timeout_s
+            for model in (INFER, TRAIN, STATE):
+                check_reward_server(self.url, model, timeout_s=max(0.0, deadline - time.monotonic()),
+                                    hint=_what_to_check(self.url), error=RemoteCriticError, what="critic server")
 
     # ---- requests ------------------------------------------------------------------------------
     def _send(self, model: str, inputs: Mapping[str, np.ndarray], batched: bool,

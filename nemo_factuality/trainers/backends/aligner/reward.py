@@ -46,7 +46,11 @@ def _what_to_check(url: str, model: str) -> str:
 def check_reward_server(url: str, model: str, *, timeout_s: float, hint: str | None = None,
                         error: type[Exception] = RemoteRewardError, what: str = "reward server") -> None:
     """Wait at most ``timeout_s`` for Triton's ``/v2/models/<model>/ready``; raise ``error`` (naming the URL, the
-    model and ``hint``: what to check) otherwise."""
+    model and ``hint``: what to check) otherwise.
+
+    Triton answers 400 both for a model it is still loading (a server readies its models one by one, seconds
+    apart) and for one it does not serve, so a 400 is waited on like a closed port; a 404 is not Triton's
+    answer (another service on that port) and fails at once."""
     start = time.monotonic()
     deadline = start + timeout_s
     last = "no answer"
@@ -56,8 +60,10 @@ def check_reward_server(url: str, model: str, *, timeout_s: float, hint: str | N
             if response.status_code == 200:
                 return
             last = f"HTTP {response.status_code} for /v2/models/{model}/ready"
-            if response.status_code == 400 or response.status_code == 404:
-                break  # the server is up but does not have this model: waiting will not help
+            if response.status_code == 400:
+                last += ": still loading, or not a model this server serves"
+            elif response.status_code == 404:
+                break  # not a Triton server: waiting will not help
         except httpx.HTTPError as err:
             last = f"{type(err).__name__}: {err}"
         if time.monotonic() >= deadline:
