@@ -165,6 +165,17 @@ def test_user_error_is_one_line_and_exit_2(work, name):
     assert sorted(p.name for p in work.iterdir()) == FILES  # an error writes nothing
 
 
+def test_a_training_config_error_reaches_the_user_before_torch_loads(work):
+    """The config and inputs are checked before the backends, the reward runtime and torch are imported (torch alone
+    took 1.9 s of the 3.2 s such an error took): the user waits for the error line only."""
+    probe = ("import sys\nfrom nemo_factuality.cli import main\ntry:\n    code = main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+             "    code = stop.code\nprint(code, 'torch' in sys.modules)")
+    for args in (CASES["train_max_steps_zero"][0], CASES["train_kto_zero_iterations"][0]):
+        res = subprocess.run([sys.executable, "-c", probe, *args], cwd=work, env=ENV, capture_output=True, text=True,
+                             timeout=180)
+        assert res.stdout.split() == ["2", "False"], (args, res.stdout, res.stderr[-2000:])
+
+
 def test_debug_flag_and_env_var_show_the_traceback(work):
     args, _ = CASES["eval_k_zero"]
     for res in (_cli(["--debug", *args], work), _cli([*args, "--debug"], work), _cli(args, work, NEMO_FACTUALITY_DEBUG="1")):

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nemo_factuality.interfaces import FactualityReward
 from nemo_factuality.types import FactualityInputError
+
+if TYPE_CHECKING:  # torch loads where a tensor is made: `import nemo_factuality.rewards` (every config check) stays light
+    import torch
 
 
 class EnvironmentReturn(NamedTuple):
@@ -60,6 +61,8 @@ class FactualityEnvironment:
         self.reward, self.nan_reward = reward, nan_reward
 
     def step(self, message_logs: Sequence[Sequence[dict[str, Any]]], metadata: Sequence[dict[str, Any]]) -> EnvironmentReturn:
+        import torch
+
         pairs = [_split_log(log, i) for i, log in enumerate(message_logs)]
         batch = self.reward([p for p, _ in pairs], [c for _, c in pairs], **_columns(metadata, len(pairs)))
         rewards = torch.tensor([self.nan_reward if math.isnan(s) else s for s in batch.scores], dtype=torch.float32)

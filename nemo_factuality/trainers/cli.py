@@ -86,9 +86,7 @@ def parse_stage_config(stage: str, argv: Sequence[str] | None, *, prog: str | No
 
 def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     """Build everything from config and run ``stage``; returns the exit code."""
-    from nemo_factuality.trainers.backends import BACKENDS
     from nemo_factuality.trainers.data import load_pairs, load_prompts
-    from nemo_factuality.trainers.runtime import build_reward, seed_everything
 
     cfg, runtime = parse_stage_config(stage, argv)
     if cfg.trainer.backend == "megatron" and not str(cfg.trainer.device).startswith("cuda"):
@@ -116,8 +114,11 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
         check_untied_output_layer(cfg.model.path)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
+    # torch and the backends load only now: a config or input error above reaches the user without their import
     from nemo_factuality.config import to_yaml
+    from nemo_factuality.trainers.backends import BACKENDS
     from nemo_factuality.trainers.backends.collectives import ranks_from_slurm
+    from nemo_factuality.trainers.runtime import build_reward, seed_everything
 
     # under torchrun or srun only the job's rank 0 writes the run's files
     writer = int(os.environ.get("RANK") or ranks_from_slurm(os.environ).get("RANK", "0")) == 0
