@@ -100,8 +100,6 @@ def reset_peak() -> None:
 def measure_generation(actor, ids: list[list[int]], batch: int, new_tokens: int, set_batch=None) -> dict:
     """Tokens/s generating ``batch`` sequences at once (sampled, T=1), and the peak memory while doing it.
     ``set_batch(n)`` makes the actor generate ``n`` rows per call (default: the aligner actor's runtime setting)."""
-    import torch
-
     from nemo_factuality.trainers.interfaces import SamplingParams
 
     rows = [ids[i % len(ids)] for i in range(batch)]
@@ -110,29 +108,30 @@ def measure_generation(actor, ids: list[list[int]], batch: int, new_tokens: int,
     else:
         set_batch(batch)
     reset_peak()
+    _, seconds, tokens = _timed_generate(actor, rows, SamplingParams(max_new_tokens=new_tokens, temperature=1.0))
+    return {"batch": batch, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": peak_gib()}
+
+
+def _timed_generate(actor, rows: list[list[int]], sampling) -> tuple:
+    """(the rollout, wall seconds with the GPU synchronised before the clock stops, tokens generated) of one
+    ``actor.generate`` call."""
+    import torch
+
     start = time.perf_counter()
-    rollout = actor.generate(rows, SamplingParams(max_new_tokens=new_tokens, temperature=1.0))
+    rollout = actor.generate(rows, sampling)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    tokens = int((rollout.response_lengths - rollout.prompt_lengths).sum())
-    return {"batch": batch, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": peak_gib()}
+    return rollout, seconds, int((rollout.response_lengths - rollout.prompt_lengths).sum())
 
 
 def timed_greedy(actor, rows: list[list[int]], new_tokens: int) -> dict:
     """One greedy generation of ``rows`` at once: each row's response tokens (``Rollout.response_ids``), the tokens
     generated and the wall seconds (the GPU synchronised before the clock stops)."""
-    import torch
-
     from nemo_factuality.trainers.interfaces import SamplingParams
 
-    start = time.perf_counter()
-    rollout = actor.generate(rows, SamplingParams(max_new_tokens=new_tokens, use_greedy=True))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    return {"tokens": [rollout.response_ids(i) for i in range(len(rollout))], "seconds": seconds,
-            "count": int((rollout.response_lengths - rollout.prompt_lengths).sum())}
+    rollout, seconds, count = _timed_generate(actor, rows, SamplingParams(max_new_tokens=new_tokens, use_greedy=True))
+    return {"tokens": [rollout.response_ids(i) for i in range(len(rollout))], "seconds": seconds, "count": count}
 
 
 def fit_toy_grpo(cfg, actor, texts: list[str], run_dir: Path) -> list[dict]:

@@ -85,11 +85,18 @@ def shared_memory_of(pgid: int) -> set[Path]:
     return files
 
 
-def kill_group(proc: subprocess.Popen, *, timeout_s: float = 30) -> dict[int, str]:
+def kill_group(proc: subprocess.Popen, *, timeout_s: float = 30, term_wait_s: float | None = None) -> dict[int, str]:
     """SIGKILL ``proc``'s process group (started with ``start_new_session``), as a crash or ``scancel`` does; wait for
     its processes to end and remove the shared memory they held, so that a test's crash leaves nothing behind
-    (``/dev/shm`` is memory). Returns the processes still there after ``timeout_s`` (none expected)."""
-    held = shared_memory_of(proc.pid)
+    (``/dev/shm`` is memory). With ``term_wait_s``, the group first gets SIGTERM and ``proc`` that long to stop.
+    Returns the processes still there after ``timeout_s`` (none expected)."""
+    held = shared_memory_of(proc.pid)  # before any signal: a process that stops may not unlink what it held
+    if term_wait_s is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=term_wait_s)
+        except subprocess.TimeoutExpired:
+            pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -205,14 +212,6 @@ def critic_server(venv: Path, overrides: list[str], port: int, log: Path, *,
                 assert time.monotonic() < deadline, f"critic server not ready in {ready_timeout_s:.0f} s:\n{log.read_text()[-4000:]}"
         yield proc
     finally:
-        held = shared_memory_of(proc.pid)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                pass
-        kill_group(proc)  # Triton's own children share the group; none may outlive the test
-        for path in held:  # nor the shared memory they held before the stop
-            path.unlink(missing_ok=True)
+        # Triton's own children share the group; none may outlive the test, nor the shared memory they held
+        kill_group(proc, term_wait_s=20)
         shutil.rmtree(home, ignore_errors=True)
