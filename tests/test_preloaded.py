@@ -15,6 +15,8 @@ import pytest
 from nemo_factuality.testing.preloaded import PreloadedCommands
 from nemo_factuality.testing.venvs import proc_stat
 
+pytestmark = pytest.mark.waits  # mostly on commands' timeouts (tests/conftest.py gives it the waiting lane)
+
 NOISY = 'import sys; print("noisy import", file=sys.stderr); print("noisy stdout")\n'
 
 COMMAND = textwrap.dedent("""

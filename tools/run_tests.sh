@@ -83,13 +83,14 @@ ensure_stack_venv "vLLM test" vllm NEMO_FACTUALITY_VLLM_VENV NEMO_FACTUALITY_SKI
   'vllm_env|[(, ]vllm_python[,)]' "$@"
 ensure_stack_venv "Megatron-Core/Bridge" megatron NEMO_FACTUALITY_MEGATRON_VENV \
   NEMO_FACTUALITY_SKIP_MEGATRON 'megatron_env|[(, ]megatron_venv[,)]' "$@"
-# The whole suite runs on two pytest-xdist workers, a test module to a worker (its module fixtures built once), the
-# modules that need a heavy stack last and the longest first among their peers (tests/conftest.py): while one worker
-# runs a single-process test the other's torchrun or server test has the second core. Named paths run in one
-# process unless $NEMO_FACTUALITY_TEST_WORKERS says otherwise; the slowest tests are listed at the end of every run.
+# The whole suite runs on three pytest-xdist workers, a test module to a worker (its module fixtures built once), the
+# modules that need a heavy stack last and the longest first among their peers (tests/conftest.py). Two workers take
+# the CPU-bound modules, one for each core; the third takes only the modules marked `waits`, which mostly wait on
+# servers, timeouts or Slurm (testing/xdist_lanes.py), so their waits no longer leave a core idle. Named paths run
+# in one process unless $NEMO_FACTUALITY_TEST_WORKERS says otherwise; the slowest tests are listed at the end.
 workers=${NEMO_FACTUALITY_TEST_WORKERS:-}
 if [ -z "$workers" ]; then
-  workers=2
+  workers=3
   for arg in "$@"; do [[ $arg == -* ]] || workers=1; done
 fi
 parallel=()

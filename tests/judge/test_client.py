@@ -9,6 +9,8 @@ from nemo_factuality.judge.cache import JudgeCache
 from nemo_factuality.judge.client import OpenAIJudgeClient
 from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
 
+pytestmark = pytest.mark.waits  # mostly on scripted judges' delays (tests/conftest.py gives it the waiting lane)
+
 
 def _req(text: str, **kw) -> ChatRequest:
     return ChatRequest(({"role": "user", "content": text},), **kw)

@@ -17,6 +17,8 @@ from nemo_factuality.text.segment import RegexSegmenter
 from nemo_factuality.types import Claim, Label
 from nemo_factuality.verify.llm_judge import AnswerGrader, CoverageJudge, InformativenessScorer, LLMJudgeVerifier
 
+pytestmark = pytest.mark.waits  # mostly on judge timeouts (tests/conftest.py gives it the waiting lane)
+
 RESPONSE = "Paris is the capital of France. It has about two million inhabitants."
 RLFH_REPLY = """>> Sentence 1: Paris is the capital of France.
 * Paris is the capital of France.

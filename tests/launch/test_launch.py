@@ -24,6 +24,8 @@ from nemo_factuality.launch import render as render_module
 from nemo_factuality.launch.config import ClusterProfile, LaunchConfig
 from nemo_factuality.launch.render import LaunchConfigError, python_modules, render, resolve, servers
 
+pytestmark = pytest.mark.waits  # mostly on Slurm jobs (tests/conftest.py gives it the waiting lane)
+
 STAGES = sorted(p.stem for p in (REPO_ROOT / "conf" / "launch").glob("*.yaml"))
 CLUSTERS = sorted(p.stem for p in (REPO_ROOT / "conf" / "cluster").glob("*.yaml"))
 PRESET_STAGES = [s for s in STAGES if load_config(LaunchConfig, s, group="launch").preset]

@@ -15,6 +15,8 @@ from nemo_factuality.rewards.rlfh import RLFHReward
 from nemo_factuality.testing.fake_openai import Reply, ScriptedOpenAIServer
 from nemo_factuality.verify.llm_judge import AnswerGrader, CoverageJudge, InformativenessScorer
 
+pytestmark = pytest.mark.waits  # mostly on scripted judges' timeouts (tests/conftest.py gives it the waiting lane)
+
 RESPONSE = "Ada Varga was born in 1917. Ada Varga grew up in Ostrava."
 DOWN = Reply("upstream unavailable", status=503)
 

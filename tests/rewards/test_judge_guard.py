@@ -30,6 +30,8 @@ from nemo_factuality.types import Claim, Label
 from nemo_factuality.verify.llm_judge import AnswerGrader, CoverageJudge, InformativenessScorer, LLMJudgeVerifier
 
 TRUE, FALSE = "Ada Varga was born in 1917.", "Ada Varga was born in 1999."
+pytestmark = pytest.mark.waits  # mostly on judge timeouts (tests/conftest.py gives it the waiting lane)
+
 OFF = GuardConfig(neutralize_injection=False)
 
 

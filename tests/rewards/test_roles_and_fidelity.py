@@ -22,6 +22,8 @@ from nemo_factuality.testing.tiny_models import build_tiny_sequence_classifier
 from nemo_factuality.types import FactualityInputError
 from nemo_factuality.verify.llm_judge import AnswerGrader, InformativenessScorer
 
+pytestmark = pytest.mark.waits  # mostly on scripted judges' timeouts (tests/conftest.py gives it the waiting lane)
+
 TRUE = "Ada Varga was born in 1917."
 
 

@@ -14,6 +14,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.waits  # mostly on its probes' idle timeouts (tests/conftest.py gives it the waiting lane)
+
 PROBE = """
 import os, sys, time
 {imports}

@@ -12,6 +12,8 @@ from omegaconf import OmegaConf
 from nemo_factuality.config import REPO_ROOT, conf_dir, load_config
 from nemo_factuality.serving.config import ServeConfig
 
+pytestmark = pytest.mark.waits  # mostly on serve's start-up and stop (tests/conftest.py gives it the waiting lane)
+
 METHODS = ["klcf", "fspo", "knowrl", "rlfh", "factalign", "demo"]
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pytriton")
+pytestmark = pytest.mark.waits  # mostly on the reward server and judges (tests/conftest.py gives it the waiting lane)
 
 from nemo_factuality.judge.client import OpenAIJudgeClient  # noqa: E402
 from nemo_factuality.pipeline import build_pipeline  # noqa: E402

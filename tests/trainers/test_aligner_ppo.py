@@ -39,7 +39,7 @@ def run_ppo(venv: Path, nemo: Path, tmp_path: Path, port: int, *, nproc: int = 1
     with critic_server(venv, overrides, port, log):
         res = run_in_aligner_venv(venv, ["tests/trainers/aligner_driver.py", f"--nemo={nemo}", f"--out={tmp_path}",
                                          "--scenario=ppo", f"--overrides={tmp_path / 'overrides.json'}"], nproc=nproc,
-                                  timeout=420)
+                                  timeout=420, preload=True)
         assert res.returncode == 0, res.stdout[-6000:] + "\n--- critic server ---\n" + log.read_text()[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
     metrics = ranks[0]["metrics"]
@@ -61,31 +61,31 @@ def run_ppo(venv: Path, nemo: Path, tmp_path: Path, port: int, *, nproc: int = 1
     return ranks
 
 
-def test_rlfh_ppo_on_the_aligner_actor_with_aligners_critic_server(venv, stage_policy, tmp_path):
-    """The critic server on the presets' optimizer (Megatron-Core's distributed optimizer): its sharded state goes
-    into the server's checkpoints and a restarted server resumes from them."""
+def test_rlfh_ppo_at_data_parallel_2_with_aligners_critic_server_and_a_restarted_server(venv, stage_policy, tmp_path):
+    """Two data-parallel ranks, each with half of a minibatch: the critic sees the whole minibatch once per step. The
+    critic server runs on the presets' optimizer (Megatron-Core's distributed optimizer): its sharded state goes into
+    the server's checkpoints and a restarted server resumes from them. (The default optimizer's critic server is
+    trained at TP=2, PP=2 and DP=2 by test_aligner_methods.py; a world-1 actor sends the same gather of one shard.)"""
     port = free_ports(1)[0]
-    result = run_ppo(venv, stage_policy, tmp_path, port, critic_optimizer="mcore_distributed_optim")[0]
-    overrides = json.loads((tmp_path / "overrides.json").read_text())
+    ranks = run_ppo(venv, stage_policy, tmp_path, port, nproc=2, critic_optimizer="mcore_distributed_optim")
+    assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and all(r["dp_size"] == 2 for r in ranks)
+    assert all(r["critic_calls"][0]["sum_mask"] > 0 for r in ranks)  # both halves carried tokens into the step
+    # a requeued job: the restarted server resumes its latest checkpoint, weights and step included. It listens on a
+    # new port: the old one, free since the first server stopped, may be another connection's ephemeral port by now
+    port = free_ports(1)[0]
+    overrides = [f"critic.port={port}" if o.startswith("critic.port=") else
+                 f"critic.url=http://127.0.0.1:{port}" if o.startswith("critic.url=") else o
+                 for o in json.loads((tmp_path / "overrides.json").read_text())]
     run_dir, log = tmp_path / "run", tmp_path / "critic_server.log"
-
-    # a requeued job: the restarted server resumes its latest checkpoint, weights and step included
     with critic_server(venv, overrides, port, log):
         critic = RemoteCritic(SimpleNamespace(url=f"http://127.0.0.1:{port}", timeout_s=60, init_timeout_s=10,
                                               micro_batch_size=4))
         assert critic.server_step() == 3
-        probe = result["probe"]
+        probe = ranks[0]["probe"]
         rollout = Rollout(torch.tensor(probe["tokens"]), torch.tensor(probe["prompt_lengths"]),
                           torch.tensor(probe["response_lengths"]), torch.ones(len(probe["tokens"]), dtype=torch.bool))
         assert torch.allclose(critic.values(rollout), torch.tensor(probe["values"]), atol=1e-6)
         critic.load(run_dir / "checkpoints" / "step_000003")  # the stage's latest checkpoint matches the server
-
-
-def test_rlfh_ppo_at_data_parallel_2_gathers_each_minibatch_into_one_critic_step(venv, stage_policy, tmp_path):
-    """Two data-parallel ranks, each with half of a minibatch: the critic sees the whole minibatch once per step."""
-    ranks = run_ppo(venv, stage_policy, tmp_path, free_ports(1)[0], nproc=2)
-    assert sorted(r["dp_rank"] for r in ranks) == [0, 1] and all(r["dp_size"] == 2 for r in ranks)
-    assert all(r["critic_calls"][0]["sum_mask"] > 0 for r in ranks)  # both halves carried tokens into the step
 
 
 def test_a_critic_server_that_is_not_there_fails_at_start_naming_the_url():

@@ -31,7 +31,9 @@ from nemo_factuality.trainers.config import RetryConfig
 from nemo_factuality.trainers.interfaces import Rollout
 
 pytest.importorskip("pytriton")
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
+# waits: mostly on critic servers starting and on retry windows (tests/conftest.py gives it the waiting lane)
+pytestmark = [pytest.mark.slow, pytest.mark.waits,
+              pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")]
 
 
 class _Critic:
