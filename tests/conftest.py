@@ -75,11 +75,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 @pytest.hookimpl(optionalhook=True)  # a run without pytest-xdist has no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """``--dist loadfile`` with a lane for the modules marked ``waits`` (testing/xdist_lanes.py): with three workers
+    """``--dist loadfile`` with a lane for the modules marked ``waits`` (tests/xdist_lanes.py): with three workers
     (the test command's whole-suite run) the last takes those and the other two the rest."""
     if config.getoption("dist") != "loadfile":
         return None
-    from nemo_factuality.testing.xdist_lanes import LaneScheduling
+    from xdist_lanes import LaneScheduling
 
     return LaneScheduling(config, log)
 

@@ -1,4 +1,4 @@
-"""The test command's scheduler (``testing/xdist_lanes.py``) on a small suite run by real pytest-xdist workers: with
+"""The test command's scheduler (``tests/xdist_lanes.py``) on a small suite run by real pytest-xdist workers: with
 three workers the modules marked ``waits`` run on the last worker and every other module on the first two; with two
 there is no lane; a waiting lane's worker that crashes hands its modules to the replacement."""
 
@@ -20,7 +20,7 @@ CONFTEST = textwrap.dedent("""
         config.addinivalue_line("markers", "waits: mostly waits")
 
     def pytest_xdist_make_scheduler(config, log):
-        from nemo_factuality.testing.xdist_lanes import LaneScheduling
+        from xdist_lanes import LaneScheduling
 
         return LaneScheduling(config, log)
 """)
@@ -62,7 +62,7 @@ def _run(root: Path, workers: int) -> tuple[subprocess.CompletedProcess, dict[st
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(workers), "--dist",
                           "loadfile", "--max-worker-restart=2", "--rootdir", str(root), str(root)],
                          capture_output=True, text=True, timeout=120, cwd=root,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent)})  # xdist_lanes.py
     workers_of: dict[str, set[str]] = {}
     for record in (root / "out").glob("*.json"):
         row = json.loads(record.read_text())

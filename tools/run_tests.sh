@@ -86,7 +86,7 @@ ensure_stack_venv "Megatron-Core/Bridge" megatron NEMO_FACTUALITY_MEGATRON_VENV 
 # The whole suite runs on three pytest-xdist workers, a test module to a worker (its module fixtures built once), the
 # modules that need a heavy stack last and the longest first among their peers (tests/conftest.py). Two workers take
 # the CPU-bound modules, one for each core; the third takes only the modules marked `waits`, which mostly wait on
-# servers, timeouts or Slurm (testing/xdist_lanes.py), so their waits no longer leave a core idle. Named paths run
+# servers, timeouts or Slurm (tests/xdist_lanes.py), so their waits no longer leave a core idle. Named paths run
 # in one process unless $NEMO_FACTUALITY_TEST_WORKERS says otherwise; the slowest tests are listed at the end.
 workers=${NEMO_FACTUALITY_TEST_WORKERS:-}
 if [ -z "$workers" ]; then

@@ -8,7 +8,7 @@ a time, and a waiting module competes with them only for the little CPU it uses.
 
 Without a waiting module, or with fewer than three workers, it schedules exactly as ``--dist loadfile`` does. A
 waiting lane's worker that crashes hands its lane back: the replacement and the other workers take any module.
-``tests/conftest.py`` installs it (``pytest_xdist_make_scheduler``) for ``--dist loadfile``.
+tests/conftest.py installs it (``pytest_xdist_make_scheduler``) for ``--dist loadfile``.
 """
 
 from __future__ import annotations
