@@ -4,7 +4,7 @@ A module marked ``waits`` (``pytestmark = pytest.mark.waits``) spends most of it
 timeouts or Slurm jobs, not computing: beside another module on a two-core machine its worker's core sits idle. With
 three or more workers, the last one (``gwN``) takes only those modules and every other worker takes only the rest,
 so the waits overlap the CPU-bound modules instead of taking a worker's turn. The CPU-bound modules still run two at
-a time, and a waiting module competes with them only for the little CPU it uses.
+a time, and a waiting module competes with them only for the CPU it does use.
 
 Without a waiting module, or with fewer than three workers, it schedules exactly as ``--dist loadfile`` does. A
 waiting lane's worker that crashes hands its lane back: the replacement and the other workers take any module.
