@@ -48,10 +48,10 @@ def _suite(root: Path, crash: str | None = None) -> Path:
     out = root / "out"
     out.mkdir(parents=True)
     (root / "conftest.py").write_text(CONFTEST)
+    # a crash is one worker dying mid-module (os._exit), once, as the bus error the suite once met did
+    once = root / "crashed"
     for name in (*WAITING, *OTHERS):
         mark = "import pytest\npytestmark = pytest.mark.waits" if name in WAITING else ""
-        # a crash is one worker dying mid-module (os._exit), once, as the bus error the suite once met did
-        once = out.parent / "crashed"
         body = (f"import os, pathlib; f = pathlib.Path({str(once)!r}); f.exists() or (f.touch(), os._exit(3))"
                 if name == crash else "pass")
         (root / f"{name}.py").write_text(MODULE.format(mark=mark, out=str(out), crash=body))
