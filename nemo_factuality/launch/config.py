@@ -15,7 +15,13 @@ class ClusterProfile:
     account: str | None = None  # sbatch --account
     partition: str | None = None  # sbatch --partition
     gpus_per_node: int = 8  # GPUs per node of the partition
-    cpus_per_task: int | None = None  # sbatch --cpus-per-task
+    # sbatch --cpus-per-task of every het group, and srun --cpus-per-task of every step (Slurm 22.05-23.02's srun does
+    # not inherit sbatch's: without it each task would get one CPU); null = the site's default
+    cpus_per_task: int | None = None
+    # NUMA node of each GPU 0..gpus_per_node-1 (`nvidia-smi topo -m`, column "NUMA Affinity"): the steps with one task
+    # per GPU (trainer, critic) bind task i's CPUs to GPU i's NUMA node (srun --cpu-bind=map_ldom:..., --mem-bind=local);
+    # empty = no CPU binding (the site's default)
+    gpu_numa_nodes: list[int] = field(default_factory=list)
     # sbatch --mem of the trainer's group, and of a server group (or the critic's) with a GPU server that declares
     # no mem_gb; e.g. "0" = all memory of the node. Every other server group asks what its servers need (mem_gb).
     mem: str | None = None
@@ -39,6 +45,14 @@ class ClusterProfile:
     container_workdir: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # NCCL / TE / HF settings exported to every step
     log_root: str = "logs"  # where the rendered script and one log per component go
+    # [lo, hi): the ports a job's servers may take on the compute nodes (hi excluded). Each job takes a block of it of
+    # its own, chosen from SLURM_JOB_ID, laid out as the stage's ports are (launch/site.py); below slurmd's 6818 and
+    # the megatron trainer's MASTER_PORT (20000 + job id mod 20000) by default.
+    port_range: list[int] = field(default_factory=lambda: [10000, 20000])
+    # where the trainers' run directories (checkpoints, metrics) go: a stage's ckpt_dir defaults to
+    # {ckpt_root}/{job_name}. With images it must be under a writable container mount (else the checkpoints live in
+    # the container and a requeue starts over); relative paths are relative to the submit directory on bare metal.
+    ckpt_root: str = "checkpoints"
     python: str = "python"  # the interpreter the steps run
 
 
@@ -46,15 +60,19 @@ class ClusterProfile:
 class ServerSpec:
     """One long-running server step (reward server, judge, critic) in a het group.
 
-    ``command`` may use ``{port}``, ``{gpus}``, ``{served_model_name}`` (vLLM's ``--served-model-name``: the model
-    name the reward config asks for on the keys this server serves), ``{ckpt_dir}``, ``{preset}`` and every
-    ``params`` key of the stage.
+    ``command`` may use ``{port}``, ``{health_port}``, each key of ``ports`` (``{grpc_port}``), ``{gpus}``,
+    ``{served_model_name}`` (vLLM's ``--served-model-name``: the model name the reward config asks for on the keys
+    this server serves), ``{ckpt_dir}``, ``{preset}`` and every ``params`` key of the stage. Its ports are the
+    stage's shifted per job (``launch.site``): a command names them by placeholder, never as numbers.
     """
 
     name: str = "server"  # the server's name: its log file and its $<NAME>_URL / _HOST / _NODE variables
     command: str = ""  # the command the step runs
     port: int = 5555  # where it listens
     health_port: int | None = None  # where health_path is served, if not on `port` (our reward server: health_port)
+    # every other port it listens on, by the placeholder its command passes it with (`nemo-factuality serve`:
+    # {grpc_port: 5556, triton_metrics_port: 5557, metrics_port: 5559}); shifted per job like `port`
+    ports: dict[str, int] = field(default_factory=dict)
     health_path: str = "/health"  # GET path that answers once it is ready
     ready_deadline_s: int = 900  # fail the job when it is not ready after this long
     nodes: int = 1  # the critic only: its Megatron ranks span nodes; every other server is one task on one node
@@ -85,11 +103,16 @@ class LaunchConfig:
     # trainer takes the same layout. Without a preset (hf backend): one process on one node and (on a GPU profile)
     # one GPU.
     preset: str | None = None
+    # lay the preset's trainer GPUs out on the profile's nodes when they have another number of GPUs than the preset's
+    # (megatron backend): TP, PP and the trainer's GPU count (so DP and the preset's memory arithmetic) kept, nodes and
+    # tasks per node derived. An aligner preset cannot: NeMo's trainer takes devices and num_nodes from it.
+    fit_nodes: bool = False
     actor_nodes: int | None = None  # None: the preset's nodes, else 1
     tensor_parallel: int | None = None  # None: the preset's TP, else 1
     pipeline_parallel: int | None = None  # None: the preset's PP, else 1
     trainer_command: str = "python -m nemo_factuality.launch.standins trainer --ckpt-dir {ckpt_dir} --steps 100"  # the trainer's command in het group 0 (may use {ckpt_dir}, {preset}, params)
-    ckpt_dir: str = "checkpoints/{job_name}"  # the trainer's run directory (exp_manager.explicit_log_dir)
+    # the trainer's run directory (exp_manager.explicit_log_dir); may use {ckpt_root} (the profile's) and {job_name}
+    ckpt_dir: str = "{ckpt_root}/{job_name}"
     # group 1: factuality reward server(s); group 2: judges (vLLM, a served general RM; omitted when empty).
     # Servers of a group are packed onto its nodes in order (first fit by GPUs).
     reward_servers: list[ServerSpec] = field(default_factory=list)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import yaml
 
@@ -68,6 +68,11 @@ class PresetLayout:
     pipeline_parallel: int
     tasks_per_node: int  # trainer ranks per node, one per GPU
     engines: Engines | None = None  # rollouts on vLLM (megatron backend), else None
+    fitted_from: tuple[int, int] | None = None  # (nodes, GPUs per node) the preset gives, when laid out on others
+
+    @property
+    def data_parallel(self) -> int:
+        return self.nodes * self.tasks_per_node // (self.tensor_parallel * self.pipeline_parallel)
 
     @property
     def image(self) -> str:
@@ -88,9 +93,10 @@ def _get(tree: dict, dotted: str, default):
     return tree
 
 
-def preset_layout(name: str, trainer_command: str) -> PresetLayout:
+def preset_layout(name: str, trainer_command: str, node_gpus: int | None = None) -> PresetLayout:
     """The layout of preset ``name`` for the method and backend the trainer command runs (an aligner preset when the
-    command names no backend, as before megatron presets existed; ``preset_problems`` then asks for the word)."""
+    command names no backend, as before megatron presets existed; ``preset_problems`` then asks for the word), laid
+    out on nodes of ``node_gpus`` GPUs when given (``fit``)."""
     backend = command_backend(trainer_command) or "aligner"
     if backend not in BACKENDS_WITH_PRESETS:
         raise PresetError(f"preset {name!r}: trainer.backend={backend} has no presets (conf/train/<aligner|megatron>/): "
@@ -113,13 +119,39 @@ def preset_layout(name: str, trainer_command: str) -> PresetLayout:
 
     tp, pp = int(value(_LAYOUT_KEYS[0], 1)), int(value(_LAYOUT_KEYS[1], 1))
     nodes, gpus = int(section.get("nodes", preset["nodes"])), int(preset["gpus_per_node"])
-    if backend == "aligner" or value("rollout.engine", "megatron") != "vllm":
-        return PresetLayout(name, backend, nodes, gpus, tp, pp, gpus)
-    engines = Engines(str(value("rollout.vllm.placement", "colocated")), int(value("rollout.vllm.tensor_parallel_size", 1)),
-                      float(value("rollout.vllm.gpu_memory_utilization", 0.3)))
-    tasks = placement.trainer_tasks_per_node(engines.placement, gpus_per_node=gpus, tensor=tp, pipeline=pp,
-                                             engine_tp=engines.tensor_parallel) if engines.placement in placement.PLACEMENTS else gpus
-    return PresetLayout(name, backend, nodes, gpus, tp, pp, tasks, engines)
+    engines = None
+    if backend != "aligner" and value("rollout.engine", "megatron") == "vllm":
+        engines = Engines(str(value("rollout.vllm.placement", "colocated")),
+                          int(value("rollout.vllm.tensor_parallel_size", 1)),
+                          float(value("rollout.vllm.gpu_memory_utilization", 0.3)))
+    layout = PresetLayout(name, backend, nodes, gpus, tp, pp, _tasks_per_node(engines, gpus, tp, pp), engines)
+    return layout if node_gpus is None or node_gpus == gpus else fit(layout, node_gpus)
+
+
+def _tasks_per_node(engines: Engines | None, gpus: int, tp: int, pp: int) -> int:
+    if engines is None or engines.placement not in placement.PLACEMENTS:
+        return gpus
+    return placement.trainer_tasks_per_node(engines.placement, gpus_per_node=gpus, tensor=tp, pipeline=pp,
+                                            engine_tp=engines.tensor_parallel)
+
+
+def fit(layout: PresetLayout, node_gpus: int) -> PresetLayout:
+    """``layout`` on nodes of ``node_gpus`` GPUs (the stage's ``fit_nodes``): the same trainer ranks (so TP, PP and DP,
+    and with them the preset's memory arithmetic and batch sizes), as many per node as the node holds beside its
+    engines, on as many nodes as that takes. ``PresetError`` when the ranks do not fill whole nodes, or for an aligner
+    preset (NeMo's trainer takes its devices and num_nodes from the preset itself)."""
+    if layout.backend == "aligner":
+        raise PresetError(f"fit_nodes=true: aligner preset {layout.name} cannot be laid out on other nodes (NeMo's "
+                          f"trainer takes devices={layout.gpus_per_node} and num_nodes={layout.nodes} from the preset); "
+                          "the megatron_* stage of the method fits any node size")
+    world = layout.nodes * layout.tasks_per_node
+    tasks = _tasks_per_node(layout.engines, node_gpus, layout.tensor_parallel, layout.pipeline_parallel)
+    if tasks < 1 or world % tasks:
+        raise PresetError(f"fit_nodes=true: the {world} trainer ranks of preset {layout.name} (TP={layout.tensor_parallel}"
+                          f", PP={layout.pipeline_parallel}) do not fill whole nodes of {node_gpus} GPUs ({tasks} ranks "
+                          "each); use a profile whose nodes hold them, or a preset of another size")
+    return replace(layout, nodes=world // tasks, gpus_per_node=node_gpus, tasks_per_node=tasks,
+                   fitted_from=(layout.nodes, layout.gpus_per_node))
 
 
 def layout_problems(layout: PresetLayout, trainer_command: str, profile_gpus: int) -> list[str]:
@@ -130,8 +162,12 @@ def layout_problems(layout: PresetLayout, trainer_command: str, profile_gpus: in
                         f"{layout.name}: the trainer looks for it in conf/train/<trainer.backend>/)")
     if layout.gpus_per_node > profile_gpus:
         what = "trainer tasks (one per GPU)" if layout.engines is None else "GPUs (trainer ranks and vLLM engines)"
+        way = ("fit_nodes=true lays its trainer GPUs out on the profile's nodes, TP, PP and DP kept, nodes derived"
+               if layout.backend == "megatron" else
+               "an aligner preset's layout is NeMo's trainer's own; the megatron_* stage of the method with "
+               "fit_nodes=true fits any node size")
         problems.append(f"preset {layout.name} runs {layout.gpus_per_node if layout.engines else layout.tasks_per_node} "
-                        f"{what} per node but the profile's nodes have {profile_gpus} GPUs")
+                        f"{what} per node but the profile's nodes have {profile_gpus} GPUs ({way})")
     e = layout.engines
     if e is not None:
         problems += placement.layout_problems(e.placement, tasks_per_node=layout.tasks_per_node,

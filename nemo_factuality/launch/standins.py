@@ -1,6 +1,6 @@
 """CPU stand-ins for the launcher tests and dry runs: a reward-server health endpoint and a tiny trainer.
 
-    python -m nemo_factuality.launch.standins reward-server --port 18900 [--startup-delay-s 2] [--never-ready]
+    python -m nemo_factuality.launch.standins reward-server --port 18900 [--startup-delay-s 2] [--never-ready] [--tag T]
     python -m nemo_factuality.launch.standins trainer --ckpt-dir DIR --steps 50 [--step-time-s 0.1]
 
 The trainer trains a tiny torch model on CPU, checkpoints every ``--save-every`` steps and on SIGUSR1
@@ -21,7 +21,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 
-def reward_server(port: int, startup_delay_s: float, never_ready: bool) -> int:
+def reward_server(port: int, startup_delay_s: float, never_ready: bool, tag: str = "") -> int:
+    """A health endpoint on ``port`` answering ``{"ready": ..., "tag": tag}`` (the tag tells whose server answered)."""
     started = time.time()
 
     class Handler(BaseHTTPRequestHandler):
@@ -30,7 +31,7 @@ def reward_server(port: int, startup_delay_s: float, never_ready: bool) -> int:
 
         def do_GET(self):  # noqa: N802
             ready = not never_ready and time.time() - started >= startup_delay_s
-            body = json.dumps({"ready": ready}).encode()
+            body = json.dumps({"ready": ready, "tag": tag}).encode()
             self.send_response(200 if ready else 503)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--port", type=int, required=True)
     r.add_argument("--startup-delay-s", type=float, default=1.0)
     r.add_argument("--never-ready", action="store_true")
+    r.add_argument("--tag", default="", help="echoed in every reply")
     t = sub.add_parser("trainer")
     t.add_argument("--ckpt-dir", type=Path, required=True)
     t.add_argument("--steps", type=int, default=50)
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--save-every", type=int, default=1000)
     a = p.parse_args(argv)
     if a.what == "reward-server":
-        return reward_server(a.port, a.startup_delay_s, a.never_ready)
+        return reward_server(a.port, a.startup_delay_s, a.never_ready, a.tag)
     return trainer(a.ckpt_dir, a.steps, a.step_time_s, a.save_every)
 
 

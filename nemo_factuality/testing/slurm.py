@@ -50,6 +50,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 KillWait=5
 SlurmdParameters=config_overrides
+FirstJobId={first_job_id}
 {nodes}
 PartitionName=debug Nodes={node_names} Default=YES MaxTime=60 State=UP
 """
@@ -86,7 +87,10 @@ class SlurmCluster:
         ctld, *node_ports = sorted(ports)
         host = socket.gethostname()
         nodes = "\n".join(NODE.format(name=n, host=host, port=p) for n, p in zip(NODES, node_ports, strict=True))
-        self.conf.write_text(CONF.format(host=host, root=self.root, ctld_port=ctld, nodes=nodes, node_names=",".join(NODES)))
+        # a job id of its own per cluster: two clusters' jobs (tests run side by side) get different per-job ports
+        first_job_id = random.randint(1000, 999_000)
+        self.conf.write_text(CONF.format(host=host, root=self.root, ctld_port=ctld, nodes=nodes, node_names=",".join(NODES),
+                                         first_job_id=first_job_id))
         self._run(["slurmctld", "-c", "-f", str(self.conf)])
         for node in NODES:
             self._run(["slurmd", "-f", str(self.conf), "-N", node])

@@ -39,3 +39,53 @@ def srun_steps(text: str) -> list[tuple[str, str]]:
     lines = text.splitlines()
     return [(line, shlex.split(lines[i + 1].strip().removesuffix("&"))[-1])
             for i, line in enumerate(lines) if line.startswith("srun ")]
+
+
+def job_variables(text: str, job_id: int = 4242) -> dict[str, str]:
+    """What a rendered script's host discovery exports (every server's node, host, ports and URL), run with bash as job
+    ``job_id`` would run it: ``scontrol`` answers that group g's node i is ``g<g>n<i>`` at address ``g<g>n<i>.addr``."""
+    import os
+    import subprocess
+
+    block = text.split("# ---------- host discovery and ports", 1)[1].split("\n", 1)[1].split("\nSERVER_PIDS=()", 1)[0]
+    stub = ('scontrol() { if [ "$2" = hostnames ]; then for i in 0 1 2 3; do echo "${3}n$i"; done; '
+            'else echo "NodeName=$3 NodeAddr=$3.addr State=IDLE"; fi; }\n')
+    groups = {f"SLURM_JOB_NODELIST_HET_GROUP_{g}": f"g{g}" for g in range(5)}
+    env = {"PATH": os.environ["PATH"], "SLURM_JOB_ID": str(job_id), **groups}
+    out = subprocess.run(["bash", "-c", f"set -euo pipefail\n{stub}{block}\nenv -0"], env=env, capture_output=True,
+                         text=True, timeout=30, check=True).stdout
+    seen = dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+    return {k: v for k, v in seen.items() if k not in env and k not in ("PWD", "SHLVL", "_", "OLDPWD")}
+
+
+def expand(command: str, variables: dict[str, str]) -> str:
+    """``command`` with its ``${VAR}`` (and ``$VAR``) references to ``variables`` replaced, as the step's shell would."""
+    import re
+
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: variables.get(m.group(1) or m.group(2), m.group(0)), command)
+
+
+def write_standin_stage(path, **overrides):
+    """``conf/launch/cpu_standin.yaml`` with top-level keys replaced (``server=`` updates its reward server), written
+    to ``path``."""
+    import yaml
+
+    from nemo_factuality.config import REPO_ROOT
+
+    stage = yaml.safe_load((REPO_ROOT / "conf" / "launch" / "cpu_standin.yaml").read_text())
+    for key, value in overrides.items():
+        if key == "server":
+            stage["reward_servers"][0].update(value)
+        else:
+            stage[key] = value
+    path.write_text(yaml.safe_dump(stage))
+    return path
+
+
+def release_requeued(slurm, job: str) -> None:
+    """slurmctld holds a requeued batch job back (BeginTime about two minutes ahead): wait for it to be pending again
+    and start it now, so a test is quick (on a cluster the delay is harmless)."""
+    import subprocess
+
+    slurm.wait(job, ("PENDING",), 60)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)

@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from launch_helpers import load_site_stage, rendered, site_params, site_value
+from launch_helpers import (
+    expand,
+    job_variables,
+    load_site_stage,
+    rendered,
+    site_params,
+    site_value,
+    write_standin_stage,
+)
 
 from nemo_factuality.cli import main as cli
 from nemo_factuality.config import REPO_ROOT, load_config
@@ -209,7 +217,7 @@ def test_aligner_stage_starts_one_task_per_gpu_of_its_preset(stage_name, monkeyp
     assert words[words.index("--preset") + 1] == stage.preset and "trainer.backend=aligner" in words
     assert f"model.restore_from_path={site_value('policy_nemo')}" in words and f"data.train={site_value('train_data')}" in words
     assert "remote_rm.url=$FACTUALITY_REWARD_URL" in words
-    assert f"exp_manager.explicit_log_dir={stage.ckpt_dir}" in words
+    assert f"exp_manager.explicit_log_dir=/lustre/checkpoints/{stage.job_name}" in words  # h100_pyxis's ckpt_root
     if stage.critic:
         group = 2 + bool(stage.judges)
         c = stage.critic
@@ -217,10 +225,12 @@ def test_aligner_stage_starts_one_task_per_gpu_of_its_preset(stage_name, monkeyp
         srun, critic_command = _srun(text, group)
         assert srun.startswith(f"srun --het-group={group} --nodes={c.nodes} --ntasks-per-node={c.gpus} --kill-on-bad-exit=1 "
                                f"--export=ALL,LOCAL_WORLD_SIZE={c.gpus} ")
-        assert f"critic.port={c.port}" in critic_command and "critic.url=$CRITIC_URL" in words
-        assert f'export CRITIC_HOST CRITIC_URL="http://${{CRITIC_HOST}}:{c.port}"' in text
+        assert "critic.port=${CRITIC_PORT}" in critic_command and "critic.url=$CRITIC_URL" in words
+        job = job_variables(text, job_id=7)  # the critic listens where the trainer's URL points, this job's port
+        port = int(job["CRITIC_PORT"])
+        assert job["CRITIC_URL"] == f"http://{job['CRITIC_HOST']}:{port}" and port != c.port
         assert f"${{SLURM_JOB_NODELIST_HET_GROUP_{group}}}" in text
-        assert re.search(rf'wait_ready critic "http://\$\{{CRITIC_HOST\}}:{c.port}/v2/models/critic_infer/ready"', text)
+        assert 'wait_ready critic "http://${CRITIC_HOST}:${CRITIC_PORT}/v2/models/critic_infer/ready"' in text
 
 
 @pytest.mark.parametrize("stage_name", [s for s in STAGES if not s.startswith("cpu_")])
@@ -233,8 +243,8 @@ def test_trainer_command_is_a_complete_valid_stage_config(stage_name, monkeypatc
 
     monkeypatch.setattr(render_module, "missing_modules", lambda stage: [])
     stage = load_config(LaunchConfig, stage_name, group="launch")
-    words = _srun(_rendered(stage_name), 0)[1].replace("$FACTUALITY_REWARD_URL", "http://reward:5555").replace(
-        "$CRITIC_URL", "http://critic:5567").split()
+    text = _rendered(stage_name)
+    words = expand(_srun(text, 0)[1], job_variables(text)).split()
     method = words[words.index("-m") + 1].rsplit(".", 1)[-1]
     overrides = [w for w in words if "=" in w and not w.startswith("-")]
     schema, config_name = getattr(schemas, TRAIN_STAGES[method][0]), words[words.index("--config-name") + 1]
@@ -248,8 +258,9 @@ def test_trainer_command_is_a_complete_valid_stage_config(stage_name, monkeypatc
     else:
         preset_overrides = load_preset(words[words.index("--preset") + 1], method)[0] if stage.preset else []
         cfg = schemas.load_train_config(schema, config_name, [*preset_overrides, *overrides])
-    assert cfg.remote_rm.resolved_url() == "http://reward:5555" and cfg.reward is None
-    assert cfg.exp_manager.explicit_log_dir == stage.ckpt_dir and cfg.data.train == site_value("train_data")
+    assert cfg.remote_rm.resolved_url() == job_variables(text)["FACTUALITY_REWARD_URL"] and cfg.reward is None
+    assert cfg.exp_manager.explicit_log_dir == f"/lustre/checkpoints/{stage.job_name}"  # the profile's ckpt_root
+    assert cfg.data.train == site_value("train_data")
     if cfg.trainer.backend == "megatron":
         pass
     elif stage.preset:
@@ -273,11 +284,12 @@ def test_the_critic_server_runs_the_trainers_config(monkeypatch):
     dir), so one critic_train request is one minibatch and its checkpoints sit beside the trainer's."""
     monkeypatch.setattr(render_module, "missing_modules", lambda stage: [])
     name = next(s for s in PRESET_STAGES if load_config(LaunchConfig, s, group="launch").critic)
-    text = _rendered(name).replace("$FACTUALITY_REWARD_URL", "http://reward:5555").replace("$CRITIC_URL", "http://critic:5567")
+    text = _rendered(name)
+    text = expand(text, job_variables(text))
     trainer = _stage_config(_srun(text, 0)[1].split())
     critic_line = next(line for line in text.splitlines() if "nemo_factuality.trainers.critic_server" in line)
     critic = _stage_config(shlex.split(critic_line.strip().removesuffix("&"))[-1].split())
-    assert trainer.critic.url == "http://critic:5567" and critic.critic.port == 5567
+    assert trainer.critic.url == f"http://g3n0.addr:{critic.critic.port}"  # where the critic listens, this job's port
     assert critic.model.global_batch_size == trainer.model.global_batch_size
     assert critic.critic.micro_batch_size == trainer.critic.micro_batch_size
     assert critic.exp_manager.explicit_log_dir == trainer.exp_manager.explicit_log_dir
@@ -367,32 +379,7 @@ def test_dockerfile_passes_hadolint():
 
 
 # ------------------------------------------------------------------------------------- real Slurm
-def _write_stage(path: Path, **overrides) -> Path:
-    stage = yaml.safe_load((REPO_ROOT / "conf" / "launch" / "cpu_standin.yaml").read_text())
-    for key, value in overrides.items():
-        if key == "server":
-            stage["reward_servers"][0].update(value)
-        else:
-            stage[key] = value
-    path.write_text(yaml.safe_dump(stage))
-    return path
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    for binary in ("slurmctld", "slurmd", "sbatch", "scontrol"):
-        if shutil.which(binary) is None:
-            pytest.fail(f"{binary} not installed (tools/setup_env.sh installs Debian's slurm packages)")
-    from nemo_factuality.testing.slurm import SlurmCluster
-
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        pids = cluster.pids()
-        cluster.stop()
-        assert not any(Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z" for p in pids)
+_write_stage = write_standin_stage
 
 
 def _submit(slurm, workdir: Path, stage_path: Path | str, *params: str, **env) -> str:
@@ -500,6 +487,33 @@ def test_exit_75_requeues_the_job(slurm, tmp_path):
     assert "resumed" in _log(tmp_path, job, "trainer")
 
 
+def test_two_jobs_on_one_machine_listen_on_ports_of_their_own(slurm, tmp_path):
+    """The loopback nodes are one machine, as two jobs sharing a node are. Before, both jobs' reward servers bound the
+    stage's fixed port and the second could not start; now each job's server listens on its own job's port and
+    answers its own trainer (each trainer asks once both jobs' servers are up)."""
+    server = {"port": 10950, "health_port": None, "ports": {}, "health_path": "/", "ready_deadline_s": 60,
+              "command": 'exec python -m nemo_factuality.launch.standins reward-server --port {port} '
+                         '--startup-delay-s 0 --tag "$LOG_DIR"'}
+    trainer = ('touch "$RENDEZVOUS/$SLURM_JOB_ID"; for i in $(seq 120); do [ "$(ls "$RENDEZVOUS" | wc -l)" -ge 2 ] && '
+               'break; sleep 0.5; done; reply=$(curl -fs "$FACTUALITY_REWARD_URL/"); echo "port $FACTUALITY_REWARD_PORT: '
+               '$reply"; case "$reply" in *"$LOG_DIR"*) echo own server answered;; *) exit 1;; esac')
+    (tmp_path / "meet").mkdir()
+    jobs = []
+    for name in ("a", "b"):
+        work = tmp_path / name
+        work.mkdir()
+        stage = _write_stage(work / "stage.yaml", server=server, trainer_command=trainer)
+        jobs.append((work, _submit(slurm, work, stage, RENDEZVOUS=str(tmp_path / "meet"))))
+    ports = set()
+    for work, job in jobs:
+        assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 120) == "COMPLETED", \
+            _sbatch_log(work, job) + _log(work, job, "factuality_reward")
+        log = _log(work, job, "trainer")
+        assert "own server answered" in log, log
+        ports.add(int(log.split("port ", 1)[1].split(":", 1)[0]))
+    assert len(ports) == 2  # two jobs, two ports
+
+
 def test_max_restarts_guard(slurm, tmp_path):
     job = _submit(slurm, tmp_path, _write_stage(tmp_path / "stage.yaml"), SLURM_RESTART_COUNT="5")
     assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 60) == "FAILED"
@@ -512,7 +526,10 @@ def test_srun_tasks_of_the_megatron_trainer_step_join_one_job(slurm, tmp_path):
     been rank 0 of a job of its own), with local rank = its srun local id."""
     from dataclasses import replace as dc_replace
 
-    cluster = dc_replace(load_config(ClusterProfile, "h100_pyxis", group="cluster"), images={}, container_mounts=[])
+    # the profile's CPU and NUMA binding off: the loopback node has 2 CPUs and no CPU binding support (srun refuses
+    # the step), and the binding flags are rendered and checked without Slurm (tests/launch/test_launch_site.py)
+    cluster = dc_replace(load_config(ClusterProfile, "h100_pyxis", group="cluster"), images={}, container_mounts=[],
+                         cpus_per_task=None, gpu_numa_nodes=[])
     text = render("megatron_grpo_fspo", load_site_stage("megatron_grpo_fspo"), cluster)
     lines = text.splitlines()
     keep = [line for line in lines if line.startswith(("node_addr()", "nth_node()", "TRAINER_NODE=", "MASTER_ADDR=",

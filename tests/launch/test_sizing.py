@@ -20,10 +20,10 @@ CPUS = "--cpus-per-task=16"
 
 def _demo_server(name: str, port: int, **spec) -> dict:
     """A CPU reward server (`nemo-factuality serve` of the demo config, no judges), its ports its own."""
-    command = (f"nemo-factuality serve --config-name demo http_port={{port}} health_port={port + 1} "
-               f"grpc_port={port + 2} triton_metrics_port={port + 3} metrics_port={port + 4}")
+    command = ("nemo-factuality serve --config-name demo http_port={port} health_port={health_port} "
+               "grpc_port={grpc_port} triton_metrics_port={triton_metrics_port} metrics_port={metrics_port}")
     return {"name": name, "port": port, "health_port": port + 1, "health_path": "/health/ready", "command": command,
-            **spec}
+            "ports": {"grpc_port": port + 2, "triton_metrics_port": port + 3, "metrics_port": port + 4}, **spec}
 
 
 def _cpu_stage() -> dict:
@@ -34,10 +34,12 @@ def _cpu_stage() -> dict:
 def _judge_stage(judge: dict | None = None, info: dict | None = None) -> dict:
     """RLFH with informativeness on a judge of its own: the judge at TP=2 (2 GPUs), the info judge on 1 GPU."""
     vllm = "vllm serve {model} --served-model-name {{served_model_name}} --tensor-parallel-size {{gpus}} --port {{port}}"
-    reward = ("nemo-factuality serve --config-name rlfh http_port={port} health_port=5580 policy_tokenizer=/m/policy "
+    reward = ("nemo-factuality serve --config-name rlfh http_port={port} health_port={health_port} grpc_port={grpc_port} "
+              "triton_metrics_port={triton_metrics_port} metrics_port={metrics_port} policy_tokenizer=/m/policy "
               "reward.info_judge.base_url=http://127.0.0.1:8001/v1 reward.info_judge.model=Qwen2.5-7B-Instruct")
+    ports = {"grpc_port": 5565, "triton_metrics_port": 5575, "metrics_port": 5581}
     return {"job_name": "sizing", "reward_servers": [{"name": "factuality_reward", "port": 5555, "health_port": 5580,
-                                                      "health_path": "/health/ready", "command": reward}],
+                                                      "health_path": "/health/ready", "command": reward, "ports": ports}],
             "judges": [{"name": "judge", "port": 8000, "gpus": 2, "image": "judge", "serves": ["reward.judge"],
                         "command": vllm.format(model="/m/judge"), **(judge or {})},
                        {"name": "info_judge", "port": 8001, "gpus": 1, "image": "judge", "serves": ["reward.info_judge"],
@@ -101,7 +103,7 @@ def test_the_judges_group_asks_the_gpus_its_judges_use(tmp_path):
     # 2 + 1 GPUs on one 8-GPU node: 3, not the partition's 8; GPU servers that declare no memory: the profile's mem
     assert judges == f"#SBATCH --nodes=1 --ntasks-per-node=2 --gpus-per-node=3 {CPUS} --mem=0"
     # 2-GPU nodes: the judge fills node 0, the info judge goes to node 1; the busiest node uses 2
-    judges = _headers(tmp_path, _judge_stage(), "cluster.gpus_per_node=2")[2]
+    judges = _headers(tmp_path, _judge_stage(), "cluster.gpus_per_node=2", "cluster.gpu_numa_nodes=[0,1]")[2]
     assert judges == f"#SBATCH --nodes=2 --ntasks-per-node=1 --gpus-per-node=2 {CPUS} --mem=0"
     # judges that declare their host memory get it summed too: (64 + 32) x 1.25 = 120 GiB
     judges = _headers(tmp_path, _judge_stage(judge={"mem_gb": 64}, info={"mem_gb": 32}))[2]

@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
-from launch_helpers import load_site_stage, rendered, srun_steps
+from launch_helpers import expand, job_variables, load_site_stage, rendered, srun_steps
 from omegaconf import OmegaConf
 
 from nemo_factuality.cli import main as cli
@@ -64,10 +64,9 @@ def test_param_values_are_quoted_for_the_shell():
 
 
 # ------------------------------------------------------------------------------------------------ endpoints
-def _server_urls(text: str) -> dict[str, str]:
-    """Server env prefix -> its URL with the host resolved to '<prefix>.host' (as the script exports it)."""
-    return {env: f"http://{env.lower()}.host:{port}"
-            for env, port in re.findall(r'^export (\w+)_HOST \1_URL="http://\$\{\1_HOST\}:(\d+)"$', text, re.MULTILINE)}
+def _server_urls(variables: dict[str, str]) -> dict[str, str]:
+    """Server env prefix -> its URL, as the script's host discovery exports it."""
+    return {k.removesuffix("_URL"): v for k, v in variables.items() if k.endswith("_URL")}
 
 
 def _endpoints(node, prefix="reward"):
@@ -84,8 +83,9 @@ def test_every_endpoint_of_a_served_reward_is_a_server_of_the_job(stage_name):
     URL variables as the job exports them), and every endpoint block it then uses is a server this job starts,
     which answers under the model name the block asks for (vLLM's --served-model-name)."""
     text = rendered(stage_name, _cluster(stage_name))
-    urls = _server_urls(text)
-    steps = srun_steps(text)
+    variables = job_variables(text)
+    urls = _server_urls(variables)
+    steps = [(line, expand(command, variables)) for line, command in srun_steps(text)]
     served_names = {}
     for line, command in steps:
         env = re.search(r'--nodelist="\$\{(\w+)_NODE\}"', line)
@@ -98,7 +98,6 @@ def test_every_endpoint_of_a_served_reward_is_a_server_of_the_job(stage_name):
         if invocation is None:
             continue
         config_name, overrides = invocation
-        overrides = [re.sub(r"\$\{(\w+)_URL\}", lambda m: urls[m.group(1)], o) for o in overrides]
         reward = asdict(load_config(ServeConfig, config_name, overrides, group="serve"))["reward"]
         shared_model = (reward.get("judge") or {}).get("model")
         for key, block in _endpoints(reward):
@@ -208,8 +207,8 @@ def test_two_tp4_judges_share_a_node_each_with_its_own_gpus():
     assert commands["CHECKLIST"].startswith("export CUDA_VISIBLE_DEVICES=4,5,6,7; vllm serve /site/checklist_model ")
     assert commands["TRUTHFULNESS"].startswith("export CUDA_VISIBLE_DEVICES=0,1,2,3; ")
     assert commands["GENERAL_RM"].startswith("export CUDA_VISIBLE_DEVICES=4; nemo-factuality serve")
-    assert "--tensor-parallel-size 4 " in commands["EXTRACTOR"] and "--port 8000" in commands["EXTRACTOR"]
-    assert "--port 8001" in commands["CHECKLIST"]
+    assert "--tensor-parallel-size 4 " in commands["EXTRACTOR"] and "--port ${EXTRACTOR_PORT}" in commands["EXTRACTOR"]
+    assert "--port ${CHECKLIST_PORT}" in commands["CHECKLIST"]
     nodes = dict(re.findall(r'^(\w+)_NODE=\$\(nth_node "\$\{SLURM_JOB_NODELIST_HET_GROUP_2\}" (\d)\)$', text, re.MULTILINE))
     assert nodes == {"EXTRACTOR": "0", "CHECKLIST": "0", "TRUTHFULNESS": "1", "GENERAL_RM": "1"}
 
@@ -217,8 +216,8 @@ def test_two_tp4_judges_share_a_node_each_with_its_own_gpus():
 def test_a_node_cannot_be_oversubscribed():
     with pytest.raises(LaunchConfigError, match=r"server 'extractor' asks for 9 GPUs; nodes have 8"):
         render("grpo_klcf", _klcf_with(extractor={"gpus": 9}), H100)
-    with pytest.raises(LaunchConfigError, match=r"servers 'extractor' and 'checklist' share a node and port 8000"):
-        render("grpo_klcf", _klcf_with(checklist={"port": 8000}), H100)
+    with pytest.raises(LaunchConfigError, match=r"servers 'extractor' and 'checklist' share a node and port 5590"):
+        render("grpo_klcf", _klcf_with(checklist={"port": 5590}), H100)
     with pytest.raises(LaunchConfigError, match=r"server 'extractor' has nodes=2: a reward server or judge is one task"):
         render("grpo_klcf", _klcf_with(extractor={"nodes": 2}), H100)
 
