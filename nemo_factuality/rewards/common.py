@@ -38,6 +38,15 @@ def guarded_check(pipeline: FactualityPipeline, guards: GuardConfig, prompts: Se
     return checks, hits
 
 
+def check_details(check: FactCheck | None) -> dict[str, Any]:
+    """Why a response got its reward, for ``details[i]``: the claims checked and each one's verdict (``{}`` for a
+    blank completion, which was not checked)."""
+    if check is None:
+        return {}
+    by_id = {v.claim_id: v.label.value for v in check.verdicts}
+    return {"claims": [c.text for c in check.claims], "verdicts": [by_id.get(c.id) for c in check.claims]}
+
+
 def pipeline_from(spec: FactualityPipeline | Mapping[str, Any], judge: Any,
                   judge_defaults: Mapping[str, Any] | None = None) -> FactualityPipeline:
     """A built pipeline, or one from its config (stage ``judge:`` blocks laid over ``judge_defaults``)."""

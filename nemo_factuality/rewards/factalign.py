@@ -32,7 +32,7 @@ from nemo_factuality.rewards.base import (
     nan_array,
     validate_batch,
 )
-from nemo_factuality.rewards.common import guarded_check, judge_from, pipeline_from
+from nemo_factuality.rewards.common import check_details, guarded_check, judge_from, pipeline_from
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch, Span
 
 
@@ -105,7 +105,8 @@ class FactAlignLabeler(RewardParts):
             sent_labels.append(labels)
             sent_spans.append(spans)
         scores = f1.copy()
-        details = mark_failures(scores, errors, [{"injection_hits": h} for h in hits], who="factalign")
+        details = mark_failures(scores, errors, [{**check_details(c), "injection_hits": h} for c, h in zip(checks, hits, strict=True)],
+                                who="factalign")
         return RewardBatch(scores, {"f1": scores.copy(), "precision": precision, "label": label, "n_claims": n_claims},
                            sentence_labels=sent_labels, sentence_spans=sent_spans, details=details)
 

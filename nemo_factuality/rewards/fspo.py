@@ -39,7 +39,7 @@ from nemo_factuality.rewards.base import (
     placer_for,
     validate_batch,
 )
-from nemo_factuality.rewards.common import extract_answer, guarded_check, pipeline_from
+from nemo_factuality.rewards.common import check_details, extract_answer, guarded_check, pipeline_from
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch, Span
 
 
@@ -137,7 +137,10 @@ class FSPOReward(RewardParts):
             if not is_blank(completion):
                 scores[i] = answer[i] + (cfg.fact_weight * reasoning[i] if steps else 0.0)
                 scores[i] -= cfg.guards.injection_penalty if injected[i] else 0.0
-        details = mark_failures(scores, errors, [{"injection_hits": int(h)} for h in injected], who="fspo")
+        why = [{} for _ in range(n)]
+        for i, check in zip(grounded, checks, strict=True):  # the think section's sentences, their verdicts and each step's sign
+            why[i] = {**check_details(check), "sentence_signs": [int(s) for _, s in step_scores.get(i, [])]}
+        details = mark_failures(scores, errors, [{**w, "injection_hits": int(h)} for w, h in zip(why, injected, strict=True)], who="fspo")
         return RewardBatch(scores, {"answer": answer, "format": fmt, "reasoning": reasoning}, token_signs=signs_out,
                            details=details)
 

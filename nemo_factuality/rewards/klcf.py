@@ -36,7 +36,7 @@ from nemo_factuality.rewards.base import (
     nan_array,
     validate_batch,
 )
-from nemo_factuality.rewards.common import guarded_check, judge_from, pipeline_from, role_judge
+from nemo_factuality.rewards.common import check_details, guarded_check, judge_from, pipeline_from, role_judge
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch
 
 log = logging.getLogger(__name__)
@@ -124,9 +124,7 @@ class KLCFReward(RewardParts):
             total += cfg.w_checklist * r_ck[i] if not math.isnan(r_ck[i]) else 0.0
             total += cfg.w_rm * r_rm[i] if not math.isnan(r_rm[i]) else 0.0
             scores[i] = total
-        details = [{} if c is None else {"claims": [cl.text for cl in c.claims],
-                                         "verdicts": [v.label.value for v in c.verdicts], "injection_hits": h}
-                   for c, h in zip(checks, hits)]
+        details = [{**check_details(c), "injection_hits": h} for c, h in zip(checks, hits, strict=True)]
         details = mark_failures(scores, errors, details, who="klcf")
         return RewardBatch(scores, {"checklist_recall": r_ck, "truthfulness_precision": r_tf, "general_rm": r_rm,
                                     "format": r_fmt, "n_claims": n_claims}, details=details)

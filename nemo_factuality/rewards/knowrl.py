@@ -38,6 +38,7 @@ from nemo_factuality.rewards.base import (
     validate_batch,
 )
 from nemo_factuality.rewards.common import (
+    check_details,
     extract_answer,
     extract_think,
     guarded_check,
@@ -166,7 +167,8 @@ class KnowRLReward(RewardParts):
             if not is_blank(completions[i]):
                 scores[i] = fmt[i] + combine(r_correct[i], refusal[i], r_fact[i], cfg.combine)
                 scores[i] -= cfg.guards.injection_penalty if hits[i] else 0.0
-        details = mark_failures(scores, errors, [{"injection_hits": h} for h in hits], who="knowrl")
+        details = mark_failures(scores, errors, [{**check_details(c), "injection_hits": h} for c, h in zip(checks, hits, strict=True)],
+                                who="knowrl")
         return RewardBatch(scores, {"format": fmt, "correct": r_correct, "fact": r_fact,
                                     "refusal": np.array(refusal, dtype=np.float64)}, details=details)
 

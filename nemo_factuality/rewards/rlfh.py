@@ -39,7 +39,7 @@ from nemo_factuality.rewards.base import (
     placer_for,
     validate_batch,
 )
-from nemo_factuality.rewards.common import guarded_check, judge_from, pipeline_from, role_judge
+from nemo_factuality.rewards.common import check_details, guarded_check, judge_from, pipeline_from, role_judge
 from nemo_factuality.types import Claim, FactualityInputError, Label, RewardBatch, Sentence, Span, Verdict
 
 _REFUSAL = re.compile(
@@ -198,7 +198,8 @@ class RLFHReward(RewardParts):
                 total = float(self._place_chars(events, eos[i], penalty, len(completions[i])).sum())
             if check is not None:  # blank completion: abstain
                 scores[i] = total
-        details = mark_failures(scores, errors, [{"injection_hits": h} for h in hits], who="rlfh")
+        details = mark_failures(scores, errors, [{**check_details(c), "injection_hits": h} for c, h in zip(checks, hits, strict=True)],
+                                who="rlfh")
         return RewardBatch(scores, {"truth": truth, "info": info, "eos_penalty": eos}, token_rewards=token_rewards,
                            details=details)
 

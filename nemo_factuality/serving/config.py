@@ -5,11 +5,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from nemo_factuality.config import ConfigError
+
 DEFAULT_REWARD: dict[str, Any] = {"name": "factalign", "pipeline": {}}
+PROTOCOLS = ("triton", "nemo_gym")
+
+
+@dataclass
+class GymServeConfig:
+    """The NeMo-Gym resources server (``protocol=nemo_gym``): how its ``/verify`` requests are batched."""
+
+    # Concurrent /verify requests scored in one reward call (NeMo-Gym sends one request per rollout).
+    max_batch_size: int = 64
+    # How long the first request of a batch waits for more before the batch is scored.
+    max_queue_delay_ms: float = 5.0
+    # Requests waiting or being scored at once; one more is refused with 503 (bounded memory), not queued.
+    max_pending: int = 1024
 
 
 @dataclass
 class ServeConfig:
+    # What the server speaks: triton (PyTriton: NeMo-Aligner's reward_model + factuality_reward) or nemo_gym
+    # (a NeMo-Gym resources server: /seed_session, /verify, /aggregate_metrics on http_port).
+    protocol: str = "triton"
     # The method reward, built by name from nemo_factuality.registry.REWARDS: {name: klcf, ...kwargs}; None:
     # DEFAULT_REWARD. (A dict default would be merged key by key under a config file's block, giving e.g. FSPO a
     # `pipeline` key it does not take.)
@@ -41,3 +59,14 @@ class ServeConfig:
     answered_rows_kept: int = 65536
     health_check_interval_s: float = 5.0  # how often readiness re-checks the judges and the store
     workspace: str | None = None  # PyTriton workspace (default: a temporary directory)
+    gym: GymServeConfig = field(default_factory=GymServeConfig)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol={self.protocol!r}: choose one of {', '.join(PROTOCOLS)}")
+        gym = self.gym
+        if isinstance(gym, GymServeConfig) and (gym.max_batch_size < 1 or gym.max_pending < gym.max_batch_size
+                                                or gym.max_queue_delay_ms < 0):
+            raise ConfigError(f"gym.max_batch_size={gym.max_batch_size}, gym.max_pending={gym.max_pending}, "
+                              f"gym.max_queue_delay_ms={gym.max_queue_delay_ms}: need 1 <= max_batch_size <= max_pending "
+                              "and a delay >= 0")

@@ -49,18 +49,18 @@ _BATCH_IDS = itertools.count(1)
 PORT_KEYS = ("http_port", "grpc_port", "triton_metrics_port", "health_port", "metrics_port")
 
 
-def check_ports(cfg: ServeConfig) -> None:
-    """Every ``*_port`` key distinct, a TCP port, and free on ``host``; else a ``ConfigError`` naming the key.
+def check_ports(cfg: ServeConfig, keys: tuple[str, ...] = PORT_KEYS) -> None:
+    """Every ``*_port`` key of ``keys`` distinct, a TCP port, and free on ``host``; else a ``ConfigError`` naming the key.
 
     Checked before Triton starts: a taken HTTP port otherwise surfaces as Triton's misleading
     ``[403] ... triton-access-token`` error, and a taken health port only after Triton is up."""
     seen: dict[int, str] = {}
-    for key in PORT_KEYS:
+    for key in keys:
         port = getattr(cfg, key)
         if not 0 < port < 65536:
             raise ConfigError(f"{key}={port} is not a TCP port (1-65535)")
         if port in seen:
-            raise ConfigError(f"{key}={port} is also {seen[port]}: give each of {', '.join(PORT_KEYS)} its own port")
+            raise ConfigError(f"{key}={port} is also {seen[port]}: give each of {', '.join(keys)} its own port")
         seen[port] = key
         _check_bindable(cfg.host, port, key)
 
@@ -265,11 +265,7 @@ class FactualityRewardServer:
 
     # ------------------------------------------------------------------ lifecycle
     def health(self) -> dict[str, str | None]:
-        fn = getattr(self.reward, "health", None)
-        try:
-            return fn() if callable(fn) else {}
-        except Exception as err:  # a health probe must answer, and say why it could not check
-            return {"reward": f"health check raised {type(err).__name__}: {err}"}
+        return reward_health(self.reward)
 
     def start(self) -> FactualityRewardServer:
         from pytriton.decorators import batch
@@ -407,6 +403,15 @@ def route_triton_output_to_logging(triton: Any) -> None:
         server._record_logs = record_and_log
 
     triton._initialize_server = initialize_quietly
+
+
+def reward_health(reward: Any) -> dict[str, str | None]:
+    """``{part: None (up) | why it is down}`` from the reward's ``health()``; a probe that raises says so."""
+    fn = getattr(reward, "health", None)
+    try:
+        return fn() if callable(fn) else {}
+    except Exception as err:  # a health probe must answer, and say why it could not check
+        return {"reward": f"health check raised {type(err).__name__}: {err}"}
 
 
 def sample_errors(result: RewardBatch) -> dict[int, str]:

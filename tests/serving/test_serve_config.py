@@ -135,6 +135,9 @@ def _serve(workdir, *overrides: str, timeout: float = 180):
     (["policy_tokenizer=outputs/demo_kb.sqlite"], "policy_tokenizer=outputs/demo_kb.sqlite is a file"),
     # an input the reward loads: the config dump came first
     (["reward.pipeline.verifier.store_path=outputs/nosuch.sqlite"], "knowledge store outputs/nosuch.sqlite does not exist"),
+    # issue 54 item 2: before, a directory "does not exist"
+    (["reward.pipeline.verifier.store_path=outputs"],
+     "knowledge store outputs is a directory, not a file (it holds demo_kb.sqlite); pass the store's SQLite file"),
 ])
 def test_a_serve_error_is_its_only_output(demo_workdir, overrides, phrase):
     res = _serve(demo_workdir, *overrides)
