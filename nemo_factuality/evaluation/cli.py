@@ -5,8 +5,10 @@
     nemo-factuality eval --demo --output outputs/demo
 
 Records without labels are fact-checked first with the configured pipeline
-(``conf/eval/<config-name>.yaml``, ``pipeline:`` block). Writes ``report.json``, ``report.md``
-and ``precision_vs_claims.png`` (all via temp file + rename, so a failure leaves nothing half-written).
+(``conf/eval/<config-name>.yaml``, ``pipeline:`` block). Writes ``report.json``, ``report.md``,
+``claims.jsonl`` (every claim judged: ``evaluation/claims.py``) and ``precision_vs_claims.png`` (all via temp file +
+rename, so a failure leaves nothing half-written). Blank responses count as abstentions; how many there were is in
+the report (``n_empty``) and on the console.
 
 A record whose fact-check failed (judge down, unreadable replies) is excluded from every metric and
 listed under ``failures`` in the report; the command exits 1 when more than ``--max-failed-fraction``
@@ -29,6 +31,7 @@ from tqdm import tqdm
 from nemo_factuality import exit_codes
 from nemo_factuality.cli import ArgumentParser, UsageError, positive_int, split_overrides
 from nemo_factuality.config import load_config
+from nemo_factuality.evaluation.claims import claim_records, empty_count
 from nemo_factuality.evaluation.render import render_markdown, render_plot
 from nemo_factuality.evaluation.report import (
     EvalOptions,
@@ -40,8 +43,9 @@ from nemo_factuality.evaluation.report import (
     parse_record,
     to_json_safe,
 )
-from nemo_factuality.fileio import atomic_write
+from nemo_factuality.fileio import atomic_write, input_file
 from nemo_factuality.jsonl import iter_jsonl
+from nemo_factuality.pipeline import PipelineConfig
 from nemo_factuality.types import FactualityInputError, Label
 
 log = logging.getLogger(__name__)
@@ -59,12 +63,9 @@ _LABEL_FROM_VERDICT = {
 class EvalConfig:
     """Typed schema for ``conf/eval/*.yaml``: the pipeline used when records carry no labels."""
 
-    pipeline: dict[str, Any] = field(default_factory=lambda: {  # the fact-checking pipeline for records without labels (see Fact-checking pipeline)
-        "segmenter": {"name": "regex"},
-        "extractor": {"name": "identity"},
-        "evidence": {"name": "none"},
-        "verifier": {"name": "kb_exact"},  # store_path must be given: pipeline.verifier.store_path=kb.sqlite
-    })
+    # the fact-checking pipeline for records without labels (see Fact-checking pipeline): typed, so a misspelt part
+    # (pipeline.verifer...) is an unknown key with its close match; kb_exact's store_path must be given
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     topic_field: str = "topic"  # the record field holding the topic (entity) the evidence is searched for
     materials_field: str = "materials"  # the record field holding given evidence passages (RLFH-style `materials`)
 
@@ -87,7 +88,8 @@ def _check_pipeline_fields(where: str, raw: dict[str, Any], cfg: EvalConfig) -> 
     segmenter in the middle of fact-checking)."""
     from nemo_factuality.text.segment import MAX_RESPONSE_CHARS
 
-    segmenter = cfg.pipeline.get("segmenter") or {}
+    # the lab hands its pipeline as a plain mapping
+    segmenter = (cfg.pipeline.get("segmenter") if isinstance(cfg.pipeline, dict) else cfg.pipeline.segmenter) or {}
     limit = int(segmenter.get("max_chars", MAX_RESPONSE_CHARS)) if segmenter.get("name", "regex") == "regex" else None
     response = raw.get("response")
     if limit is not None and isinstance(response, str) and len(response) > limit:
@@ -107,8 +109,10 @@ class EvalFailedError(RuntimeError):
     """Fact-checking failed for a record and ``--fail-fast`` was given (or too many records failed)."""
 
 
-def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig, *, fail_fast: bool = False) -> dict[str, str]:
-    """Fill ``claims`` (with labels) in place for records that have none, using the configured pipeline.
+def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig, *, fail_fast: bool = False,
+                        pipeline: Any = None) -> dict[str, str]:
+    """Fill ``claims`` (with labels, spans and evidence) in place for records that have none, using the configured
+    pipeline (or ``pipeline``, a built one: the lab's worlds bring their own verifier).
 
     Returns ``{file:line: reason}`` for the records whose fact-check failed (their ``claims`` stay
     unset: they are not abstentions); with ``fail_fast`` the first failure raises ``EvalFailedError``.
@@ -123,9 +127,10 @@ def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig,
             todo.append(raw)
     if not todo:
         return failed
-    from nemo_factuality.pipeline import build_pipeline
+    if pipeline is None:
+        from nemo_factuality.pipeline import build_pipeline
 
-    pipeline = build_pipeline(cfg.pipeline)
+        pipeline = build_pipeline(cfg.pipeline)
     log.info("fact-checking %d unlabelled records with %s", len(todo), pipeline)
     batch = 32
     for start in tqdm(range(0, len(todo), batch), desc="fact-checking", unit="batch"):
@@ -152,7 +157,9 @@ def label_with_pipeline(rows: list[tuple[str, dict[str, Any]]], cfg: EvalConfig,
                 if verdict is None or verdict.label is Label.UNPARSEABLE:
                     unparseable += 1
                     continue
-                labelled.append({"text": claim.text, "label": _LABEL_FROM_VERDICT[verdict.label]})
+                labelled.append({"text": claim.text, "label": _LABEL_FROM_VERDICT[verdict.label],
+                                 "span": None if claim.span is None else [claim.span.start, claim.span.end],
+                                 "evidence": list(verdict.evidence)})
             raw["claims"] = labelled
             raw["unparseable"] = unparseable
     return failed
@@ -246,8 +253,8 @@ def main(argv: Sequence[str]) -> int:
     # every flag and override is checked before anything is built or written
     out_json = _report_path(args.output)
     input_path = args.input
-    if input_path is not None and not input_path.is_file():
-        raise UsageError(f"--input {input_path} does not exist or is not a file")
+    if input_path is not None:
+        input_file(input_path, "--input", suffixes=(".jsonl",), hint="--input takes the records' JSONL file")
     if not 0.0 <= args.max_failed_fraction <= 1.0:
         raise UsageError(f"--max-failed-fraction must be in [0, 1], got {args.max_failed_fraction}")
     ks, gammas = _ints(args.k, "--k"), _floats(args.gamma, "--gamma")
@@ -293,9 +300,16 @@ def main(argv: Sequence[str]) -> int:
     atomic_write(out_json, lambda p: p.write_text(json.dumps(report, indent=2), encoding="utf-8"))
     markdown = render_markdown(report) + _failures_markdown(report["failures"])
     atomic_write(out_json.with_suffix(".md"), lambda p: p.write_text(markdown, encoding="utf-8"))
+    claims_path = out_json.parent / "claims.jsonl"
+    atomic_write(claims_path, lambda p: write_jsonl(p, claim_records(rows, failed)))
     atomic_write(out_json.parent / "precision_vs_claims.png", lambda p: render_plot(records, p))
     print(markdown)
-    log.info("wrote %s, %s and %s", out_json, out_json.with_suffix(".md"), out_json.parent / "precision_vs_claims.png")
+    log.info("wrote %s, %s, %s and %s", out_json, out_json.with_suffix(".md"), claims_path,
+             out_json.parent / "precision_vs_claims.png")
+    n_empty = empty_count(rows)
+    if n_empty:
+        print(f"nemo-factuality eval: {n_empty} of {len(rows)} responses are empty (blank): they count as abstentions, "
+              "so check the generation step before reading them as a model that abstains", file=sys.stderr)
     block = report["failures"]
     if block["n_failed"]:
         print(f"nemo-factuality eval: {block['n_failed']} of {block['n_records']} records could not be fact-checked and "
@@ -305,6 +319,12 @@ def main(argv: Sequence[str]) -> int:
               f"{args.max_failed_fraction:g}; the report is written but this run is not a result", file=sys.stderr)
         return exit_codes.FAILURE
     return exit_codes.OK
+
+
+def write_jsonl(path: Path, records: Any) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
 def _failures_markdown(block: dict[str, Any]) -> str:

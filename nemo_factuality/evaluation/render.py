@@ -42,6 +42,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         first = next(iter(fs.values()))
         row += [first["respond_ratio"], g["veriscore"]["f1@K_median"], g["hallulens"][f"f1@{hk}"]]
         lines.append("| " + " | ".join(_f(x) for x in row) + " |")
+    empty = report["groups"].get("all", {}).get("n_empty", 0)
+    if empty:
+        lines += ["", f"**{empty} of {report['groups']['all']['n_records']} responses are empty** (blank): they count as "
+                  "abstentions above; a generation step that produced nothing reads as a model that always abstains."]
     lines += ["", "SAFE excludes irrelevant claims from P and R and averages over the SAFE n responses with at least one",
               "claim (all irrelevant: F1 = 0, as SAFE's own evaluation counts them). FActScore counts irrelevant claims",
               "as not supported and treats responses with no claims as abstentions; VeriScore uses each group as its",

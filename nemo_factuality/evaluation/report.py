@@ -185,6 +185,7 @@ def group_report(records: Sequence[EvalRecord], opts: EvalOptions) -> dict[str, 
     return {
         "n_records": len(records),
         "n_abstained": sum(1 for r in records if not r.claims),
+        "n_empty": sum(1 for r in records if not r.response.strip()),  # blank responses (among the abstained)
         "n_claims": sum(n_claims),
         "n_unparseable_verdicts": sum(r.unparseable for r in records),
         "claims_per_response": statistics.fmean(n_claims) if n_claims else float("nan"),

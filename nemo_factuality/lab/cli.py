@@ -1,9 +1,9 @@
 """``nemo-factuality lab``: the factuality lab, end to end on CPU.
 
-Builds a synthetic world and its knowledge store, pretrains a tiny policy that hallucinates on rare
-people, trains it with each selected method through the method's own stage and reward (served on
-PyTriton), and evaluates every policy with ``nemo-factuality eval``. Everything lands in DIR (see
-``nemo_factuality.lab.run``).
+Builds a world and its knowledge store (invented people, or the real countries), takes a policy that
+hallucinates on rare entities (a tiny one pretrained here, or a real pretrained model), trains it with each
+selected method through the method's own stage and reward (served on PyTriton), and evaluates every policy
+with ``nemo-factuality eval``. Everything lands in DIR (see ``nemo_factuality.lab.run``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ import os
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from nemo_factuality import exit_codes
 from nemo_factuality.cli import ArgumentParser, positive_int
-from nemo_factuality.lab.methods import GROUPS, METHODS
+from nemo_factuality.lab.methods import GROUPS, METHODS, REAL_TRAINABLE, TRAINABLE
+from nemo_factuality.lab.worlds import WORLDS
 from nemo_factuality.types import FactualityInputError
+
+DEFAULT_REAL_POLICY = "smollm2-135m-instruct"
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,12 @@ def build_parser() -> ArgumentParser:
                    help=f"comma-separated: {', '.join(METHODS)}; 'fspo' = both FSPO settings; "
                         f"'all' = {', '.join(GROUPS['all'])}")
     p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean ± sd in the report")
+    p.add_argument("--world", choices=WORLDS, default="synthetic",
+                   help="synthetic: 1000 invented people, a tiny policy pretrained here; countries: countryinfo's "
+                        "countries, a real pretrained --policy")
+    p.add_argument("--policy", default=None,
+                   help="countries: a model-zoo name (default smollm2-135m-instruct, converted once) or an HF folder; "
+                        "synthetic: the tiny policy only")
     p.add_argument("--quick", action="store_true", help="small world and short training (CI)")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="worker processes for the seeds' and methods' tasks (default: one per usable CPU, at most one per task)")
@@ -43,9 +53,11 @@ def build_parser() -> ArgumentParser:
                    help="torch threads per process (more than 1 only pays on an otherwise idle machine)")
     p.add_argument("--reward", choices=("pytriton", "inprocess"), default="pytriton",
                    help="serve each method's reward on PyTriton in its process, or call it in-process")
-    p.add_argument("--trainable", choices=("calibration", "abstention", "all"), default="calibration",
-                   help="what training may change: the final norm's gains (a temperature) and the abstention token's "
-                        "output row; that row alone; or every weight (then lower the lr, e.g. model.optim.lr=1e-4)")
+    p.add_argument("--trainable", choices=(*TRAINABLE, *REAL_TRAINABLE), default=None,
+                   help="what training may change. Synthetic (default calibration): the final norm's gains (a "
+                        "temperature) and the abstention token's output row; that row alone (abstention); or every "
+                        "weight (all: then lower the lr, e.g. model.optim.lr=1e-4). Countries (default top_layers): the "
+                        "top 4 decoder layers and the final norm; or LoRA adapters on every projection (lora)")
     p.add_argument("overrides", nargs="*", metavar="[method:]key=value", help="stage config or reward overrides (see below)")
     return p
 
@@ -74,9 +86,31 @@ def check_direction(report: dict) -> list[str]:
     return problems
 
 
+def _world_config(args: Any) -> Any:
+    """The run's ``LabConfig`` for ``--world`` / ``--policy`` / ``--trainable`` / ``--quick``, the pairs checked."""
+    from nemo_factuality.lab.run import LabConfig, countries_config, quick_config
+
+    if args.world == "synthetic":
+        if args.policy not in (None, "tiny"):
+            raise FactualityInputError(f"--policy {args.policy!r}: the synthetic world trains its own tiny policy (its "
+                                       "tokenizer is its bios' words); a real policy needs --world countries")
+        if args.trainable in REAL_TRAINABLE:
+            raise FactualityInputError(f"--trainable {args.trainable} is for a real policy (--world countries); the tiny "
+                                       f"policy takes {', '.join(TRAINABLE)}")
+        return quick_config() if args.quick else LabConfig()
+    if args.trainable in TRAINABLE:
+        raise FactualityInputError(f"--trainable {args.trainable} is the tiny policy's; a real policy takes "
+                                   f"{', '.join(REAL_TRAINABLE)}")
+    from nemo_factuality.lab.real_policy import resolve_policy
+
+    policy = args.policy or DEFAULT_REAL_POLICY
+    resolve_policy(policy)  # before any work: a wrong name fails now (a known name is converted once, here)
+    return countries_config(policy, quick=args.quick)
+
+
 def main(argv: Sequence[str]) -> int:
     from nemo_factuality.lab.methods import check_overrides, select_methods
-    from nemo_factuality.lab.run import LabConfig, quick_config, run_lab
+    from nemo_factuality.lab.run import run_lab
 
     p = build_parser()
     args = p.parse_intermixed_args(list(argv))
@@ -86,14 +120,16 @@ def main(argv: Sequence[str]) -> int:
     if args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
         raise FactualityInputError(f"--out {args.out} is not an empty folder; pick a new one (a run folder holds one run)")
     methods, seeds = select_methods(args.methods), _seeds(args.seeds)
-    cfg = quick_config() if args.quick else LabConfig()
+    cfg = _world_config(args)
     jobs = args.jobs or max(1, min(_usable_cpus(), len(seeds) * len(methods)))
     cfg = replace(cfg, methods=methods, seeds=seeds, jobs=jobs, threads=args.threads, reward_transport=args.reward,
-                  trainable=args.trainable, overrides=tuple(args.overrides))
+                  trainable=args.trainable or cfg.trainable, overrides=tuple(args.overrides))
     check_overrides(cfg.overrides, cfg.methods, cfg.presets)  # every key and value, before any work
     report = run_lab(cfg, args.out)
     print((args.out / "report.md").read_text(encoding="utf-8"))
-    if args.quick:
+    print(f"wrote {args.out / 'report.md'}, {args.out / 'report.json'} and the plots in {args.out / 'plots'}/ "
+          f"(per-method runs, metrics and eval reports under {args.out}/)")
+    if args.quick and cfg.world_name == "synthetic":  # one step per method on a real model shows no direction
         problems = check_direction(report)
         if problems:
             log.error("lab --quick: %s", "; ".join(problems))

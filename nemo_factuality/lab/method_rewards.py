@@ -42,11 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from nemo_factuality.claims.identity import IdentityExtractor
-from nemo_factuality.knowledge.store import normalize
-from nemo_factuality.lab.world import ABSTAIN_VALUE, ATTRIBUTES, parse_sentence
+from nemo_factuality.lab.pipeline import lab_pipeline
+from nemo_factuality.lab.readings import covers, is_correct, named_values
+from nemo_factuality.lab.reward import LabRewardConfig
+from nemo_factuality.lab.worlds import LabWorld, check_gold, get_world
 from nemo_factuality.metrics.factscore import length_penalty
-from nemo_factuality.pipeline import FactualityPipeline
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import (
     GuardConfig,
@@ -65,54 +65,31 @@ from nemo_factuality.rewards.fspo import token_f1
 from nemo_factuality.rewards.klcf import KLCFConfig, KLCFReward
 from nemo_factuality.rewards.knowrl import GRADE_REWARD, combine
 from nemo_factuality.rewards.rlfh import RLFHConfig, RLFHReward
-from nemo_factuality.types import Claim, FactualityInputError, Label, RewardBatch, Sentence
+from nemo_factuality.types import FactualityInputError, Label, RewardBatch
 from nemo_factuality.verify.llm_judge import InfoScore
 
 
 # ---------------------------------------------------------------------------------------------- lab components
-class LabClaimExtractor(IdentityExtractor):
-    """Claim = sentence, except abstention sentences (``... unknown.``): they assert nothing checkable, so the
-    lab's claim extractor leaves them out, as an LLM extractor would not extract "X's job is unknown" as a fact."""
-
-    def extract_batch(self, prompts: Sequence[str], responses: Sequence[str],
-                      sentences: Sequence[Sequence[Sentence]]) -> list[list[Claim]]:
-        out = []
-        for claims in super().extract_batch(prompts, responses, sentences):
-            kept = [c for c in claims if not is_abstention(c.text)]
-            out.append([Claim(id=i, text=c.text, sentence_id=c.sentence_id, span=c.span) for i, c in enumerate(kept)])
-        return out
-
-
-def is_abstention(sentence: str) -> bool:
-    parsed = parse_sentence(sentence)
-    return parsed is not None and parsed[2] == ABSTAIN_VALUE
-
-
-def lab_pipeline(store_path: str, *, abstentions_are_claims: bool = False) -> FactualityPipeline:
-    """regex sentences → identity claims (abstentions left out unless asked) → no evidence → ``kb_exact``."""
-    from nemo_factuality.knowledge.evidence import NullEvidence
-    from nemo_factuality.text.segment import RegexSegmenter
-    from nemo_factuality.verify.kb import KBExactVerifier
-
-    extractor = IdentityExtractor() if abstentions_are_claims else LabClaimExtractor()
-    return FactualityPipeline(RegexSegmenter(), extractor, NullEvidence(), KBExactVerifier(store_path), abstain_detection=None)
-
-
 class KBCoverageJudge:
-    """KLCF's checklist verifier in the lab: an item is covered when the response states it as one of its
-    sentences (items and sentences are the world's canonical fact sentences; compared normalised)."""
+    """KLCF's checklist verifier in the lab: an item is covered when one of the response's sentences states its
+    fact (``worlds.covers``: the same attribute, each of the item's values; on the synthetic world, the item's
+    sentence itself)."""
+
+    def __init__(self, world: LabWorld | None = None) -> None:
+        self.world = world or get_world("synthetic")
 
     def check_batch(self, responses: Sequence[str], items: Sequence[str]) -> list[tuple[bool | None, str | None]]:
         if len(responses) != len(items):
             raise FactualityInputError(f"coverage: {len(responses)} responses but {len(items)} checklist items")
         from nemo_factuality.text.segment import split_sentences
 
-        said: dict[str, set[str]] = {}
+        said: dict[str, list[Any]] = {}
         out: list[tuple[bool | None, str | None]] = []
         for response, item in zip(responses, items, strict=True):
             if response not in said:
-                said[response] = {normalize(s.slice(response)) for s in split_sentences(response)}
-            out.append((normalize(item) in said[response], None))
+                said[response] = [r for r in (self.world.read(s.slice(response)) for s in split_sentences(response)) if r]
+            wanted = self.world.read(item)
+            out.append((wanted is not None and any(covers(wanted, r) for r in said[response]), None))
         return out
 
 
@@ -128,12 +105,9 @@ class SlotInformativeness:
         return [InfoScore(self.value, None, True) for _ in items]
 
 
-def gold_values(columns: dict[str, Any], i: int, who: str) -> dict[str, str]:
-    """The prompted person's stored facts (``ground_truth`` column: attribute → value)."""
-    gold = columns["ground_truth"][i]
-    if not isinstance(gold, dict) or set(gold) != set(ATTRIBUTES):
-        raise FactualityInputError(f"{who}: ground_truth[{i}] must map every attribute {sorted(ATTRIBUTES)} to its value")
-    return gold
+def gold_values(world: LabWorld, columns: dict[str, Any], i: int, who: str) -> dict[str, str]:
+    """The prompted entity's stored facts (``ground_truth`` column: attribute → accepted values, ``a|b``)."""
+    return check_gold(world, columns["ground_truth"][i], f"{who}: ground_truth[{i}]")
 
 
 # ---------------------------------------------------------------------------------------------- FSPO
@@ -163,8 +137,10 @@ class LabFSPOReward(RewardParts):
     (FSPO signs whole steps), ``outside_mask`` elsewhere. ``answer`` = ``fspo.token_f1`` of the values the bio
     states (abstentions are no answer) against the person's six values."""
 
-    def __init__(self, pipeline: Any, cfg: LabFSPOConfig | None = None, tokenizer: Any = None) -> None:
+    def __init__(self, pipeline: Any, cfg: LabFSPOConfig | None = None, tokenizer: Any = None,
+                 world: LabWorld | None = None) -> None:
         self.pipeline, self.cfg, self.tokenizer = pipeline, cfg or LabFSPOConfig(), load_tokenizer(tokenizer)
+        self.world = world or get_world("synthetic")
 
     def _parts(self) -> list[Any]:
         return [self.pipeline]
@@ -186,8 +162,10 @@ class LabFSPOReward(RewardParts):
             if check is not None and errors[i] is None:
                 by_id = {v.claim_id: v for v in check.verdicts}
                 steps = [(c.span, self._step(by_id[c.id].label)) for c in check.claims]
-                stated = [p[2] for p in map(parse_sentence, (c.text for c in check.claims)) if p and p[2] != ABSTAIN_VALUE]
-                answer[i] = token_f1(" ".join(stated), " ".join(gold_values(columns, i, "lab fspo").values())) if stated else 0.0
+                gold = gold_values(self.world, columns, i, "lab fspo")
+                stated = [v for r in map(self.world.read, (c.text for c in check.claims)) if r and not r.abstains
+                          for v in named_values(r, gold.get(r.attribute, ""))]
+                answer[i] = token_f1(" ".join(stated), " ".join(v.replace("|", " ") for v in gold.values())) if stated else 0.0
                 if steps:
                     reasoning[i] = float(np.mean([s for _, s in steps]))
                 scores[i] = answer[i] + (cfg.fact_weight * reasoning[i] if steps else 0.0)
@@ -220,20 +198,21 @@ class LabKnowRLConfig:
             raise FactualityInputError(f"lab knowrl: combine must be 'gated' or 'additive', got {self.combine!r}")
 
 
-def slot_grades(completion: str, name: str, gold: dict[str, str]) -> tuple[dict[str, str | None], bool]:
+def slot_grades(world: LabWorld, completion: str, name: str, gold: dict[str, str]) -> tuple[dict[str, str | None], bool]:
     """Each slot's SimpleQA grade (CORRECT / INCORRECT / NOT_ATTEMPTED, None = not answered) from the first
-    sentence about it, and whether the bio is well formed (every sentence a slot of ``name``, none twice)."""
+    sentence about it, and whether the answer is well formed (every sentence a slot of ``name``, or of no named
+    subject, none twice)."""
     from nemo_factuality.text.segment import split_sentences
 
     grades: dict[str, str | None] = dict.fromkeys(gold)
     well_formed = True
     for span in split_sentences(completion):
-        parsed = parse_sentence(span.slice(completion))
-        if parsed is None or parsed[0] != name or grades[parsed[1]] is not None:
+        r = world.read(span.slice(completion))
+        if r is None or r.attribute is None or r.subject not in (None, name) or grades[r.attribute] is not None:
             well_formed = False
             continue
-        _, attr, value = parsed
-        grades[attr] = "NOT_ATTEMPTED" if value == ABSTAIN_VALUE else "CORRECT" if value == gold[attr] else "INCORRECT"
+        grades[r.attribute] = ("NOT_ATTEMPTED" if r.abstains else "CORRECT" if is_correct(r, gold[r.attribute])
+                               else "INCORRECT")
     return grades, well_formed
 
 
@@ -247,8 +226,8 @@ class LabKnowRLReward(RewardParts):
     * ``r_fact``: the claims' precision (``kb_exact``) times ``length_penalty(n_claims, gamma)``; 0 without claims.
     """
 
-    def __init__(self, pipeline: Any, cfg: LabKnowRLConfig | None = None) -> None:
-        self.pipeline, self.cfg = pipeline, cfg or LabKnowRLConfig()
+    def __init__(self, pipeline: Any, cfg: LabKnowRLConfig | None = None, world: LabWorld | None = None) -> None:
+        self.pipeline, self.cfg, self.world = pipeline, cfg or LabKnowRLConfig(), world or get_world("synthetic")
 
     def _parts(self) -> list[Any]:
         return [self.pipeline]
@@ -263,7 +242,8 @@ class LabKnowRLReward(RewardParts):
         for i, check in enumerate(checks):
             if check is None or errors[i] is not None:
                 continue  # blank (abstained) or failed: NaN
-            grades, well_formed = slot_grades(completions[i], columns["topic"][i], gold_values(columns, i, "lab knowrl"))
+            grades, well_formed = slot_grades(self.world, completions[i], columns["topic"][i],
+                                              gold_values(self.world, columns, i, "lab knowrl"))
             fmt[i] = 1.0 if well_formed and bool(is_end[i]) else -1.0
             correct[i] = float(np.mean([GRADE_REWARD[g] if g else -1.0 for g in grades.values()]))
             refusal = all(g == "NOT_ATTEMPTED" for g in grades.values())
@@ -275,36 +255,40 @@ class LabKnowRLReward(RewardParts):
 
 
 # ---------------------------------------------------------------------------------------------- registry
+# Every lab reward takes ``world`` (``synthetic`` | ``countries``: whose sentences, facts and verifier it scores);
+# the lab sets it, as it sets the store.
 @REWARDS.register("lab_klcf")
-def build_lab_klcf(store_path: str, w_checklist: float = 1.0, w_truthfulness: float = 1.0) -> KLCFReward:
+def build_lab_klcf(store_path: str, w_checklist: float = 1.0, w_truthfulness: float = 1.0, world: str = "synthetic") -> KLCFReward:
     """KLCF (``checklist`` column: the prompt's checklist; see ``lab.run.klcf_checklists``)."""
-    return KLCFReward(lab_pipeline(store_path), KBCoverageJudge(),
+    return KLCFReward(lab_pipeline(store_path, world=world), KBCoverageJudge(get_world(world)),
                       KLCFConfig(w_checklist=w_checklist, w_truthfulness=w_truthfulness, w_rm=0.0))
 
 
 @REWARDS.register("lab_rlfh")
-def build_lab_rlfh(store_path: str, tokenizer: Any = None, informativeness: int = 4) -> RLFHReward:
+def build_lab_rlfh(store_path: str, tokenizer: Any = None, informativeness: int = 4, world: str = "synthetic") -> RLFHReward:
     """RLFH with the README's label maps; token rewards need the policy ``tokenizer``."""
-    return RLFHReward(lab_pipeline(store_path), SlotInformativeness(informativeness), RLFHConfig(), tokenizer)
+    return RLFHReward(lab_pipeline(store_path, world=world), SlotInformativeness(informativeness), RLFHConfig(), tokenizer)
 
 
 @REWARDS.register("lab_factalign")
-def build_lab_factalign(store_path: str, k: int = 6, t: float = 0.75, t_s: float = 1.0) -> FactAlignLabeler:
-    return FactAlignLabeler(lab_pipeline(store_path), FactAlignConfig(k=k, t=t, t_s=t_s))
+def build_lab_factalign(store_path: str, k: int = 6, t: float = 0.75, t_s: float = 1.0, world: str = "synthetic") -> FactAlignLabeler:
+    return FactAlignLabeler(lab_pipeline(store_path, world=world), FactAlignConfig(k=k, t=t, t_s=t_s))
 
 
 @REWARDS.register("lab_fspo")
 def build_lab_fspo(store_path: str, tokenizer: Any = None, fact_weight: float = 0.0, outside_mask: int = 1,
-                   step_labels: str = "binary") -> LabFSPOReward:
+                   step_labels: str = "binary", world: str = "synthetic") -> LabFSPOReward:
     """FSPO (``ground_truth`` column); abstention sentences are steps, so the step verifier sees them."""
-    return LabFSPOReward(lab_pipeline(store_path, abstentions_are_claims=True),
-                         LabFSPOConfig(fact_weight=fact_weight, outside_mask=outside_mask, step_labels=step_labels), tokenizer)
+    return LabFSPOReward(lab_pipeline(store_path, abstentions_are_claims=True, world=world),
+                         LabFSPOConfig(fact_weight=fact_weight, outside_mask=outside_mask, step_labels=step_labels), tokenizer,
+                         get_world(world))
 
 
 @REWARDS.register("lab_knowrl")
-def build_lab_knowrl(store_path: str, combine: str = "additive", gamma: float = 6.0) -> LabKnowRLReward:
+def build_lab_knowrl(store_path: str, combine: str = "additive", gamma: float = 6.0, world: str = "synthetic") -> LabKnowRLReward:
     """KnowRL (``ground_truth`` and ``topic`` columns)."""
-    return LabKnowRLReward(lab_pipeline(store_path), LabKnowRLConfig(combine=combine, gamma=gamma))
+    return LabKnowRLReward(lab_pipeline(store_path, world=world), LabKnowRLConfig(combine=combine, gamma=gamma),
+                           get_world(world))
 
 
 _OPTION_CHECKS: dict[str, Any] = {
@@ -318,11 +302,10 @@ _OPTION_CHECKS: dict[str, Any] = {
 
 def check_reward_options(spec: dict[str, Any]) -> None:
     """Names and values of a lab reward spec's options, checked without building it (no knowledge store needed)."""
-    from nemo_factuality.lab.reward import LabRewardConfig
     from nemo_factuality.registry import RegistryError, _check_kwargs
 
     name = spec["name"]
-    opts = {k: v for k, v in spec.items() if k not in ("name", "store_path", "tokenizer")}
+    opts = {k: v for k, v in spec.items() if k not in ("name", "store_path", "tokenizer", "world")}
     _check_kwargs("reward", name, REWARDS.get(name), {**opts, "store_path": "-"})
     check = {**_OPTION_CHECKS, "lab_slots": lambda **o: LabRewardConfig(**o)}.get(name)
     if check is not None:

@@ -38,10 +38,29 @@ METHODS: dict[str, LabMethod] = {m.name: m for m in (
     LabMethod("slots", "lab slot reward: GRPO + value-word signs (not a published method)", "grpo",
               {"name": "lab_slots", "wrong_penalty": 1.0, "mode": "dual"}),
 )}
+# What training may change (``--trainable``): the tiny policy's scopes (lab/train.py) and a real policy's (lab/real_policy.py)
+TRAINABLE = ("calibration", "abstention", "all")
+REAL_TRAINABLE = ("top_layers", "lora")
 GROUPS: dict[str, tuple[str, ...]] = {
     "all": ("klcf", "fspo_code", "fspo_paper", "knowrl", "rlfh", "factalign"),
     "fspo": ("fspo_code", "fspo_paper"),
 }
+
+
+def stage_schema(stage: str) -> type:
+    from nemo_factuality.trainers.config import GRPOConfig, KTOConfig, PPOConfig
+
+    return {"grpo": GRPOConfig, "ppo": PPOConfig, "kto": KTOConfig}[stage]
+
+
+def load_stage_config(stage: str, preset: str, overrides: Sequence[str]) -> Any:
+    """``conf/lab/<preset>.yaml`` over the stage's schema, plus ``key=value`` overrides, validated."""
+    from nemo_factuality.config import load_config
+    from nemo_factuality.trainers.config import validate_train_config
+
+    cfg = load_config(stage_schema(stage), preset, list(overrides), group="lab")
+    validate_train_config(cfg)
+    return cfg
 
 
 def select_methods(text: str) -> tuple[str, ...]:
@@ -90,7 +109,6 @@ def route_overrides(overrides: Sequence[str], methods: Sequence[str]) -> dict[st
 
 def _route_stage(word: str, text: str, targets: list[str], out: dict, scoped: bool) -> None:
     from nemo_factuality.config import ConfigError, load_config
-    from nemo_factuality.lab.train import stage_schema
 
     errors: dict[str, ConfigError] = {}
     for stage in sorted({METHODS[m].stage for m in targets}):
@@ -126,8 +144,8 @@ def _route_reward(word: str, option: str, value: str, targets: list[str], out: d
 
 
 def _takes(factory: Any, option: str) -> bool:
-    """Whether a reward factory has the option (the store and the tokenizer are the lab's to set)."""
-    if option in ("store_path", "tokenizer"):
+    """Whether a reward factory has the option (the store, the tokenizer and the world are the lab's to set)."""
+    if option in ("store_path", "tokenizer", "world"):
         return False
     params = inspect.signature(factory).parameters
     return option in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
@@ -136,7 +154,6 @@ def _takes(factory: Any, option: str) -> bool:
 def check_overrides(overrides: Sequence[str], methods: Sequence[str], presets: dict[str, str]) -> None:
     """Every override against every selected method's stage config and reward, before any work is done."""
     from nemo_factuality.lab.method_rewards import check_reward_options
-    from nemo_factuality.lab.train import load_stage_config
 
     for name, (stage_ovr, reward_ovr) in route_overrides(overrides, methods).items():
         m = METHODS[name]

@@ -1,7 +1,7 @@
 """The lab's plots (``DIR/plots``), drawn to be read at a glance: every point and bar is labelled on the
 axes or beside it, and text is at least ``FONT`` points.
 
-* ``methods.png``: methods × metrics on held-out entities (FActScore at T=1 and greedy, SAFE F1@6, claims per
+* ``methods.png``: methods × metrics on held-out entities (FActScore at T=1 and greedy, SAFE F1@K, claims per
   response, abstain rate), the no-training references first; error bars are the sd over seeds.
 * ``precision_vs_claims.png``: one point per policy at T=1 (claims per response, precision), error bars both ways.
 * ``per_tier.png``: held-out FActScore per popularity tier, per policy.
@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from nemo_factuality.lab.world import TIERS
+from nemo_factuality.lab.worlds import get_world
 
 FONT = 10
 _METRICS = (("factscore", "after", "FActScore, T=1 (%)", 100), ("factscore", "after_greedy", "FActScore, greedy (%)", 100),
-            ("safe_f1@6", "after", "SAFE F1@6, T=1 (%)", 100), ("claims_per_response", "after", "claims per response, T=1", 1),
+            ("safe_f1", "after", "SAFE F1@{k}, T=1 (%)", 100), ("claims_per_response", "after", "claims per response, T=1", 1),
             ("abstain_rate", "after", "abstained slots, T=1 (%)", 100))
 _REF_FOR = {"after": "t1", "after_greedy": "greedy"}
 
@@ -54,8 +55,9 @@ def figures(report: dict[str, Any], curves: dict[str, list[list[dict]]]) -> dict
 
     plt.rcParams.update({"font.size": FONT, "legend.fontsize": FONT, "xtick.labelsize": FONT, "ytick.labelsize": FONT})
     policies, spread = _policies(report), len(report["seeds"]) > 1
+    k = get_world(report.get("world", "synthetic")).slots
     selected = {name: [t["best_step"] for t in m["training"]] for name, m in report["methods"].items()}
-    return {"methods.png": _methods(plt, policies, spread), "precision_vs_claims.png": _precision_vs_claims(plt, policies, spread),
+    return {"methods.png": _methods(plt, policies, spread, k), "precision_vs_claims.png": _precision_vs_claims(plt, policies, spread),
             "per_tier.png": _per_tier(plt, policies, report["seeds"]),
             "validation_curves.png": _curves(plt, report["seeds"], curves, selected)}
 
@@ -67,7 +69,7 @@ def _seeds_note(seeds: list[int]) -> str:
     return f"mean over seeds {', '.join(map(str, seeds))}" if len(seeds) > 1 else f"seed {seeds[0]}"
 
 
-def _methods(plt: Any, policies: list, spread: bool) -> Any:
+def _methods(plt: Any, policies: list, spread: bool, k: int) -> Any:
     fig, axes = plt.subplots(1, len(_METRICS), figsize=(4.2 * len(_METRICS), 5.2), dpi=110)
     for ax, (key, when, title, scale) in zip(axes, _METRICS, strict=True):
         bars = [(label, *_value(blocks, sds, when, key, scale), _COLOURS[kind]) for label, kind, blocks, sds in policies]
@@ -75,7 +77,7 @@ def _methods(plt: Any, policies: list, spread: bool) -> Any:
         ax.bar(range(len(bars)), [b[1] for b in bars], yerr=[b[2] for b in bars] if spread else None,
                color=[b[3] for b in bars], capsize=4)
         ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=60, ha="right")
-        ax.set_title(title)
+        ax.set_title(title.format(k=k))
         ax.grid(axis="y", alpha=0.3)
     bars_are = "error bars: sd over seeds" if spread else "one seed: no spread over seeds, so no error bars"
     fig.suptitle(f"Held-out entities: no-training references (grey) and trained methods (blue); {bars_are}")

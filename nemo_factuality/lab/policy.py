@@ -126,8 +126,10 @@ def pretrain(model: torch.nn.Module, ids: torch.Tensor, loss_mask: torch.Tensor,
 class Sample:
     prompt: str
     response: str
-    value_probs: list[float]  # p(value token) of each sentence, in order (the decode-time confidence)
+    value_probs: list[float]  # each sentence's confidence, in order: p(value token) here, see real_policy.sample_chat
     ended: bool = True  # the response ended with EOS (not cut at max_new_tokens)
+    prompt_ids: list[int] | None = None  # the prompt's tokens and the response's (without EOS), for re-scoring
+    response_ids: list[int] | None = None
 
 
 @torch.no_grad()
@@ -156,5 +158,7 @@ def sample(model: torch.nn.Module, tokenizer, prompts: Sequence[str], *, n: int 
             ids = new[i].tolist()
             end = ids.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in ids else len(ids)
             vals = [float(taken[i, t - 1]) for t in range(1, end) if ids[t] == period]
-            out.append(Sample(prompt, tokenizer.decode(ids[:end], skip_special_tokens=True), vals, end < len(ids)))
+            prompt_ids = [t for t, m in zip(enc["input_ids"][i].tolist(), enc["attention_mask"][i].tolist(), strict=True) if m]
+            out.append(Sample(prompt, tokenizer.decode(ids[:end], skip_special_tokens=True), vals, end < len(ids),
+                              prompt_ids, ids[:end]))
     return out

@@ -2,7 +2,7 @@
 
 ``report.json``::
 
-    {"seeds": [0, ...],
+    {"world": "synthetic" | "countries", "seeds": [0, ...],
      "methods": {NAME: {"title", "stage",
                         "heldout":    {"before": BLOCK, "after": BLOCK,                 # T=1: base, trained
                                        "before_greedy": BLOCK, "after_greedy": BLOCK,   # greedy: base, trained
@@ -20,8 +20,8 @@
                     "sd": {...}, "validation": {KEY: scores at the pick, on validation entities},
                     "factscore_per_seed": {KEY: [...]}, "per_person": {KEY: [per seed: PEOPLE]},
                     "tuning": [per seed: the validation sweeps and picks]},
-     "summary": {"headline": [the first sentences of report.md], "seeds", "development_seed",
-                 "heldout_people": [per seed: how many] | None, "interval": {"method", "resamples", "level"},
+     "summary": {"headline": [the first sentences of report.md], "world", "seeds", "development_seed",
+                 "heldout_entities": [per seed: how many] | None, "interval": {"method", "resamples", "level"},
                  "against_base": {"t1" | "greedy": {NAME: M}},            # each method vs the base, same decoding
                  "t1" | "greedy": {"best_method", "best_reference" (both picked on validation FActScore), their
                                    validation and held-out FActScore, "margin": M, "beaten_by",
@@ -29,18 +29,20 @@
                  "aim_met", "tuned_temperature_factscore"},
      "timings": {...}, "config": {...}}
 
-    BLOCK = {"factscore" (0-1, gamma=0), "factscore_gamma10", "safe_f1@6", "precision", "claims_per_response",
+    BLOCK = {"factscore" (0-1, gamma=0), "factscore_gamma10", "safe_f1" (SAFE F1@K, K = the world's slots: 6 | 4),
+             "precision", "claims_per_response", "hallucinated_per_response",
              "abstain_rate", "respond_ratio", "n_responses", "per_tier": {tier: ...}}   (means over seeds)
-    PEOPLE = {person: {"score_sum", "responding"}}   (``evaluate.per_person_scores``; also in each seed's
+    PEOPLE = {entity: {"score_sum", "responding"}}   (``evaluate.per_person_scores``; also in each seed's
              report.json, as the held-out and RL-prompt blocks' "per_person")
     M = {"mean", "sd" (over seeds; None for one), "per_seed" (FActScore points, paired by seed),
          "interval": [low, high] | None, "verdict": "beats" | "falls behind" | "within noise"}
 
-Every margin has an interval: the 95% percentile interval of a paired bootstrap over the held-out people
+Every margin has an interval: the 95% percentile interval of a paired bootstrap over the held-out entities
 (``lab/bootstrap.py``: 2000 resamples, a fixed seed). It "beats" when the whole interval is above 0, "falls
 behind" when it is below, and is "within noise" otherwise; so one seed can decide a margin. The interval is the
-held-out people's sampling noise only; the sd over seeds (several seeds) is reported beside it, not used for the
-verdict. Results without per-person scores (from before they were kept) give no interval: "within noise".
+held-out entities' sampling noise only; the sd over seeds (several seeds) is reported beside it, not used for the
+verdict. The words (people or countries, the development seed's story) are the world's (``lab/worlds.py``).
+Results without per-person scores (from before they were kept) give no interval: "within noise".
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from nemo_factuality.evaluation.report import to_json_safe
 from nemo_factuality.lab.bootstrap import LEVEL, RESAMPLES, margin_interval, verdict
 from nemo_factuality.lab.methods import METHODS
 from nemo_factuality.lab.world import TIERS
+from nemo_factuality.lab.worlds import DEVELOPMENT_SEED, LabWorld, get_world
 
 REFERENCES = {"t1": "base, T=1", "greedy": "base, greedy", "tuned_temperature": "base, tuned temperature",
               "tuned_threshold": "base, T=1 + tuned threshold", "greedy_threshold": "base, greedy + tuned threshold"}
@@ -64,7 +67,6 @@ GREEDY_REFERENCES = ("greedy", "greedy_threshold")
 # one last). The tuned temperature is not among them: it changes the decoding it is compared at.
 DECODINGS = (("t1", "T=1", "after", ("t1", "tuned_threshold")),
              ("greedy", "greedy", "after_greedy", ("greedy", "greedy_threshold")))
-DEVELOPMENT_SEED = 0  # its held-out numbers were looked at while the lab was designed (docs/lab.md)
 PER_PERSON = "per_person"
 
 
@@ -81,6 +83,16 @@ def _mean_sd(blocks: Sequence[Any]) -> tuple[Any, Any]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
+def _num(x: float | None) -> float:
+    """A score, NaN where there is none (no response responded: FActScore is undefined, stored as null)."""
+    return float("nan") if x is None else float(x)
+
+
+def _rank(x: float | None) -> float:
+    """Picking the best on validation: a score that does not exist never wins."""
+    return -float("inf") if x is None or x != x else float(x)
+
+
 def _scores_only(tree: Any) -> Any:
     """``tree`` without its per-person tables: they are paired by the margins, never averaged over seeds (each
     seed holds out different people)."""
@@ -93,7 +105,7 @@ def margin(after: Sequence[dict[str, Any]], before: Sequence[dict[str, Any]]) ->
     """FActScore points of ``after`` over ``before``: one block (its ``factscore`` and, when kept, ``per_person``)
     per seed on each side, paired by seed and, for the interval, by held-out person. The verdict comes from the
     interval; the sd over seeds is reported beside it."""
-    per_seed = [100 * (a["factscore"] - b["factscore"]) for a, b in zip(after, before, strict=True)]
+    per_seed = [100 * (_num(a["factscore"]) - _num(b["factscore"])) for a, b in zip(after, before, strict=True)]
     interval = margin_interval([a.get(PER_PERSON) for a in after], [b.get(PER_PERSON) for b in before])
     return {"mean": statistics.fmean(per_seed), "sd": statistics.stdev(per_seed) if len(per_seed) > 1 else None,
             "per_seed": per_seed, "interval": None if interval is None else list(interval), "verdict": verdict(interval)}
@@ -118,9 +130,9 @@ def method_seed_blocks(ctx: dict[str, Any], result: dict[str, Any]) -> dict[str,
             "effective_temperature": result["effective_temperature"]}
 
 
-def aggregate(results: dict[int, dict[str, Any]], methods: Sequence[str]) -> dict[str, Any]:
+def aggregate(results: dict[int, dict[str, Any]], methods: Sequence[str], world: str = "synthetic") -> dict[str, Any]:
     seeds = sorted(results)
-    out: dict[str, Any] = {"seeds": seeds, "methods": {}}
+    out: dict[str, Any] = {"world": world, "seeds": seeds, "methods": {}}
     refs = [results[s]["context"]["base_blocks"]["heldout"] for s in seeds]
     tuning = [results[s]["context"]["tuning"] for s in seeds]
     mean, sd = _mean_sd([_scores_only(r) for r in refs])
@@ -151,18 +163,19 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     The best method and the best reference of each decoding are picked on the *validation* entities (their
     validation FActScore) and compared on held-out ones; picking them on held-out scores would compare the
     luckiest of each. ``headline`` holds the first sentences of ``report.md``."""
-    refs, methods = report["references"], report["methods"]
-    fs = lambda b: 100 * b["factscore"]  # noqa: E731
+    refs, methods, world = report["references"], report["methods"], world_of(report)
+    fs = lambda b: 100 * _num(b["factscore"])  # noqa: E731
     people = refs.get(PER_PERSON, {}).get("t1") or [None]
-    out: dict[str, Any] = {"seeds": report["seeds"], "development_seed": DEVELOPMENT_SEED in report["seeds"],
-                           "heldout_people": None if None in people else [len(p) for p in people],
-                           "interval": {"method": "paired bootstrap over held-out people", "resamples": RESAMPLES,
-                                        "level": LEVEL},
+    out: dict[str, Any] = {"world": world.name, "seeds": report["seeds"],
+                           "development_seed": DEVELOPMENT_SEED in report["seeds"],
+                           "heldout_entities": None if None in people else [len(p) for p in people],
+                           "interval": {"method": f"paired bootstrap over held-out {world.entities}",
+                                        "resamples": RESAMPLES, "level": LEVEL},
                            "against_base": {}}
     for decoding, _, after, ref_keys in DECODINGS:
         out["against_base"][decoding] = {m: methods[m]["gain"][decoding] for m in methods}
-        best = max(methods, key=lambda m: methods[m]["validation"][after]["factscore"])
-        ref = max(ref_keys, key=lambda k: refs["validation"][k]["factscore"])
+        best = max(methods, key=lambda m: _rank(methods[m]["validation"][after]["factscore"]))
+        ref = max(ref_keys, key=lambda k: _rank(refs["validation"][k]["factscore"]))
         over = {m: margin(_seed_blocks(methods[m], after), _seed_blocks(refs, ref)) for m in methods}
         sd = methods[best]["sd"]["heldout"][after]["factscore"]
         out[decoding] = {"best_method": best, "best_method_validation_factscore": fs(methods[best]["validation"][after]),
@@ -197,22 +210,33 @@ def _by_verdict(margins: dict[str, dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+def world_of(report: dict[str, Any]) -> LabWorld:
+    """The world a report is about (reports from before the countries world name none: the synthetic one)."""
+    return get_world(report.get("world", "synthetic"))
+
+
+def _possessive(noun: str) -> str:
+    """``people`` → ``people's``, ``countries`` → ``countries'``."""
+    return noun + ("'" if noun.endswith("s") else "'s")
+
+
 def reading_sentence(s: dict[str, Any]) -> str:
     """The report's first sentence: what the margins' intervals measure, and what this many seeds cannot tell."""
-    seeds, n = s["seeds"], s.get("heldout_people")
+    world = get_world(s.get("world", "synthetic"))
+    seeds, n, ents = s["seeds"], s.get("heldout_entities"), world.entities
     label = "one seed" if len(seeds) == 1 else f"{len(seeds)} seeds"
     if n is None:
-        return (f"**What {label} can tell:** these results carry no per-person scores (they predate them), so no margin "
-                "has an interval over the held-out people and every margin is within noise.")
-    people = (f"the {n[0]}" if len(set(n)) == 1 else "the") + " held-out people" + ("" if len(seeds) == 1 else " of each seed")
-    interval = (f"each margin comes with a {LEVEL:.0%} paired bootstrap interval [in brackets] over {people} ({RESAMPLES} "
-                "resamples of the people, the same people for the method and its baseline); it \"beats\" or \"falls "
+        return (f"**What {label} can tell:** these results carry no per-{world.entity} scores (they predate them), so no "
+                f"margin has an interval over the held-out {ents} and every margin is within noise.")
+    held = (f"the {n[0]}" if len(set(n)) == 1 else "the") + f" held-out {ents}" + ("" if len(seeds) == 1 else " of each seed")
+    interval = (f"each margin comes with a {LEVEL:.0%} paired bootstrap interval [in brackets] over {held} ({RESAMPLES} "
+                f"resamples of the {ents}, the same {ents} for the method and its baseline); it \"beats\" or \"falls "
                 "behind\" only when its whole interval is above or below 0, else it is within noise")
     if len(seeds) == 1:
-        return (f"**What one seed can tell:** {interval}. The interval measures the held-out people's sampling noise "
-                "(would the margin hold for other people like these?), not the training run's: another seed (world, "
+        return (f"**What one seed can tell:** {interval}. The interval measures the held-out {_possessive(ents)} sampling noise "
+                f"(would the margin hold for other {ents} like these?), not the training run's: another seed (splits, "
                 "initialisation, samples) can move a margin further, and only more seeds measure that (`--seeds 0,1,2`).")
-    return (f"**What {label} can tell:** {interval}. The interval is the people's sampling noise only; the ± is the sd "
+    return (f"**What {label} can tell:** {interval}. The interval is the {_possessive(ents)} sampling noise only; the ± is the sd "
             "over seeds (how far another training run moves a margin), reported beside it but not part of the verdict: a "
             "margin no larger than its sd over seeds is unsettled whatever its verdict.")
 
@@ -234,13 +258,20 @@ def headline_sentences(s: dict[str, Any]) -> list[str]:
     aim = "met" if s["aim_met"] else "not met"
     lines.append(f"**Did it beat the no-training references?** The best method against the best reference, both picked "
                  f"on validation: {'; '.join(refs)}. The aim (beat it at both decodings, the interval above 0) is {aim}.")
-    if s["development_seed"]:
-        lines.append(f"**Seed {DEVELOPMENT_SEED} is the development seed**: its held-out numbers were looked at while the "
-                     "lab was designed, so they are not a fresh test" + (" (the other seeds are)." if len(seeds) > 1 else "."))
-    else:
-        lines.append(f"Seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}: fresh, not the development seed "
-                     f"({DEVELOPMENT_SEED}), whose held-out numbers were looked at while the lab was designed.")
+    lines.append(development_sentence(get_world(s.get("world", "synthetic")), seeds))
     return lines
+
+
+def development_sentence(world: LabWorld, seeds: Sequence[int]) -> str:
+    """The headline's last sentence: whether the seeds include the world's development seed, in its words
+    (``LabWorld.development`` follows a colon after the development seed, so its "its" is that seed's;
+    ``LabWorld.other_seeds`` a colon after the other seeds)."""
+    others = [x for x in seeds if x != DEVELOPMENT_SEED]
+    rest = f"Seed{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}: {world.other_seeds}"
+    if DEVELOPMENT_SEED in seeds:
+        return (f"**Seed {DEVELOPMENT_SEED} is the development seed**, not a fresh test: {world.development}."
+                + (f" {rest}." if others else ""))
+    return f"{rest}, not the development seed ({DEVELOPMENT_SEED}), which is not a fresh test: {world.development}."
 
 
 # ---------------------------------------------------------------------------------------------- markdown
@@ -262,14 +293,15 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def _headline(report: dict[str, Any]) -> list[str]:
-    refs, s, seeds = report["references"], report["summary"], report["seeds"]
+    refs, s, seeds, world = report["references"], report["summary"], report["seeds"], world_of(report)
     lines = ["# Factuality lab: the methods on one world", ""]
     for sentence in s["headline"]:
         lines += [sentence, ""]
     lines += [f"Seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}" + (" (mean ± sd over seeds)" if len(seeds) > 1 else "") +
-              f". Held-out: {round(refs['t1']['n_responses'] / report['config']['eval_samples'])} people no method trained on "
-              "or was selected on, each policy scored once per decoding. FActScore (γ=0) and SAFE F1@6 in %; a margin's "
-              f"[low, high]: its {LEVEL:.0%} paired bootstrap interval over the held-out people.", ""]
+              f". Held-out: {round(refs['t1']['n_responses'] / report['config']['eval_samples'])} {world.entities} no method "
+              f"trained on or was selected on, each policy scored once per decoding. FActScore (γ=0) and SAFE F1@{world.slots} "
+              f"(K = a {world.entity}'s {world.slots} slots) in %; a margin's [low, high]: its {LEVEL:.0%} paired bootstrap "
+              f"interval over the held-out {world.entities}.", ""]
     for d, label, *_ in DECODINGS:
         x = s[d]
         lines.append(f"* **{label}**: picked on validation, the method {x['best_method']} (validation "
@@ -285,21 +317,22 @@ def _headline(report: dict[str, Any]) -> list[str]:
 
 def _heldout_table(report: dict[str, Any]) -> list[str]:
     refs, methods = report["references"], report["methods"]
-    lines = ["| policy | FActScore T=1 | Δ T=1 | FActScore greedy | Δ greedy | claims/resp | abstain % | SAFE F1@6 | "
-             "T_eff | base at T_eff | Δ over it |", "|" + "---|" * 11]
+    lines = ["| policy | FActScore T=1 | Δ T=1 | FActScore greedy | Δ greedy | claims/resp | hallucinated/resp | abstain % | "
+             f"SAFE F1@{world_of(report).slots} | T_eff | base at T_eff | Δ over it |", "|" + "---|" * 12]
     for key, label in REFERENCES.items():
         b, sd = refs[key], refs["sd"][key]
         fs = _pm(b["factscore"], sd["factscore"])
         t1, greedy = ("", fs) if key in GREEDY_REFERENCES else (fs, "")
         lines.append(f"| *{label}* | {t1} | | {greedy} | | {_pm(b['claims_per_response'], sd['claims_per_response'], 1, 2)} | "
-                     f"{_pm(b['abstain_rate'], sd['abstain_rate'])} | {_pm(b['safe_f1@6'], sd['safe_f1@6'])} | | | |")
+                     f"{_pm(b.get('hallucinated_per_response'), sd.get('hallucinated_per_response'), 1, 2)} | "
+                     f"{_pm(b['abstain_rate'], sd['abstain_rate'])} | {_pm(b['safe_f1'], sd['safe_f1'])} | | | |")
     for name, m in methods.items():
         h, sd, g = m["heldout"], m["sd"]["heldout"], m["gain"]
-        after = {key: _pm(h["after"][key], sd["after"][key], *((1, 2) if key == "claims_per_response" else ()))
-                 for key in ("factscore", "claims_per_response", "abstain_rate", "safe_f1@6")}
+        after = {key: _pm(h["after"].get(key), sd["after"].get(key), *((1, 2) if "per_response" in key else ()))
+                 for key in ("factscore", "claims_per_response", "hallucinated_per_response", "abstain_rate", "safe_f1")}
         lines.append(f"| **{name}** ({m['stage']}) | {after['factscore']} | {_points(g['t1'])} | "
                      f"{_pm(h['after_greedy']['factscore'], sd['after_greedy']['factscore'])} | {_points(g['greedy'])} | "
-                     f"{after['claims_per_response']} | {after['abstain_rate']} | {after['safe_f1@6']} | "
+                     f"{after['claims_per_response']} | {after['hallucinated_per_response']} | {after['abstain_rate']} | {after['safe_f1']} | "
                      f"{_pm(m['effective_temperature'], m['sd']['effective_temperature'], 1, 2)} | "
                      f"{_pm(h['base_at_t_eff']['factscore'], sd['base_at_t_eff']['factscore'])} | {_points(g['over_base_at_t_eff'])} |")
     return lines
@@ -307,7 +340,8 @@ def _heldout_table(report: dict[str, Any]) -> list[str]:
 
 def _tier_table(report: dict[str, Any]) -> list[str]:
     refs = report["references"]
-    lines = ["", "## Per popularity tier (held-out, T=1: FActScore % / claims per response / abstain %)", "",
+    lines = ["", "## Per popularity tier (held-out, T=1: FActScore % / claims per response / hallucinated claims per "
+             "response / abstain %)", "",
              "| policy | " + " | ".join(TIERS) + " |", "|---" * (len(TIERS) + 1) + "|"]
     rows = [(f"*{REFERENCES['t1']}*", refs["t1"]), (f"*{REFERENCES['tuned_threshold']}*", refs["tuned_threshold"])]
     rows += [(f"**{name}**", m["heldout"]["after"]) for name, m in report["methods"].items()]
@@ -316,7 +350,7 @@ def _tier_table(report: dict[str, Any]) -> list[str]:
         for tier in TIERS:
             t = block["per_tier"].get(tier) or {}
             cells.append(f"{_pm(t.get('factscore'), None)} / {_pm(t.get('claims_per_response'), None, 1, 2)} / "
-                         f"{_pm(t.get('abstain_rate'), None, 100, 0)}")
+                         f"{_pm(t.get('hallucinated_per_response'), None, 1, 2)} / {_pm(t.get('abstain_rate'), None, 100, 0)}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
 
@@ -353,19 +387,20 @@ def _training_table(report: dict[str, Any]) -> list[str]:
 
 
 def _footer(report: dict[str, Any]) -> list[str]:
-    t, c = report["timings"]["total"], report["config"]
+    t, c, world = report["timings"]["total"], report["config"], world_of(report)
+    ents = world.entities
     return ["", f"Whole run: {t['wall_s'] / 60:.1f} min wall, {t['cpu_s'] / 60:.1f} min CPU ({c['jobs']} worker process(es), "
             f"{c['threads']} torch thread(s) each; trainable: {c['trainable']}).", "",
             "Δ: FActScore points over the base at the same decoding. T_eff: the trained policy's effective temperature",
             "(its logits regressed on the base's, lab/decoding.py); \"base at T_eff\" samples the *base* at that temperature,",
             "so \"Δ over it\" is what training adds beyond a learned temperature. The tuned references were picked on the",
-            "validation entities by SAFE F1@6; the best method and the best reference of each decoding by validation",
+            f"validation entities by SAFE F1@{world.slots}; the best method and the best reference of each decoding by validation",
             f"FActScore. A margin's [low, high] is the {LEVEL:.0%} percentile interval of {RESAMPLES} paired bootstrap resamples",
-            "of the held-out people (the same people for both sides; each seed's own people, the margins averaged over",
+            f"of the held-out {ents} (the same {ents} for both sides; each seed's own {ents}, the margins averaged over",
             "seeds; lab/bootstrap.py): \"beats\" when it is above 0, \"falls behind\" when below, else within noise. It is",
-            "the people's sampling noise, not the seed-to-seed spread (± sd, several seeds only). Abstention sentences",
-            "(`... unknown.`) are not claims. Each evaluation folder under `seed<N>/eval/` holds the `nemo-factuality eval`",
-            "report it came from; each seed's `report.json` its per-person FActScore terms.", ""]
+            f"the {_possessive(ents)} sampling noise, not the seed-to-seed spread (± sd, several seeds only). Abstention sentences",
+            "are not claims. Each evaluation folder under `seed<N>/eval/` holds the `nemo-factuality eval` report it came",
+            f"from and its `claims.jsonl`; each seed's `report.json` its per-{world.entity} FActScore terms.", ""]
 
 
 def write_report(cfg: Any, results: dict[int, dict[str, Any]], out: Path, total: dict[str, float]) -> dict[str, Any]:
@@ -377,7 +412,7 @@ def write_report(cfg: Any, results: dict[int, dict[str, Any]], out: Path, total:
                                    for n, r in res["methods"].items()},
                        "timings": res["context"]["timings"]}
         (Path(res["context"]["dir"]) / "report.json").write_text(json.dumps(to_json_safe(seed_report), indent=2), encoding="utf-8")
-    report = aggregate(results, cfg.methods)
+    report = aggregate(results, cfg.methods, cfg.world_name)
     report["summary"] = summary(report)
     timings: dict[str, Any] = {"total": total}
     for res in results.values():

@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from nemo_factuality.lab.pipeline import lab_pipeline
 from nemo_factuality.registry import REWARDS
 from nemo_factuality.rewards.base import GuardConfig, RewardParts, is_blank, load_tokenizer, placer_for, validate_batch
-from nemo_factuality.rewards.common import guarded_check, pipeline_from
+from nemo_factuality.rewards.common import guarded_check
 from nemo_factuality.types import FactualityInputError, Label, RewardBatch, Span
 
 MODES = ("dual", "precision")
@@ -140,9 +141,9 @@ class LabSlotReward(RewardParts):
 
 
 @REWARDS.register("lab_slots")
-def build_lab_reward(store_path: str, tokenizer: str | None = None, **cfg: Any) -> LabSlotReward:
-    """The lab reward from config: ``{name: lab_slots, store_path: kb.sqlite, tokenizer: DIR, wrong_penalty, mode}``."""
+def build_lab_reward(store_path: str, tokenizer: str | None = None, world: str = "synthetic", **cfg: Any) -> LabSlotReward:
+    """The lab reward from config: ``{name: lab_slots, store_path: kb.sqlite, tokenizer: DIR, wrong_penalty, mode}``;
+    ``world`` picks the verifier (``kb_exact``, or the countries' ``CountryVerifier``)."""
     guards = GuardConfig(**cfg.pop("guards", {}))
-    pipeline = pipeline_from({"segmenter": {"name": "regex"}, "extractor": {"name": "identity"}, "evidence": {"name": "none"},
-                              "verifier": {"name": "kb_exact", "store_path": store_path}, "abstain_detection": None}, None)
+    pipeline = lab_pipeline(store_path, abstentions_are_claims=True, world=world)  # an abstention is a 0 slot
     return LabSlotReward(pipeline, LabRewardConfig(guards=guards, **cfg), tokenizer)

@@ -1,10 +1,15 @@
-"""``nemo-factuality lab``: world → KB → tiny policy → each method's training → evaluation → one report.
+"""``nemo-factuality lab``: world → KB → policy → each method's training → evaluation → one report.
+
+The world is the synthetic one (invented people; a tiny policy pretrained here) or the countries (real facts; a real
+pretrained policy, ``countries_config``): ``LabConfig.world_name``, ``lab/worlds.py``.
 
 Run folder layout::
 
     DIR/report.json, report.md, plots/*.png                 over all seeds (mean ± sd when there are several)
-    DIR/seed<N>/world/{people,bios,facts,passages}.jsonl, splits.json   the seed's synthetic world
+    DIR/seed<N>/world/{people,bios,facts,passages}.jsonl, splits.json, gold.json   the seed's synthetic world
+                     ({countries,facts,passages}.jsonl, splits.json, gold.json for the countries)
     DIR/seed<N>/kb.sqlite                                    its knowledge store (passages + facts)
+    DIR/seed<N>/rl_prompts.jsonl                             the RL prompts with their reward columns (a train data file)
     DIR/seed<N>/checkpoints/base, checkpoints/<method>       HF checkpoints (tokenizer included)
     DIR/seed<N>/rl/<method>/                                 the stage's own run dir (metrics.jsonl, checkpoints, final/)
     DIR/seed<N>/metrics/pretrain.jsonl, <method>_{train,val}.jsonl
@@ -32,8 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from nemo_factuality.lab import world as W
-from nemo_factuality.lab.methods import GROUPS, METHODS, route_overrides
+from nemo_factuality.lab.methods import GROUPS, METHODS, load_stage_config, route_overrides
 from nemo_factuality.lab.policy import PolicyConfig
+from nemo_factuality.lab.worlds import get_world
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +67,12 @@ class LabConfig:
     seeds: tuple[int, ...] = (0,)
     jobs: int = 1  # worker processes (1: everything in this process)
     threads: int = 1  # torch threads per process
+    world_name: str = "synthetic"  # synthetic | countries (lab/worlds.py)
+    real_policy: str | None = None  # countries: a model-zoo name or an HF folder (lab/real_policy.py)
+    max_new_tokens: int = 64  # every evaluation's and validation's response length (the stages': length_params)
+    countries_per_tier: int | None = None  # countries: a world of this many countries per tier (None: all of them)
+    n_rl: tuple[int, int, int] | None = None  # RL entities kept per tier (None: every entity not held out or validated)
+    n_rl_eval: tuple[int, int, int] | None = None  # RL entities scored after training, per tier (None: n_heldout's)
 
 
 def quick_config() -> LabConfig:
@@ -69,6 +81,21 @@ def quick_config() -> LabConfig:
                      n_val=(4, 4, 8), n_heldout=(6, 8, 16), pretrain_steps=300,
                      policy=PolicyConfig(hidden=96, layers=2, heads=4, intermediate=256),
                      presets={"grpo": "grpo_quick", "ppo": "ppo_quick", "kto": "kto_quick"})
+
+
+def countries_config(policy: str, quick: bool = False) -> LabConfig:
+    """The countries world asked of a real model. Sized for the 2-core machine's hour (``docs/benchmarks.md``): per
+    tier 10 held-out, 5 validation and 12 RL-prompt countries (the rest unused; 4 of them scored after training); 2
+    samples per country at T=1, 64 new tokens; each method 80 policy samples (``conf/lab/*_countries.yaml``).
+    ``quick``: 3 countries per tier, one step per method (CI)."""
+    presets = {stage: f"{stage}_countries{'_quick' if quick else ''}" for stage in ("grpo", "ppo", "kto")}
+    common = {"world_name": "countries", "real_policy": policy, "presets": presets, "trainable": "top_layers",
+              "temperatures": (0.5,), "thresholds": (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95)}
+    if quick:
+        return LabConfig(n_val=(1, 1, 1), n_heldout=(1, 1, 1), eval_samples=1, checklist_samples=1, max_new_tokens=24,
+                         countries_per_tier=3, thresholds=(0.8,), **{k: v for k, v in common.items() if k != "thresholds"})
+    return LabConfig(n_val=(5, 5, 5), n_heldout=(10, 10, 10), n_rl=(12, 12, 12), n_rl_eval=(4, 4, 4), eval_samples=2,
+                     checklist_samples=1, max_new_tokens=64, **common)
 
 
 # ---------------------------------------------------------------------------------------------- threads, timing
@@ -170,22 +197,51 @@ def rl_sample(splits: W.Splits, tiers: dict[str, str], n_heldout: tuple[int, int
 
 
 def prepare_seed(cfg: LabConfig, seed: int, out: Path) -> dict[str, Any]:
-    """World, knowledge store, pretrained base, the base's evaluations and the validation-tuned references."""
+    """World, knowledge store, base policy (pretrained here, or the real one), the base's evaluations and the
+    validation-tuned references."""
     import torch
 
-    from nemo_factuality.lab.decoding import tune_references
-    from nemo_factuality.lab.evaluate import responses_for, run_eval
+    torch.manual_seed(seed)
+    timings: dict[str, Any] = {}
+    make = _real_world if cfg.world_name == "countries" else _synthetic_world
+    world_ctx, model, tok = make(cfg, seed, out, timings)
+    kb = Path(world_ctx["kb"])
+    splits, tiers = W.Splits(**world_ctx["splits"]), world_ctx["tiers"]
+    rl_names = rl_sample(splits, tiers, cfg.n_rl_eval or cfg.n_heldout)
+    with timed(timings, f"seed {seed}: base evaluations"):
+        tuning = tune_references_for(cfg, model, tok, splits.val, tiers, kb, seed)
+        blocks = base_blocks(cfg, model, tok, splits, rl_names, tiers, kb, out, seed, tuning)
+    ctx = {"seed": seed, "dir": str(out), **world_ctx, "rl_sample": rl_names, "base_blocks": blocks, "tuning": tuning,
+           "timings": timings}
+    if "klcf" in cfg.methods:
+        with timed(timings, f"seed {seed}: klcf checklists"):
+            ctx["checklists"] = str(klcf_checklists(cfg, model, tok, [*splits.rl, *splits.val], kb, out, seed))
+    write_rl_prompts(cfg, ctx, out / "rl_prompts.jsonl")
+    return ctx
+
+
+def write_rl_prompts(cfg: LabConfig, ctx: dict[str, Any], path: Path) -> None:
+    """The RL prompt pool the methods train on, one JSON line each with every column a lab reward reads (``topic``,
+    ``ground_truth``, and ``checklist`` when KLCF ran): a ``nemo-factuality train`` data file (``data.format=jsonl``)
+    for the day-one recipes of docs/getting_started.md, which train against this seed's base and store."""
+    gold = json.loads(Path(ctx["gold"]).read_text(encoding="utf-8"))
+    checklists = json.loads(Path(ctx["checklists"]).read_text(encoding="utf-8")) if "checklists" in ctx else None
+    columns = ("topic", "ground_truth", *(("checklist",) if checklists else ()))
+    pool = rl_prompt_pool(W.Splits(**ctx["splits"]).rl, ctx["tiers"], cfg.balanced_rl_prompts)
+    records = prompt_records(cfg.world_name, pool, columns, gold, checklists)
+    _write_jsonl(path, [{"prompt": r.prompt, **r.columns} for r in records])
+
+
+def _synthetic_world(cfg: LabConfig, seed: int, out: Path, timings: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+    """The invented people, their store, and a tiny policy pretrained on their bios."""
     from nemo_factuality.lab.policy import build_policy, encode_docs, pretrain, train_tokenizer
 
-    timings: dict[str, Any] = {}
-    torch.manual_seed(seed)
     with timed(timings, f"seed {seed}: world"):
         wcfg = replace(cfg.world, seed=seed)
         people = W.make_people(wcfg)
         bios = W.make_bios(people, wcfg)
         splits = W.split_people(people, cfg.n_val, cfg.n_heldout, seed)
         kb = W.build_world_kb(W.write_world(out / "world", people, bios, splits), out / "kb.sqlite")
-    tiers = {p.name: p.tier for p in people}
     with timed(timings, f"seed {seed}: pretrain"):
         base = out / "checkpoints" / "base"
         tok = train_tokenizer([f"{b['prompt']} {b['response']}" for b in bios], base)
@@ -194,48 +250,97 @@ def prepare_seed(cfg: LabConfig, seed: int, out: Path) -> dict[str, Any]:
         curve = pretrain(model, ids, mask, budget_s=cfg.pretrain_budget_s, max_steps=cfg.pretrain_steps, seed=seed)
         model.save_pretrained(base)
         _write_jsonl(out / "metrics" / "pretrain.jsonl", curve)
+    gold = {p.name: dict(p.facts) for p in people}
+    return ({"kb": str(kb), "base": str(base), "splits": asdict(splits), "tiers": {p.name: p.tier for p in people},
+             "gold": _write_gold(out, gold), "pretrain": {"steps": curve[-1]["step"], "final_loss": curve[-1]["loss"]}},
+            model, tok)
+
+
+def _real_world(cfg: LabConfig, seed: int, out: Path, timings: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+    """The countries, their store, and the real policy as it comes (no pretraining)."""
+    from nemo_factuality.lab import countries as C
+    from nemo_factuality.lab.real_policy import load_policy, resolve_policy
+
+    with timed(timings, f"seed {seed}: world"):
+        countries = C.make_countries()
+        if cfg.countries_per_tier is not None:
+            countries = C.sample_countries(countries, cfg.countries_per_tier, seed)
+        splits = W.split_people(countries, cfg.n_val, cfg.n_heldout, seed)
+        if cfg.n_rl is not None:  # a real model's step is costly: the stages see a few dozen RL prompts, not 180
+            tier = {c.name: c.tier for c in countries}
+            splits = replace(splits, rl=[x for t, k in zip(C.TIERS, cfg.n_rl, strict=True)
+                                         for x in [y for y in splits.rl if tier[y] == t][:k]])
+        kb = W.build_world_kb(C.write_world(out / "world", countries, splits), out / "kb.sqlite")
+    with timed(timings, f"seed {seed}: policy"):
+        base = resolve_policy(cfg.real_policy or "")
+        model, tok = load_policy(base)
+    gold = {c.name: C.gold_column(c) for c in countries}
+    return ({"kb": str(kb), "base": str(base), "splits": asdict(splits), "tiers": {c.name: c.tier for c in countries},
+             "gold": _write_gold(out, gold), "pretrain": None}, model, tok)
+
+
+def _write_gold(out: Path, gold: dict[str, dict[str, str]]) -> str:
+    path = out / "world" / "gold.json"
+    path.write_text(json.dumps(gold, ensure_ascii=False), encoding="utf-8")
+    return str(path)
+
+
+def _eval_kw(cfg: LabConfig) -> dict[str, Any]:
+    """What every sampling call of one run shares: the world and the response length."""
+    return {"world": get_world(cfg.world_name), "max_new_tokens": cfg.max_new_tokens}
+
+
+def tune_references_for(cfg: LabConfig, model: Any, tok: Any, names: list[str], tiers: dict[str, str], kb: Path,
+                        seed: int) -> dict[str, Any]:
+    from nemo_factuality.lab.decoding import tune_references
+
+    return tune_references(model, tok, names, tiers, kb, n=cfg.eval_samples, temperatures=cfg.temperatures,
+                           thresholds=cfg.thresholds, seed=seed + 3, **_eval_kw(cfg))
+
+
+def base_blocks(cfg: LabConfig, model: Any, tok: Any, splits: W.Splits, rl_names: list[str], tiers: dict[str, str],
+                kb: Path, out: Path, seed: int, tuning: dict[str, Any]) -> dict[str, Any]:
+    """The base on the held-out entities at every reference decoding (one sampling per decoding: the thresholded
+    references decline sentences of the same samples), on the RL sample, and on validation."""
+    from nemo_factuality.lab.evaluate import rows_from, run_eval, sample_world
+
+    kw, eval_seed, n = _eval_kw(cfg), seed + 7, cfg.eval_samples
+    world = kw["world"]
+    draw = lambda names, **d: sample_world(world, model, tok, names, seed=eval_seed, max_new_tokens=cfg.max_new_tokens, **d)  # noqa: E731
+    t1, greedy = draw(splits.heldout, n=n), draw(splits.heldout, n=1, greedy=True)
+    held = splits.heldout
+    scored = {"t1": ("base", t1, n, None), "greedy": ("base_greedy", greedy, 1, None),
+              "tuned_threshold": ("base_tuned_threshold", t1, n, tuning["threshold"]),
+              "greedy_threshold": ("base_greedy_threshold", greedy, 1, tuning["greedy_threshold"])}
     blocks: dict[str, Any] = {"heldout": {}, "rl_prompts": {}}
-    rl_names = rl_sample(splits, tiers, cfg.n_heldout)
-    eval_seed = seed + 7
-
-    def heldout(name: str, **kw: Any) -> dict[str, Any]:
-        rows = responses_for(model, tok, splits.heldout, tiers, n=cfg.eval_samples, seed=eval_seed, **kw)
-        return run_eval(rows, kb, out / "eval" / f"heldout_{name}")
-
-    with timed(timings, f"seed {seed}: base evaluations"):
-        tuning = tune_references(model, tok, splits.val, tiers, kb, n=cfg.eval_samples, temperatures=cfg.temperatures,
-                                 thresholds=cfg.thresholds, seed=seed + 3)
-        blocks["heldout"]["t1"] = heldout("base")
-        blocks["heldout"]["greedy"] = heldout("base_greedy", greedy=True)
-        blocks["heldout"]["tuned_temperature"] = heldout("base_tuned_temperature", temperature=tuning["temperature"])
-        blocks["heldout"]["tuned_threshold"] = heldout("base_tuned_threshold", tau=tuning["threshold"])
-        blocks["heldout"]["greedy_threshold"] = heldout("base_greedy_threshold", greedy=True, tau=tuning["greedy_threshold"])
-        rows = responses_for(model, tok, rl_names, tiers, n=cfg.eval_samples, seed=eval_seed)
-        blocks["rl_prompts"]["t1"] = run_eval(rows, kb, out / "eval" / "rl_prompts_base")
-        blocks["validation"] = validation_blocks(model, tok, splits.val, tiers, kb, cfg, seed)
-    ctx = {"seed": seed, "dir": str(out), "kb": str(kb), "base": str(base), "splits": asdict(splits), "tiers": tiers,
-           "rl_sample": rl_names, "base_blocks": blocks, "tuning": tuning, "timings": timings,
-           "pretrain": {"steps": curve[-1]["step"], "final_loss": curve[-1]["loss"]}}
-    if "klcf" in cfg.methods:
-        with timed(timings, f"seed {seed}: klcf checklists"):
-            ctx["checklists"] = str(klcf_checklists(cfg, model, tok, [*splits.rl, *splits.val], kb, out, seed))
-    return ctx
+    for key, (folder, samples, k, tau) in scored.items():
+        blocks["heldout"][key] = run_eval(rows_from(samples, held, tiers, n=k, tau=tau, world=world), kb,
+                                          out / "eval" / f"heldout_{folder}", world)
+    tuned = draw(held, n=n, temperature=tuning["temperature"])
+    blocks["heldout"]["tuned_temperature"] = run_eval(rows_from(tuned, held, tiers, n=n, world=world), kb,
+                                                      out / "eval" / "heldout_base_tuned_temperature", world)
+    blocks["heldout"] = {k: blocks["heldout"][k] for k in ("t1", "greedy", "tuned_temperature", "tuned_threshold",
+                                                           "greedy_threshold")}
+    rows = rows_from(draw(rl_names, n=n), rl_names, tiers, n=n, world=world)
+    blocks["rl_prompts"]["t1"] = run_eval(rows, kb, out / "eval" / "rl_prompts_base", world)
+    blocks["validation"] = validation_blocks(model, tok, splits.val, tiers, kb, cfg, seed)
+    return blocks
 
 
 def klcf_checklists(cfg: LabConfig, model: Any, tok: Any, names: list[str], kb: Path, out: Path, seed: int) -> Path:
-    """KLCF's offline step: what the base already knows about each person, as the supported claims of
+    """KLCF's offline step: what the base already knows about each entity, as the supported claims of
     ``checklist_samples`` base samples (``rewards.klcf_checklist.checklist_for`` with the lab's pipeline)."""
-    from nemo_factuality.lab.method_rewards import lab_pipeline
-    from nemo_factuality.lab.policy import sample
+    from nemo_factuality.lab.evaluate import sample_world
+    from nemo_factuality.lab.pipeline import lab_pipeline
     from nemo_factuality.rewards.klcf_checklist import checklist_for
 
-    n = cfg.checklist_samples
-    samples = sample(model, tok, [W.prompt_for(x) for x in names], n=n, seed=seed + 11)
-    pipeline = lab_pipeline(str(kb))
-    lists = {x: checklist_for(pipeline, W.prompt_for(x), [s.response for s in samples[i * n : (i + 1) * n]])
+    n, world = cfg.checklist_samples, get_world(cfg.world_name)
+    samples = sample_world(world, model, tok, names, n=n, seed=seed + 11, max_new_tokens=cfg.max_new_tokens)
+    pipeline = lab_pipeline(str(kb), world=world.name)
+    lists = {x: checklist_for(pipeline, world.prompt_for(x), [s.response for s in samples[i * n : (i + 1) * n]])
              for i, x in enumerate(names)}
     path = out / "klcf_checklists.json"
-    path.write_text(json.dumps(lists), encoding="utf-8")
+    path.write_text(json.dumps(lists, ensure_ascii=False), encoding="utf-8")
     return path
 
 
@@ -244,21 +349,28 @@ def validation_blocks(model: Any, tok: Any, names: list[str], tiers: dict[str, s
     """A policy on the validation entities at T=1 and greedy: what design choices are compared on."""
     from nemo_factuality.lab.evaluate import responses_for, score_rows
 
-    return {key: score_rows(responses_for(model, tok, names, tiers, n=cfg.eval_samples, seed=seed + 13, **kw), kb)
-            for key, kw in (("t1", {}), ("greedy", {"greedy": True}))}
+    kw = _eval_kw(cfg)
+    return {key: score_rows(responses_for(model, tok, names, tiers, n=cfg.eval_samples, seed=seed + 13, **kw, **d), kb,
+                            kw["world"])
+            for key, d in (("t1", {}), ("greedy", {"greedy": True}))}
 
 
 # ---------------------------------------------------------------------------------------------- one seed: a method
-def prompt_records(names: list[str], columns: tuple[str, ...], facts: dict[str, dict[str, str]],
+def prompt_records(world_name: str, names: list[str], columns: tuple[str, ...], gold: dict[str, dict[str, str]],
                    checklists: dict[str, list[str]] | None) -> list[Any]:
-    """``PromptRecord``s with the columns a method's reward reads."""
-    from nemo_factuality.trainers.data import PromptRecord
+    """``PromptRecord``s (the world's prompt, chat messages when it has them) with the columns a method's reward reads."""
+    world = get_world(world_name)
 
     def cols(name: str) -> dict[str, Any]:
-        table = {"ground_truth": lambda: facts[name], "topic": lambda: name, "checklist": lambda: (checklists or {})[name]}
+        table = {"ground_truth": lambda: gold[name], "topic": lambda: name, "checklist": lambda: (checklists or {})[name]}
         return {c: table[c]() for c in columns}
 
-    return [PromptRecord(prompt=W.prompt_for(x), columns=cols(x)) for x in names]
+    return [world.record(x, cols(x)) for x in names]
+
+
+# reward options that are "how many slots an answer has" (FactAlign's K, KnowRL's length penalty γ): 6 on the
+# synthetic world's bios, 4 on a country's profile
+_SLOT_OPTIONS = {"lab_factalign": ("k",), "lab_knowrl": ("gamma",)}
 
 
 def run_method(cfg: LabConfig, ctx: dict[str, Any], name: str) -> dict[str, Any]:
@@ -269,25 +381,29 @@ def run_method(cfg: LabConfig, ctx: dict[str, Any], name: str) -> dict[str, Any]
     from nemo_factuality.lab.decoding import effective_temperature
     from nemo_factuality.lab.evaluate import responses_for, run_eval
     from nemo_factuality.lab.reward import build_lab_reward
-    from nemo_factuality.lab.train import Validator, lab_reward, load_stage_config, train_stage
+    from nemo_factuality.lab.train import Validator, lab_reward, train_stage
 
     method, seed, out, kb, base = METHODS[name], ctx["seed"], Path(ctx["dir"]), Path(ctx["kb"]), Path(ctx["base"])
+    world, kw = get_world(cfg.world_name), _eval_kw(cfg)
     stage_overrides, reward_overrides = route_overrides(cfg.overrides, cfg.methods)[name]
     splits, tiers, timings = W.Splits(**ctx["splits"]), ctx["tiers"], {}
-    facts = {p["name"]: p["facts"] for p in map(json.loads, (out / "world" / "people.jsonl").read_text().splitlines())}
-    checklists = json.loads(Path(ctx["checklists"]).read_text()) if "checklists" in ctx else None
-    records = prompt_records(rl_prompt_pool(splits.rl, tiers, cfg.balanced_rl_prompts), method.columns, facts, checklists)
-    val_records = prompt_records(splits.val, method.columns, facts, checklists)
-    spec = {**method.reward, **reward_overrides, "store_path": str(kb)}
-    slot_reward = build_lab_reward(str(kb))
-    with timed(timings, f"seed {seed}: {name}: train"), lab_reward(cfg.reward_transport, spec, base,
-                                                                                   out / "rl" / name / "triton.log") as (reward, via):
+    gold = json.loads(Path(ctx["gold"]).read_text(encoding="utf-8"))
+    checklists = json.loads(Path(ctx["checklists"]).read_text(encoding="utf-8")) if "checklists" in ctx else None
+    pool = rl_prompt_pool(splits.rl, tiers, cfg.balanced_rl_prompts)
+    records = prompt_records(world.name, pool, method.columns, gold, checklists)
+    val_records = prompt_records(world.name, splits.val, method.columns, gold, checklists)
+    slots = {option: world.slots for option in _SLOT_OPTIONS.get(method.reward["name"], ())}  # K = the answer's slots
+    spec = {**method.reward, **slots, **reward_overrides, "store_path": str(kb), "world": world.name}
+    slot_reward = build_lab_reward(str(kb), world=world.name)
+    with timed(timings, f"seed {seed}: {name}: train"), lab_reward(cfg.reward_transport, spec, base, out / "rl" / name / "triton.log",
+                                                                   world.response_marker) as (reward, via):
         stage_cfg = load_stage_config(method.stage, cfg.presets[method.stage],
                                       [f"model.path={base}", f"exp_manager.explicit_log_dir={out / 'rl' / name}",
                                        f"trainer.seed={seed}", *via, *stage_overrides])
         model, history, validator = train_stage(
             method.stage, stage_cfg, base, out / "rl" / name, reward, records,
-            lambda m, t: Validator(m, t, reward, val_records, cfg.eval_samples, slot_reward, f"seed {seed}: {name}: "),
+            lambda m, t: Validator(m, t, reward, val_records, cfg.eval_samples, slot_reward, f"seed {seed}: {name}: ",
+                                   cfg.max_new_tokens, max_steps=stage_cfg.trainer.max_steps),
             cfg.trainable)
     tok = AutoTokenizer.from_pretrained(base)
     model.save_pretrained(out / "checkpoints" / name)
@@ -297,18 +413,19 @@ def run_method(cfg: LabConfig, ctx: dict[str, Any], name: str) -> dict[str, Any]
     eval_seed = seed + 7
     result: dict[str, Any] = {"heldout": {}, "rl_prompts": {}}
     with timed(timings, f"seed {seed}: {name}: evaluate"):
-        for key, kw in (("t1", {}), ("greedy", {"greedy": True})):
-            rows = responses_for(model, tok, splits.heldout, tiers, n=cfg.eval_samples, seed=eval_seed, **kw)
-            result["heldout"][key] = run_eval(rows, kb, out / "eval" / f"heldout_{name}{'_greedy' if kw else ''}")
-        rows = responses_for(model, tok, ctx["rl_sample"], tiers, n=cfg.eval_samples, seed=eval_seed)
-        result["rl_prompts"]["t1"] = run_eval(rows, kb, out / "eval" / f"rl_prompts_{name}")
+        for key, d in (("t1", {}), ("greedy", {"greedy": True})):
+            rows = responses_for(model, tok, splits.heldout, tiers, n=cfg.eval_samples, seed=eval_seed, **kw, **d)
+            result["heldout"][key] = run_eval(rows, kb, out / "eval" / f"heldout_{name}{'_greedy' if d else ''}", world)
+        rows = responses_for(model, tok, ctx["rl_sample"], tiers, n=cfg.eval_samples, seed=eval_seed, **kw)
+        result["rl_prompts"]["t1"] = run_eval(rows, kb, out / "eval" / f"rl_prompts_{name}", world)
         result["validation"] = validation_blocks(model, tok, splits.val, tiers, kb, cfg, seed)
         base_model = AutoModelForCausalLM.from_pretrained(base).eval()
-        t_eff = effective_temperature(base_model, model, tok, splits.val, n=cfg.eval_samples,
-                                      abstain_id=tok.convert_tokens_to_ids(W.ABSTAIN_VALUE), seed=seed + 5)
+        abstain_id = tok.convert_tokens_to_ids(W.ABSTAIN_VALUE) if world.name == "synthetic" else None
+        t_eff = effective_temperature(base_model, model, tok, splits.val, n=cfg.eval_samples, abstain_id=abstain_id,
+                                      seed=seed + 5, **kw)
         result["effective_temperature"] = t_eff
-        rows = responses_for(base_model, tok, splits.heldout, tiers, n=cfg.eval_samples, seed=eval_seed, temperature=t_eff)
-        result["heldout"]["base_at_t_eff"] = run_eval(rows, kb, out / "eval" / f"heldout_base_at_t_eff_{name}")
+        rows = responses_for(base_model, tok, splits.heldout, tiers, n=cfg.eval_samples, seed=eval_seed, temperature=t_eff, **kw)
+        result["heldout"]["base_at_t_eff"] = run_eval(rows, kb, out / "eval" / f"heldout_base_at_t_eff_{name}", world)
     samples = _samples_per_step(method.stage, stage_cfg)
     result["training"] = {"stage": method.stage, "steps": _steps_run(history), "best_step": validator.best_step,
                           "val_reward_base": validator.log[0]["val/reward"], "val_reward_best": validator.best_value,
@@ -365,7 +482,6 @@ INCOMPLETE = "INCOMPLETE"
 def run_lab(cfg: LabConfig, out: Path) -> dict[str, Any]:
     """The whole lab over ``cfg.seeds``; writes every artefact under ``out`` and returns the report dict."""
     from nemo_factuality.lab.report import write_report
-
     from nemo_factuality.stopping import Stopped, stop_on_signals
 
     out.mkdir(parents=True, exist_ok=True)

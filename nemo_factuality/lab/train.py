@@ -21,38 +21,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from nemo_factuality.lab.policy import sample
-from nemo_factuality.lab.world import ABSTAIN_VALUE, RESPONSE_MARKER
+from nemo_factuality.lab.methods import TRAINABLE
+from nemo_factuality.lab.world import ABSTAIN_VALUE
 from nemo_factuality.trainers.data import PromptRecord
 from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
 PORT_ATTEMPTS = 3  # fresh ports for a reward server whose ports another process took between the pick and the bind
 
-STAGES = ("grpo", "ppo", "kto")
 MONITOR = "val/reward"
 
 
-def stage_schema(stage: str) -> type:
-    from nemo_factuality.trainers.config import GRPOConfig, KTOConfig, PPOConfig
-
-    return {"grpo": GRPOConfig, "ppo": PPOConfig, "kto": KTOConfig}[stage]
-
-
-def load_stage_config(stage: str, preset: str, overrides: Sequence[str]) -> Any:
-    """``conf/lab/<preset>.yaml`` over the stage's schema, plus ``key=value`` overrides, validated."""
-    from nemo_factuality.config import load_config
-    from nemo_factuality.trainers.config import validate_train_config
-
-    cfg = load_config(stage_schema(stage), preset, list(overrides), group="lab")
-    validate_train_config(cfg)
-    return cfg
-
-
 @contextlib.contextmanager
-def lab_reward(transport: str, spec: dict[str, Any], tokenizer_dir: Path,
-               server_log: Path | None = None) -> Iterator[tuple[Any, list[str]]]:
-    """The reward object and the config overrides that name it: PyTriton (default) or in-process.
+def lab_reward(transport: str, spec: dict[str, Any], tokenizer_dir: Path, server_log: Path | None = None,
+               response_marker: str | None = None) -> Iterator[tuple[Any, list[str]]]:
+    """The reward object and the config overrides that name it: PyTriton (default) or in-process. The server splits
+    the token rows it gets at ``response_marker`` (None: the policy's chat template's assistant marker).
 
     The Triton server prints its start-up tables and shutdown notes to this process's stdout; they go to
     ``server_log`` instead (nothing else of the lab writes to stdout while the server lives)."""
@@ -76,7 +60,7 @@ def lab_reward(transport: str, spec: dict[str, Any], tokenizer_dir: Path,
             # free a moment ago: another process may bind one before the server does (it then stops what it
             # started and says so), so a taken port means new ports, a few times, not a failed method
             ports = free_ports(5)
-            serve_cfg = ServeConfig(reward=spec, policy_tokenizer=str(tokenizer_dir), response_marker=RESPONSE_MARKER,
+            serve_cfg = ServeConfig(reward=spec, policy_tokenizer=str(tokenizer_dir), response_marker=response_marker,
                                     host="127.0.0.1", http_port=ports[0], grpc_port=ports[1],
                                     triton_metrics_port=ports[2], health_port=ports[3], metrics_port=ports[4])
             try:
@@ -104,9 +88,11 @@ class Validator:
     precision / claims per response (``slot_reward``); remembers the weights of the best ``val/reward`` so far."""
 
     def __init__(self, model: Any, tokenizer: Any, reward: Any, records: Sequence[PromptRecord], n: int,
-                 slot_reward: Callable[..., Any], label: str = "") -> None:
+                 slot_reward: Callable[..., Any], label: str = "", max_new_tokens: int = 64,
+                 max_steps: int | None = None) -> None:
         self.model, self.tokenizer, self.reward, self.records, self.n = model, tokenizer, reward, list(records), n
-        self.slot_reward, self.label = slot_reward, label
+        self.slot_reward, self.label, self.max_new_tokens = slot_reward, label, max_new_tokens
+        self.max_steps = max_steps  # the stage's trainer.max_steps: its lines say "step 40/80"
         self.log: list[dict[str, float]] = []
         self.best_step: int | None = None
         self.best_value = -float("inf")
@@ -114,7 +100,10 @@ class Validator:
 
     def __call__(self, step: int) -> dict[str, float]:
         self.model.eval()
-        samples = sample(self.model, self.tokenizer, [r.prompt for r in self.records], n=self.n, seed=10_000 + step)
+        from nemo_factuality.lab.evaluate import sample_records
+
+        samples = sample_records(self.model, self.tokenizer, self.records, n=self.n, seed=10_000 + step,
+                                 max_new_tokens=self.max_new_tokens)
         rows = [r for r in self.records for _ in range(self.n)]
         names = sorted({k for r in rows for k in r.columns})
         prompts, texts = [r.prompt for r in rows], [s.response for s in samples]
@@ -127,8 +116,9 @@ class Validator:
         if out[MONITOR] > self.best_value:  # NaN never wins
             self.best_value, self.best_step = out[MONITOR], step
             self.best_state = copy.deepcopy(self.model.state_dict())
-        log.info("%svalidation at step %d: reward %.3f, precision %.3f, claims %.2f (best: step %s)", self.label, step,
-                 out[MONITOR], out["val/precision"], out["val/claims"], self.best_step)
+        of = f"/{self.max_steps}" if self.max_steps else ""
+        log.info("%svalidation at step %d%s: reward %.3f, precision %.3f, claims %.2f (best: step %s)", self.label, step,
+                 of, out[MONITOR], out["val/precision"], out["val/claims"], self.best_step)
         return out
 
     def restore_best(self) -> None:
@@ -140,7 +130,6 @@ class Validator:
         self.model.eval()
 
 
-TRAINABLE = ("calibration", "abstention", "all")
 
 
 def restrict_trainable(model: Any, scope: str, abstain_id: int) -> list[str]:
@@ -172,11 +161,17 @@ def train_stage(stage: str, cfg: Any, base: Path, run_dir: Path, reward: Any, re
     the stage's per-step metrics, the validator with its log)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from nemo_factuality.lab.methods import REAL_TRAINABLE
+    from nemo_factuality.lab.real_policy import merge_trained, restrict_real
     from nemo_factuality.trainers.backends.hf.actor import HFActor, HFCritic
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base)
-    log.info("lab %s: training %s", stage, restrict_trainable(model, trainable, tokenizer.convert_tokens_to_ids(ABSTAIN_VALUE)))
+    if trainable in REAL_TRAINABLE:
+        model, names = restrict_real(model, trainable)
+    else:
+        names = restrict_trainable(model, trainable, tokenizer.convert_tokens_to_ids(ABSTAIN_VALUE))
+    log.info("lab %s: training %s", stage, names if len(names) < 8 else f"{len(names)} tensors ({trainable})")
     t = cfg.trainer
     actor = HFActor(cfg.model, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val, device=t.device, model=model,
                     tokenizer=tokenizer)
@@ -194,6 +189,9 @@ def train_stage(stage: str, cfg: Any, base: Path, run_dir: Path, reward: Any, re
 
             critic = HFCritic(cfg.critic, str(base), max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
                               device=t.device, dtype=cfg.model.dtype)
+            if trainable == "top_layers":  # a real critic trains its top layers and value head, as the actor its top
+                restrict_real(critic.model, "top_layers")
+                critic.model.score.requires_grad_(True)
             trainer = PPOTrainer(cfg, actor, critic, reward, records, run_dir=run_dir, validate=validate)
         else:
             from nemo_factuality.trainers.grpo import GRPOTrainer
@@ -201,7 +199,7 @@ def train_stage(stage: str, cfg: Any, base: Path, run_dir: Path, reward: Any, re
             trainer = GRPOTrainer(cfg, actor, reward, records, run_dir=run_dir, validate=validate)
         history = [{"step": i + 1, **m} for i, m in enumerate(trainer.fit())]
     validate.restore_best()
-    return actor.model, history, validate
+    return merge_trained(actor.model), history, validate
 
 
 def _metrics_lines(run_dir: Path) -> list[dict]:

@@ -21,8 +21,9 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-ABSTAIN_VALUE = "unknown"
+from nemo_factuality.lab.readings import ABSTAIN_VALUE, Reading
 
 # attribute -> (sentence shape, number of distinct values)
 ATTRIBUTES: dict[str, tuple[str, int]] = {
@@ -73,6 +74,30 @@ def parse_sentence(text: str) -> tuple[str, str, str] | None:
         if m:
             return m.group("s"), attr, m.group("v")
     return None
+
+
+def read(sentence: str) -> Reading | None:
+    """A bio sentence as a claim (the world interface's ``read``); None: it has no slot's shape."""
+    parsed = parse_sentence(sentence)
+    if parsed is None:
+        return None
+    subject, attribute, value = parsed
+    return Reading(subject, attribute, (frozenset({value}),), abstains=value == ABSTAIN_VALUE)
+
+
+_LAST_WORD = re.compile(r"\S+\.$")
+
+
+def abstain(sentence: str, entity: str) -> str:
+    """A bio sentence's value word replaced by ``unknown`` (every slot sentence ends in its value)."""
+    return _LAST_WORD.sub(f"{ABSTAIN_VALUE}.", sentence) if sentence.endswith(".") else sentence
+
+
+def verifier(store_path: str) -> Any:
+    """The synthetic world's verifier: ``kb_exact``, a slot sentence against its stored sentence."""
+    from nemo_factuality.verify.kb import KBExactVerifier
+
+    return KBExactVerifier(store_path)
 
 
 RESPONSE_MARKER = "Bio:"

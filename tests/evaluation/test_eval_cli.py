@@ -64,7 +64,8 @@ def test_group_by_and_demo(tmp_path):
         os.umask(old_umask)
     # the temp-file-and-rename writes give the mode any file gets under umask 022 (mkstemp's is 0600)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in demo.iterdir() if p.is_file()}
-    assert modes == {n: "0o644" for n in ("report.json", "report.md", "precision_vs_claims.png", "demo_kb.sqlite")}, modes
+    assert modes == {n: "0o644" for n in ("report.json", "report.md", "claims.jsonl", "precision_vs_claims.png",
+                                          "demo_kb.sqlite")}, modes
     rep = json.loads((demo / "report.json").read_text())["groups"]
     # careful responders are more precise than bold ones on the embedded knowledge store
     assert rep["careful"]["safe"]["precision"] > rep["bold"]["safe"]["precision"]

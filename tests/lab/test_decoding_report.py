@@ -76,7 +76,7 @@ _OFFSETS = (-0.03, -0.01, 0.01, 0.03)
 
 def _block(fs: float, claims: float = 4.0) -> dict:
     tier = {"factscore": fs, "claims_per_response": claims, "abstain_rate": 0.2, "precision": fs}
-    return {**tier, "safe_f1@6": fs - 0.1, "factscore_gamma10": fs / 2, "respond_ratio": 1.0, "n_responses": 120,
+    return {**tier, "safe_f1": fs - 0.1, "factscore_gamma10": fs / 2, "respond_ratio": 1.0, "n_responses": 120,
             "per_tier": {t: dict(tier) for t in W.TIERS},
             "per_person": {f"person {i}": {"score_sum": 4 * (fs + o), "responding": 4} for i, o in enumerate(_OFFSETS)}}
 
@@ -91,7 +91,7 @@ def _seed(base_t1: float, greedy: float, after: dict[str, tuple[float, float]], 
                "greedy_threshold": _block(greedy + 0.005 if greedy_threshold is None else greedy_threshold, 3.5)}
     scores = {k: b["factscore"] for k, b in heldout.items()} | (ref_val or {})
     tuning = {"temperature": 0.5, "threshold": 0.4, "greedy_threshold": 0.3,
-              "validation": {k: {"factscore": v, "safe_f1@6": v - 0.1} for k, v in scores.items()}}
+              "validation": {k: {"factscore": v, "safe_f1": v - 0.1} for k, v in scores.items()}}
     base = {"heldout": heldout, "rl_prompts": {"t1": _block(base_t1)}, "validation": {"t1": _block(base_t1), "greedy": _block(greedy)}}
     methods = {}
     for name, (t1, gr) in after.items():
@@ -106,8 +106,8 @@ def _seed(base_t1: float, greedy: float, after: dict[str, tuple[float, float]], 
     return {"context": {"base_blocks": base, "tuning": tuning}, "methods": methods}
 
 
-def _report(results: dict[int, dict], names: list[str]) -> dict:
-    report = aggregate(results, names)
+def _report(results: dict[int, dict], names: list[str], world: str = "synthetic") -> dict:
+    report = aggregate(results, names, world)
     report["summary"] = summary(report)
     report.update(config={"eval_samples": 4, "jobs": 2, "threads": 1, "trainable": "calibration"},
                   timings={"total": {"wall_s": 60.0, "cpu_s": 100.0}})
@@ -289,7 +289,7 @@ def test_results_without_per_person_scores_have_no_interval():
         for block in blocks.values():
             block.pop("per_person")
     s = _report(results, ["klcf"])["summary"]
-    assert s["heldout_people"] is None and s["t1"]["margin"]["interval"] is None
+    assert s["heldout_entities"] is None and s["t1"]["margin"]["interval"] is None
     assert {m["verdict"] for d in ("t1", "greedy") for m in s["against_base"][d].values()} == {"within noise"}
     assert "no per-person scores" in s["headline"][0]
 
@@ -306,13 +306,43 @@ def test_the_first_sentences_answer_the_questions_and_name_the_development_seed(
                                "both picked on validation: at T=1, knowrl (72.0) against base, T=1 + tuned threshold (70.0): "
                                "+2.0 [+2.0, +2.0] points, beats;")
     assert lines[3].endswith("is met.")
-    assert lines[4] == ("Seed 4: fresh, not the development seed (0), whose held-out numbers were looked at while the lab "
-                        "was designed.")
+    assert lines[4] == ("Seed 4: fresh worlds of invented people that no design decision looked at, not the development "
+                        "seed (0), which is not a fresh test: its held-out numbers were looked at while the lab was designed.")
     several = _report({s: _seed(0.60, 0.84, {"klcf": (0.70 + d, 0.80)}) for s, d in ((0, 0.0), (1, 0.02), (2, 0.01))}, ["klcf"])
     first = several["summary"]["headline"]
     assert ("At T=1: yes for klcf (+11.0 ± 1.0 [+11.0, +11.0]). At greedy: no, behind, for klcf "
             "(-4.0 ± 0.0 [-4.0, -4.0]).") in first[1]
-    assert first[3].startswith("**Seed 0 is the development seed**") and first[3].endswith("(the other seeds are).")
+    assert first[3] == ("**Seed 0 is the development seed**, not a fresh test: its held-out numbers were looked at while "
+                        "the lab was designed. Seeds 1, 2: fresh worlds of invented people that no design decision looked at.")
+    alone = _report({0: _seed(0.60, 0.84, {"klcf": (0.70, 0.80)})}, ["klcf"])["summary"]["headline"]
+    assert alone[3] == ("**Seed 0 is the development seed**, not a fresh test: its held-out numbers were looked at while "
+                        "the lab was designed.")
+
+
+def test_the_countries_worlds_report_speaks_of_countries():
+    """The same sentences in the countries world's words: its nouns (and their possessive), its development seed's
+    story and what its other seeds are."""
+    results = {4: _seed(0.60, 0.84, {"klcf": (0.603, 0.90)})}
+    lines = [x for x in render_markdown(_report(results, ["klcf"], "countries")).splitlines() if x.strip()]
+    assert lines[1].startswith("**What one seed can tell:** each margin comes with a 95% paired bootstrap interval "
+                               "[in brackets] over the 4 held-out countries (2000 resamples of the countries, the same "
+                               "countries for the method and its baseline)")
+    assert ("The interval measures the held-out countries' sampling noise (would the margin hold for other countries "
+            "like these?)") in lines[1]
+    tuned = ("the countries world (its prompt, aliases and run sizes) was built and tuned on its runs, their held-out "
+             "answers read")
+    others = ("other held-out countries drawn from the same countries the world was tuned on (a few may have been seed "
+              "0's held-out countries too)")
+    assert lines[4] == f"Seed 4: {others}, not the development seed (0), which is not a fresh test: {tuned}."
+    several = _report({s: _seed(0.60, 0.84, {"klcf": (0.70, 0.80)}) for s in (0, 1)}, ["klcf"], "countries")
+    assert several["summary"]["headline"][3] == (f"**Seed 0 is the development seed**, not a fresh test: {tuned}. "
+                                                 f"Seed 1: {others}.")
+    for blocks in (results[4]["context"]["base_blocks"]["heldout"], results[4]["methods"]["klcf"]["heldout"]):
+        for block in blocks.values():
+            block.pop("per_person")
+    assert _report(results, ["klcf"], "countries")["summary"]["headline"][0] == (
+        "**What one seed can tell:** these results carry no per-country scores (they predate them), so no margin has an "
+        "interval over the held-out countries and every margin is within noise.")
 
 
 def _curve_stars(ax) -> list[tuple[float, float]]:

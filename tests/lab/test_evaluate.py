@@ -3,6 +3,8 @@ per-person FActScore terms the report's paired bootstrap resamples."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from nemo_factuality.lab import world as W
@@ -43,6 +45,10 @@ def test_run_eval_scores_with_the_eval_command(tmp_path, capsys):
     assert out["claims_per_response"] == pytest.approx(2.0)  # over responding records, FActScore's convention
     assert out["abstain_rate"] == pytest.approx(2 / 6)
     assert out["precision"] == pytest.approx(3 / 4)
+    # one wrong claim over the two responding responses; the rare tier's one over its one responding response
+    assert out["hallucinated_per_response"] == pytest.approx(1 / 2)
+    assert out["per_tier"]["rare"]["hallucinated_per_response"] == pytest.approx(1.0)
+    assert out["per_tier"]["popular"]["hallucinated_per_response"] == 0.0
     assert out["per_tier"]["rare"]["factscore"] == pytest.approx(0.5)
     assert out["per_tier"]["popular"]["abstain_rate"] == pytest.approx(1 / 3)
     # per person: the sum of its responding responses' FActScore terms, and how many responded (c abstained)
@@ -50,10 +56,16 @@ def test_run_eval_scores_with_the_eval_command(tmp_path, capsys):
                                  r.name: {"score_sum": pytest.approx(0.5), "responding": 1}}
     people = out["per_person"].values()
     assert sum(x["score_sum"] for x in people) / sum(x["responding"] for x in people) == pytest.approx(out["factscore"])
-    for name in ("report.json", "report.md", "precision_vs_claims.png", "responses.jsonl"):
+    for name in ("report.json", "report.md", "precision_vs_claims.png", "responses.jsonl", "claims.jsonl"):
         assert (tmp_path / "eval" / name).exists()
+    # the audit file lists every sentence: the abstentions as abstained, the wrong hometown with the stored one
+    audit = [json.loads(line) for line in (tmp_path / "eval" / "claims.jsonl").read_text().splitlines()]
+    assert [(a["response_id"], a["label"]) for a in audit] == [
+        ("a", "supported"), ("a", "supported"), ("a", "abstained"), ("b", "supported"), ("b", "not_supported"),
+        ("c", "abstained")]
+    assert audit[4]["evidence"] == [f"({r.name.lower()}, hometown) is [{r.facts['hometown'].lower()!r}], not {wrong.lower()!r}"]
     assert capsys.readouterr().out == ""  # the eval command's table goes to its report.md, not to the lab's output
     fresh = [{k: r[k] for k in ("id", "prompt", "response", "tier")} for r in rows]
     again = score_rows(fresh, kb)  # the same summary without the files
-    for key in ("factscore", "safe_f1@6", "precision", "claims_per_response", "abstain_rate"):
+    for key in ("factscore", "safe_f1", "precision", "claims_per_response", "abstain_rate"):
         assert again[key] == pytest.approx(out[key]) and again["per_tier"]["rare"][key] == pytest.approx(out["per_tier"]["rare"][key])

@@ -52,5 +52,20 @@ def test_help_shows_every_default(capsys):
         main(["lab", "--help"])
     assert exit_.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
-    for default in ("(default: all)", "(default: 0)", "(default: 1)", "(default: pytriton)", "(default: calibration)"):
+    for default in ("(default: all)", "(default: 0)", "(default: 1)", "(default: pytriton)", "(default: synthetic)",
+                    "Synthetic (default calibration)", "Countries (default top_layers)", "default smollm2-135m-instruct"):
         assert default in text, default
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--policy", "smollm2-135m-instruct"], "--policy 'smollm2-135m-instruct': the synthetic world trains its own tiny"),
+    (["--trainable", "lora"], "--trainable lora is for a real policy (--world countries)"),
+    (["--world", "countries", "--trainable", "calibration"], "--trainable calibration is the tiny policy's; a real policy "
+                                                             "takes top_layers, lora"),
+    (["--world", "countries", "--policy", "no-such-model"], "--policy 'no-such-model' is neither a known model"),
+])
+def test_world_and_policy_pairs_are_checked_before_any_work(tmp_path, capsys, argv, needle):
+    out = tmp_path / "o"
+    assert main(["lab", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in " ".join(err.split()) and "Traceback" not in err and not out.exists()

@@ -7,8 +7,13 @@ the report schema the README promises, and the direction each method's training 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import math
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -20,11 +25,36 @@ pytest.importorskip("pytriton")
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
+    """The command's run, its stdout and stderr kept in files beside it, fd1.log and fd2.log: file descriptors 1 and
+    2 (its worker processes write there), and — since pytest's capture replaces them, so a print() never reaches
+    fd 1 — ``sys.stdout`` and ``sys.stderr`` too, and for its own process's logging (which pytest's log handlers
+    would take, the command's ``basicConfig`` then doing nothing) a handler on the root logger writing to fd2.log."""
     from nemo_factuality.cli import main
 
     os.environ.setdefault("PYTRITON_HOME", tempfile.mkdtemp(prefix="pytriton_home_"))
     out = tmp_path_factory.mktemp("lab") / "run"
-    code = main(["lab", "--quick", "--methods", "all", "--jobs", "2", "--out", str(out)])
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    # line-buffered, so the Python-level lines and what the processes write to the descriptors (the same open file,
+    # so one offset) keep their order
+    sinks = {fd: open(out.parent / f"fd{fd}.log", "w", buffering=1, encoding="utf-8") for fd in (1, 2)}  # closed below
+    root, handler = logging.getLogger(), logging.StreamHandler(sinks[2])
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))  # the command's format
+    level = root.level
+    try:
+        for fd, sink in sinks.items():
+            os.dup2(sink.fileno(), fd)
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        with contextlib.redirect_stdout(sinks[1]), contextlib.redirect_stderr(sinks[2]):
+            code = main(["lab", "--quick", "--methods", "all", "--jobs", "2", "--out", str(out)])
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        for fd, sink in sinks.items():
+            sink.flush()
+            os.dup2(saved[fd], fd)
+            os.close(saved[fd])
+            sink.close()
     return code, out
 
 
@@ -73,7 +103,7 @@ def test_quick_lab_report_opens_with_the_answers_and_the_seed(quick_run):
     assert "| *base, greedy + tuned threshold* |" in (out / "report.md").read_text()
     report = json.loads((out / "report.json").read_text())
     people = report["references"]["per_person"]["t1"][0]  # seed 0's held-out people, paired with every method's
-    assert len(people) == 30 and report["summary"]["heldout_people"] == [30]
+    assert len(people) == 30 and report["summary"]["heldout_entities"] == [30]
     assert sum(p["score_sum"] for p in people.values()) / sum(p["responding"] for p in people.values()) == pytest.approx(
         report["references"]["t1"]["factscore"])
     expected = {(True, False): "beats", (False, True): "falls behind", (False, False): "within noise"}
@@ -104,3 +134,41 @@ def test_quick_lab_run_folder_holds_every_artefact(quick_run):
                 "plots/validation_curves.png"):
         assert (out / rel).exists(), rel
     assert "| **factalign** (kto) |" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_quick_lab_says_where_it_wrote_and_how_far_each_method_got(quick_run):
+    """Issue 54 item 6: the run ends naming report.md, report.json and plots/ (before: the report alone, no path), and
+    each method's validation line says "step 5/30" (before: "step 5", with no end in sight)."""
+    _, out = quick_run
+    printed = (out.parent / "fd1.log").read_text().strip().splitlines()
+    assert printed[-1].startswith(f"wrote {out / 'report.md'}, {out / 'report.json'} and the plots in {out / 'plots'}/")
+    logged = (out.parent / "fd2.log").read_text()
+    for name, total in (("klcf", 30), ("rlfh", 30), ("factalign", 32)):  # conf/lab/*_quick.yaml's trainer.max_steps
+        assert f"seed 0: {name}: validation at step 0/{total}:" in logged, (name, logged[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_getting_started_recipe_learns_on_this_runs_base(quick_run, tmp_path):
+    """Before: the only offline recipe trained a random policy whose reward stayed 0.0000. The getting-started page's
+    first train command (read from the page), run as written with ``$B`` this
+    run's ``seed0`` (the base, store and RL prompts its first command builds): KnowRL's stage, 30 steps; its reward
+    over the last ten steps is above the first ten's."""
+    from nemo_factuality.testing.doc_recipes import recipe_blocks, train_commands
+
+    _, out = quick_run
+    first, _ = recipe_blocks()
+    (argv,) = train_commands(first, {"B": str(out / "seed0")})
+    run_dir = tmp_path / "knowrl"
+    argv = [w if not w.startswith("exp_manager.explicit_log_dir=") else f"exp_manager.explicit_log_dir={run_dir}"
+            for w in argv]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_FACTUALITY_DEBUG")}
+    res = subprocess.run([sys.executable, "-m", "nemo_factuality.cli", "train", *argv], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=540)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rewards = [r["reward/score"] for r in rows if "reward/score" in r]
+    assert len(rewards) == 30 and all(math.isfinite(r) for r in rewards), rewards
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10, rewards
+    assert "training finished at step 30" in res.stderr and (run_dir / "final" / "config.json").is_file()

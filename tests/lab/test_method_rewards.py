@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from nemo_factuality.lab import world as W
-from nemo_factuality.lab.method_rewards import KBCoverageJudge, check_reward_options, is_abstention
+from nemo_factuality.lab.method_rewards import KBCoverageJudge, check_reward_options
 from nemo_factuality.lab.policy import train_tokenizer
+from nemo_factuality.lab.worlds import get_world
 from nemo_factuality.registry import RegistryError, build_reward
 from nemo_factuality.types import FactualityInputError
 
@@ -121,6 +122,7 @@ def test_coverage_judge_and_abstention_sentences():
     judge = KBCoverageJudge()
     said = "Ab Cd was born in 1931. Ab Cd spoke Rul."
     assert judge.check_batch([said, said], ["Ab Cd spoke Rul.", "Ab Cd was born in 1932."]) == [(True, None), (False, None)]
+    is_abstention = get_world("synthetic").is_abstention
     assert is_abstention("Ab Cd spoke unknown.") and not is_abstention("Ab Cd spoke Rul.")
     assert W.parse_sentence("Ab Cd worked as a unknown.") == ("Ab Cd", "occupation", "unknown")
     assert W.parse_sentence("Ab Cd was") is None

@@ -9,14 +9,23 @@ import torch
 
 from nemo_factuality.config import ConfigError
 from nemo_factuality.lab import world as W
-from nemo_factuality.lab.methods import GROUPS, METHODS, check_overrides, route_overrides, select_methods
+from nemo_factuality.lab.methods import (
+    GROUPS,
+    METHODS,
+    check_overrides,
+    load_stage_config,
+    route_overrides,
+    select_methods,
+)
 from nemo_factuality.lab.policy import PolicyConfig, build_policy, train_tokenizer
 from nemo_factuality.lab.run import _budget_steps, _samples_per_step, rl_prompt_pool
-from nemo_factuality.lab.train import Validator, load_stage_config, restrict_trainable
+from nemo_factuality.lab.train import Validator, restrict_trainable
 from nemo_factuality.types import FactualityInputError
 
 PRESETS = {"grpo": "grpo", "ppo": "ppo", "kto": "kto"}
 QUICK = {"grpo": "grpo_quick", "ppo": "ppo_quick", "kto": "kto_quick"}
+COUNTRIES = {stage: f"{stage}_countries" for stage in PRESETS}
+COUNTRIES_QUICK = {stage: f"{stage}_countries_quick" for stage in PRESETS}
 
 
 def test_presets_load_over_their_stage_schemas():
@@ -31,7 +40,7 @@ def test_presets_load_over_their_stage_schemas():
         load_stage_config("grpo", "grpo", ["model.path=/m"])
 
 
-@pytest.mark.parametrize("presets", [PRESETS, QUICK])
+@pytest.mark.parametrize("presets", [PRESETS, QUICK, COUNTRIES, COUNTRIES_QUICK])
 def test_every_method_gets_the_same_policy_samples(presets):
     budgets = {}
     for name, m in METHODS.items():
