@@ -16,10 +16,14 @@ servers it started, so the stop takes each worker's whole process tree: SIGTERM 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,63 @@ def stop_process_trees(pids: list[int], grace_s: float = 5.0) -> int:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
     return len(tree)
+
+
+def proc_stat(pid: int | str) -> list[str] | None:
+    """``/proc/<pid>/stat`` fields after the command name: [state, ppid, pgrp, ...]; None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def group_members(pgid: int) -> dict[int, str]:
+    """Live (not zombie) processes in process group ``pgid``, with their command lines (Linux ``/proc``). A zombie
+    holds no memory: an orphaned worker's zombie waits for init to reap it, and in a container whose first process
+    reaps nothing it would wait for ever."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        stat = proc_stat(entry.name) if entry.name.isdigit() else None
+        if stat and stat[0] != "Z" and int(stat[2]) == pgid:
+            try:
+                members[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+            except OSError:
+                continue
+    return members
+
+
+def wait_group_empty(pgid: int, timeout_s: float, *, leader: subprocess.Popen | None = None) -> dict[int, str]:
+    """Wait until process group ``pgid`` has no live process, at most ``timeout_s``; returns those still there.
+    ``leader``: the group's first process, a child of this one, reaped meanwhile (else it stays a zombie)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if leader is not None:
+            leader.poll()
+        members = group_members(pgid)
+        if not members or time.monotonic() >= deadline:
+            return members
+        time.sleep(0.05)
+
+
+def stop_process_group(leader: subprocess.Popen, *, term_grace_s: float, kill_wait_s: float = 30.0) -> dict[int, str]:
+    """Stop the process group ``leader`` heads (started with ``start_new_session``) and wait until every process of
+    it is gone, not only the leader: SIGTERM to the group, up to ``term_grace_s`` for all of it to exit (a vLLM
+    engine's workers release their GPU memory on SIGTERM), then SIGKILL to what is left and up to ``kill_wait_s`` for
+    it to go (a killed process keeps its GPU memory until its CUDA context is torn down). Returns the processes
+    still there at the end (none expected); the leader is reaped."""
+    pgid = leader.pid
+    for sig, wait_s in ((signal.SIGTERM, term_grace_s), (signal.SIGKILL, kill_wait_s)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            break
+        if not wait_group_empty(pgid, wait_s, leader=leader):
+            break
+    try:
+        leader.wait(timeout=kill_wait_s)
+    except subprocess.TimeoutExpired:
+        pass
+    return group_members(pgid)
 
 
 @contextmanager

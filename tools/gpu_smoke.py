@@ -15,7 +15,9 @@ One run builds a Qwen2-shaped model from a config (``qwen2-0.5b``: Qwen2.5-0.5B'
   with the step-time split from ``metrics.jsonl`` and peak GPU memory against ``backends.aligner.memory``'s prediction;
 * **megatron** (``--backend megatron``, instead of aligner): the megatron backend's actor from the HF folder itself
   (no ``.nemo`` step), measured the same way (``tools/gpu_smoke_megatron.py`` says how it differs);
-* **trl**: TRL's ``GRPOTrainer`` on the same HF weights, prompts, group size, completion length and reward.
+* **trl**: TRL's ``GRPOTrainer`` on the same HF weights, prompts, group size, completion length and reward;
+* **async** (``--async``): the hf backend's GRPO with rollouts on a vLLM engine (``--vllm-python``) at
+  ``grpo.max_staleness`` 0 and 1 (``tools/gpu_smoke_async.py``; on ``--cpu`` a scripted engine stands in for vLLM).
 
 It prints a table and writes ``smoke.json`` and ``smoke.md`` under ``--out``. Without Transformer Engine and Apex
 (a bare GPU) Megatron-Core's local layer spec and ``nemo_factuality.testing.apex_free`` stand in for them.
@@ -33,13 +35,16 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_smoke_async import report_line as async_line  # the async phase's sentence (its run imports the stack)
 from gpu_smoke_common import (  # the kit's shared pieces (this folder is on sys.path: python tools/gpu_smoke.py)
     MODELS,
     REPO,
     _pythonpath,
     build,
     fit_toy_grpo,
+    gib_cell,
     measure_generation,
+    oom_text,
     peak_gib,
     prompts,
     reset_peak,
@@ -154,11 +159,13 @@ def run_trl(args, hf: Path, run_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from nemo_factuality.local_models import dtype_keyword
+
     s = shape(args)
     tok = AutoTokenizer.from_pretrained(str(hf))
     tok.padding_side = "left"
     dtype = torch.float32 if args.cpu else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(hf), **{dtype_keyword(): dtype})
     texts = prompts(64, s["prompt_tokens"], model.config.vocab_size)[: 4 * s["prompts_per_step"]]
     calls: list[tuple[int, float]] = []  # (tokens, seconds) of each generate call: one per step
     generate = model.generate
@@ -267,16 +274,17 @@ def report(result: dict) -> str:
     size = a["parameters_b"]
     title = (f"# GPU smoke: {result['device']}, {result['model']} "
              + (f"({size:.2f} B parameters)" if size >= 0.1 else f"({size * 1e3:.2f} M parameters)"))
+    on_gpu = result["device"] != "cpu"
     if backend == "megatron":
         from gpu_smoke_megatron import report_rows
 
         trl_dtype = "float32" if result["device"] == "cpu" else "bf16"
         lines = [title, "", f"| | megatron backend (Megatron-Core 0.16.1 + Bridge 0.3.1, {a['dtype']}, local spec) | "
-                 f"TRL GRPOTrainer 0.15.2 ({trl_dtype}) |", "|---|---|---|", *report_rows(a, t), "",
+                 f"TRL GRPOTrainer 0.15.2 ({trl_dtype}) |", "|---|---|---|", *report_rows(a, t, on_gpu), "",
                  f"{a['steps']} GRPO steps of {a['tokens_per_step']} new tokens; toy reward per step: "
                  f"{', '.join(f'{r:.3f}' for r in a['rewards'])}. Build from HF {a['setup_s']:.1f} s; steps after the "
                  f"first are averaged; Transformer Engine in use: {a['transformer_engine']}.", "",
-                 _hf_line(result.get("hf"))]
+                 _hf_line(result.get("hf")), async_line(result.get("async"))]
         return "\n".join(lines) + "\n"
     g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
     trl_gen = f"{t['generation']['tokens_per_s']:.0f}" if t else "not run"
@@ -287,23 +295,23 @@ def report(result: dict) -> str:
         lines.append(f"| generation tokens/s, rollout batch {gmax['batch']} (the formula allows {a['formula_max_batch']}) "
                      f"| {gmax['tokens_per_s']:.0f} | — |")
     else:
-        lines.append(f"| generation at the largest batch | out of memory at {a['oom_batches']} | — |")
+        lines.append(f"| generation at the largest batch | {oom_text(a['oom_batches'], on_gpu)} | — |")
     lines += [f"| GRPO step, s: total (generate / reward / log-probs / train) | {split.get('step', float('nan')):.2f} "
               f"({split.get('generate', 0):.2f} / {split.get('reward', 0):.2f} / {split.get('logprobs', 0):.2f} / "
               f"{split.get('train', 0):.2f}) | {t['step_s']:.2f} |" if t else
               f"| GRPO step, s | {split.get('step', float('nan')):.2f} | not run |",
-              f"| peak GPU memory, GiB, training (the formula's prediction) | {a['peak_gib']['train']:.1f} "
-              f"({a['predicted_gib']['train']:.1f}) | {t['peak_gib']:.1f} |" if t else "",
-              f"| peak GPU memory, GiB, rollout batch 16 (prediction) | {a['peak_gib']['rollout_16']:.1f} "
+              f"| peak GPU memory, GiB, training (the formula's prediction) | {gib_cell(a['peak_gib']['train'], on_gpu)} "
+              f"({a['predicted_gib']['train']:.1f}) | {gib_cell(t['peak_gib'], on_gpu)} |" if t else "",
+              f"| peak GPU memory, GiB, rollout batch 16 (prediction) | {gib_cell(a['peak_gib']['rollout_16'], on_gpu)} "
               f"({a['predicted_gib']['rollout_16']:.1f}) | — |", "",
               f"{a['steps']} GRPO steps of {a['tokens_per_step']} new tokens; toy reward per step: "
               f"{', '.join(f'{r:.3f}' for r in a['rewards'])}. Restore + init {a['setup_s']:.1f} s; "
-              f"steps after the first are averaged.", "", _hf_line(result.get("hf"))]
+              f"steps after the first are averaged.", "", _hf_line(result.get("hf")), async_line(result.get("async"))]
     return "\n".join(line for line in lines if line is not None) + "\n"
 
 
 # seconds each phase may run on a GPU (``--phase-timeout`` overrides all; 900 each on CPU)
-PHASE_TIMEOUTS_S = {"aligner": 240.0, "megatron": 240.0, "hf": 60.0, "trl": 150.0}
+PHASE_TIMEOUTS_S = {"aligner": 240.0, "megatron": 240.0, "hf": 60.0, "trl": 150.0, "async": 240.0}
 
 
 def _phase(args, phase: str, out: Path) -> dict:
@@ -313,7 +321,8 @@ def _phase(args, phase: str, out: Path) -> dict:
     python = os.environ.get(f"NF_SMOKE_{phase.upper()}_PYTHON", sys.executable)
     path = os.environ.get(f"NF_SMOKE_{phase.upper()}_PYTHONPATH", _pythonpath())
     cmd = [python, __file__, "--phase", phase, "--out", str(out), "--steps", str(args.steps),
-           "--max-batch-cap", str(args.max_batch_cap), *(["--cpu"] if args.cpu else [])]
+           "--max-batch-cap", str(args.max_batch_cap), *(["--cpu"] if args.cpu else []),
+           *(["--vllm-python", args.vllm_python] if args.vllm_python else [])]
     proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=path), start_new_session=True)
     try:
         code = proc.wait(timeout=args.phase_timeouts[phase])
@@ -342,7 +351,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds each phase may run; past it the phase is stopped, recorded as such, and the next one "
                          "runs (default on a GPU: the backend's 240, hf 60, TRL 150 — with the model build within 8 "
                          "minutes; 900 each with --cpu)")
-    ap.add_argument("--phase", choices=("aligner", "megatron", "hf", "trl"), help=argparse.SUPPRESS)
+    ap.add_argument("--async", dest="run_async", action="store_true",
+                    help="also the async GRPO phase: grpo.max_staleness 0 and 1 on a vLLM engine (--vllm-python)")
+    ap.add_argument("--vllm-python", help="the interpreter with vLLM the async phase's engine runs in (default "
+                                          "$NF_SMOKE_VLLM_PYTHON, then $NEMO_FACTUALITY_VLLM_PYTHON)")
+    ap.add_argument("--phase", choices=("aligner", "megatron", "hf", "trl", "async"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.steps = args.steps or (2 if args.cpu else 4)
     args.max_batch_cap = args.max_batch_cap or (48 if args.cpu else 1024)
@@ -353,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     s = shape(args)
     if args.phase:
+        from nemo_factuality.stack_warnings import ignore_expected_warnings
+
+        ignore_expected_warnings()  # this process runs one stack: its warnings about the kit's CPU path are known
         hf, nemo = out / "hf", out / "policy"
         run_dir = out / f"{args.phase}_run"
         shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run each time, never a resume of the last one
@@ -360,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
             from gpu_smoke_megatron import run_megatron
 
             result = run_megatron(args, hf, run_dir)
+        elif args.phase == "async":
+            from gpu_smoke_async import run_async
+
+            result = run_async(args, hf, run_dir)
         else:
             fn = {"aligner": run_aligner, "hf": run_hf, "trl": run_trl}[args.phase]
             result = fn(args, nemo if args.phase == "aligner" else hf, run_dir)
@@ -372,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     build(out, s["model"], nemo_too=args.backend == "aligner")
     result = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "model": s["model"], "shape": s,
               "torch": torch.__version__, "backend": args.backend}
-    for phase in (args.backend, *(() if args.skip_trl else ("hf", "trl"))):  # hf: TRL's stack, the peer's engine
+    # hf: TRL's stack, the peer's engine; async: the hf backend's GRPO on a vLLM engine
+    for phase in (args.backend, *(() if args.skip_trl else ("hf", "trl")), *(("async",) if args.run_async else ())):
         result[phase] = _phase(args, phase, out)
         (out / "smoke.json").write_text(json.dumps(result, indent=1))  # what has run so far, whatever comes next
     if "error" in result[args.backend]:

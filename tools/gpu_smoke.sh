@@ -7,6 +7,7 @@
 #   bash tools/gpu_smoke.sh --download DIR [--backend megatron]   # on a machine with PyPI: fetch those wheels into DIR
 #   bash tools/gpu_smoke.sh --cpu [--backend megatron] [--out DIR] # the CPU path (tiny model) in the backend's venv
 #   bash tools/gpu_smoke.sh --install-only [--backend megatron]    # only the offline install (CI: Python 3.12)
+#   ... --async --vllm-python PY   # also async GRPO (grpo.max_staleness 0 and 1) on a vLLM engine in PY (not carried)
 #
 # requirements/gpu_smoke.txt lists what the aligner backend (NeMo, Megatron-Core 0.12, NeMo-Aligner) and the TRL peer
 # carry, installed into $NF_SMOKE_SITE; requirements/gpu_smoke_megatron.txt what the megatron backend (Megatron-Core
@@ -15,6 +16,9 @@
 # one of them. Transformer Engine and Apex are CUDA builds that cannot be carried: Megatron-Core's local layer spec,
 # nemo_factuality.testing.apex_free (aligner) and testing.megatron_cpu's import-time TE stand-in (megatron) stand in.
 set -euo pipefail
+for arg in "$@"; do  # the comment block above is the usage; it needs nothing installed
+  case $arg in -h | --help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;; esac
+done
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 wheels=${NF_SMOKE_WHEELS:-.whl}
@@ -68,13 +72,21 @@ if [ $cpu = 1 ]; then
   hf_python=$PWD/.venv/bin/python
   [ -x "$hf_python" ] || hf_python=$(command -v python3)
   export NF_SMOKE_HF_PYTHON=${NF_SMOKE_HF_PYTHON:-$hf_python} NF_SMOKE_HF_PYTHONPATH="$PWD"
+  # the async phase (--async) is the hf backend's too
+  export NF_SMOKE_ASYNC_PYTHON=${NF_SMOKE_ASYNC_PYTHON:-$hf_python} NF_SMOKE_ASYNC_PYTHONPATH="$PWD"
   exec env PYTHONPATH="$PWD" OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" GLOO_SOCKET_IFNAME=lo MASTER_ADDR=127.0.0.1 \
     "$venv/bin/python" tools/gpu_smoke.py "$@"
 fi
 
 if [ $install_only = 0 ]; then
-  python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" || {
-    echo "gpu_smoke: PyTorch sees no GPU here; run with --cpu for the CPU path" >&2; exit 2; }
+  python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'" 2>/dev/null || {
+    if python3 -c "import torch" 2>/dev/null; then
+      echo "gpu_smoke: PyTorch sees no GPU here; run with --cpu for the CPU path" >&2
+    else
+      echo "gpu_smoke: $(command -v python3) has no PyTorch: run the kit with the GPU machine's Python (or --cpu for" \
+        "the CPU path, which brings its own venv)" >&2
+    fi
+    exit 2; }
 fi
 missing=()
 for stack in "${stacks[@]}"; do
@@ -104,8 +116,9 @@ done
 [ $install_only = 1 ] && { echo "== installed" >&2; exit 0; }
 # the megatron phase's process sees the megatron stack only; the parent (model build) and the TRL peer the aligner's
 [ $backend = megatron ] && export NF_SMOKE_MEGATRON_PYTHONPATH="$site-megatron:$PWD"
-# the hf backend's phase: the machine's own torch and transformers 5 (the carried stacks pin older transformers)
-export NF_SMOKE_HF_PYTHONPATH="$PWD"
+# the hf backend's phase: the machine's own torch and transformers 5 (the carried stacks pin older transformers);
+# the async phase (--async: the hf backend on a vLLM engine, --vllm-python) alike
+export NF_SMOKE_HF_PYTHONPATH="$PWD" NF_SMOKE_ASYNC_PYTHONPATH="$PWD"
 if [ $backend = megatron ] && [ $skip_trl = 1 ]; then
   export PYTHONPATH="$site-megatron:$PWD"
 else

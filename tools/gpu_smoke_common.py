@@ -57,6 +57,8 @@ def build(out: Path, model: str, *, nemo_too: bool = True) -> tuple[Path, Path]:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+    from nemo_factuality.local_models import dtype_keyword
+
     hf, nemo = out / "hf", out / "policy"
     if (nemo / "model_config.yaml").is_file() or (not nemo_too and (hf / "config.json").is_file()):
         return hf, nemo
@@ -68,8 +70,8 @@ def build(out: Path, model: str, *, nemo_too: bool = True) -> tuple[Path, Path]:
                                    eos_token="<|im_end|>", pad_token="<pad>")
     fast.save_pretrained(str(hf))
     torch.manual_seed(0)
-    config = Qwen2Config(**cfg, torch_dtype="bfloat16", pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id,
-                         bos_token_id=fast.bos_token_id)
+    config = Qwen2Config(**cfg, **{dtype_keyword(): "bfloat16"}, pad_token_id=fast.pad_token_id,
+                         eos_token_id=fast.eos_token_id, bos_token_id=fast.bos_token_id)
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(str(hf))
     if not nemo_too:
         return hf, nemo
@@ -87,6 +89,19 @@ def peak_gib() -> float:
     import torch
 
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def gib_cell(value: float | None, on_gpu: bool) -> str:
+    """A peak-GPU-memory cell of the report: GiB on a GPU; on the CPU path, which has no GPU to measure, it says so
+    (the value is NaN there: "nan" read as a measurement)."""
+    return f"{value:.1f}" if on_gpu and value is not None else "not on a GPU"
+
+
+def oom_text(tried: list[int], on_gpu: bool) -> str:
+    """The batches that ran out of memory before the largest that fit, as the report says them."""
+    if not on_gpu:
+        return "no memory limit off a GPU: the CPU path's cap"
+    return f"out of memory at {', '.join(map(str, tried))}" if tried else "none ran out of memory"
 
 
 def reset_peak() -> None:

@@ -189,8 +189,11 @@ def run_megatron(args, hf: Path, run_dir: Path) -> dict:
     }
 
 
-def report_rows(a: dict, t: dict) -> list[str]:
-    """The megatron column's table rows (the TRL peer's beside them), in ``gpu_smoke.report``'s layout."""
+def report_rows(a: dict, t: dict, on_gpu: bool = True) -> list[str]:
+    """The megatron column's table rows (the TRL peer's beside them), in ``gpu_smoke.report``'s layout; ``on_gpu``
+    False (the CPU path): no memory figures, said so."""
+    from gpu_smoke_common import gib_cell, oom_text
+
     g16, gmax, split = a["generation_16"], a["generation_max"], a["step_split_s"]
     trl_gen = f"{t['generation']['tokens_per_s']:.0f}" if t else "not run"
     rows = []
@@ -204,10 +207,10 @@ def report_rows(a: dict, t: dict) -> list[str]:
     rows.append(f"| generation tokens/s, rollout batch 16 ({a['engines']['faster']} engine, sampled) | "
                 f"{g16['tokens_per_s']:.0f} | {trl_gen} |")
     if gmax:
-        rows.append(f"| generation tokens/s, rollout batch {gmax['batch']} (largest tried that fit; out of memory at "
-                    f"{a['oom_batches'] or 'none'}) | {gmax['tokens_per_s']:.0f} | — |")
+        rows.append(f"| generation tokens/s, rollout batch {gmax['batch']} (largest tried that fit; "
+                    f"{oom_text(a['oom_batches'], on_gpu)}) | {gmax['tokens_per_s']:.0f} | — |")
     else:
-        rows.append(f"| generation at the largest batch | out of memory at {a['oom_batches']} | — |")
+        rows.append(f"| generation at the largest batch | {oom_text(a['oom_batches'], on_gpu)} | — |")
     step = (f"{split.get('step', float('nan')):.2f} ({split.get('generate', 0):.2f} / {split.get('reward', 0):.2f} / "
             f"{split.get('logprobs', 0):.2f} / {split.get('train', 0):.2f})")
     rows.append(f"| GRPO step, s: total (generate / reward / log-probs / train) | {step} | "
@@ -215,8 +218,9 @@ def report_rows(a: dict, t: dict) -> list[str]:
                 f"{step} | not run |")
     bound = a["states_lower_bound_gib"]
     bound_text = f"≥ {bound:.1f} (states only, no activation term)" if bound is not None else "no formula for this dtype"
-    trl_peak = f"{t['peak_gib']:.1f}" if t else "not run"
-    rows += [f"| peak GPU memory, GiB, training (lower bound: {bound_text}) | {a['peak_gib']['train']:.1f} | "
-             f"{trl_peak} |",
-             f"| peak GPU memory, GiB, rollout batch 16 (no formula yet) | {a['peak_gib']['rollout_16']:.1f} | — |"]
+    trl_peak = gib_cell(t["peak_gib"], on_gpu) if t else "not run"
+    rows += [f"| peak GPU memory, GiB, training (lower bound: {bound_text}) | {gib_cell(a['peak_gib']['train'], on_gpu)} "
+             f"| {trl_peak} |",
+             f"| peak GPU memory, GiB, rollout batch 16 (no formula yet) | "
+             f"{gib_cell(a['peak_gib']['rollout_16'], on_gpu)} | — |"]
     return rows

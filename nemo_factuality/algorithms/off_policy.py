@@ -31,3 +31,18 @@ def truncated_importance_weights(trainer_logprobs: torch.Tensor, engine_logprobs
         raise ValueError(f"truncated importance weights need cap >= 1, got {cap}")
     ratio = torch.exp((trainer_logprobs - engine_logprobs).detach().float())
     return torch.clamp(ratio, max=cap) * mask
+
+
+def importance_weight_stats(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor,
+                            cap: float) -> dict[str, float]:
+    """How far the sampling policy was from the trainer's over the masked tokens (``[B, T]`` each), for rollouts of
+    older weights: the untruncated ratio ``π_trainer / π_engine``'s min and max, and the fraction of tokens whose
+    weight the cap truncated (``ratio > cap``). NaN without a masked token."""
+    check_same_shape(("trainer_logprobs", trainer_logprobs), ("engine_logprobs", engine_logprobs), ("mask", mask))
+    on = mask > 0
+    if not bool(on.any()):
+        return {"rollout/tis_ratio_min": float("nan"), "rollout/tis_ratio_max": float("nan"),
+                "rollout/tis_clipped_frac": float("nan")}
+    ratio = torch.exp((trainer_logprobs - engine_logprobs).detach().double())[on]
+    return {"rollout/tis_ratio_min": ratio.min().item(), "rollout/tis_ratio_max": ratio.max().item(),
+            "rollout/tis_clipped_frac": (ratio > cap).double().mean().item()}

@@ -24,9 +24,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
+from nemo_factuality.stopping import group_members, wait_group_empty  # noqa: F401 (the tests' names for them)
 from nemo_factuality.testing.paths import REPO_ROOT
 from nemo_factuality.testing.ports import free_ports
-from nemo_factuality.testing.venvs import proc_stat
 
 # how long a reward server may take to stop on SIGTERM before the test counts it as not stopping by itself
 STOP_WAIT_S = 90
@@ -47,26 +47,6 @@ def convert_checkpoint(*args: str, timeout_s: float = 240) -> None:
                          capture_output=True, text=True, timeout=timeout_s)
     if res.returncode != 0:
         raise RuntimeError(f"convert {' '.join(args)} exited {res.returncode}:\n{res.stderr[-2000:]}")
-
-
-def group_members(pgid: int) -> dict[int, str]:
-    """Live (not zombie) processes in process group ``pgid``, with their command lines."""
-    members = {}
-    for entry in Path("/proc").iterdir():
-        stat = proc_stat(entry.name) if entry.name.isdigit() else None
-        if stat and stat[0] != "Z" and int(stat[2]) == pgid:
-            try:
-                members[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
-            except OSError:
-                continue
-    return members
-
-
-def wait_group_empty(pgid: int, timeout_s: float) -> dict[int, str]:
-    deadline = time.monotonic() + timeout_s
-    while (members := group_members(pgid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return members
 
 
 def shared_memory_of(pgid: int) -> set[Path]:

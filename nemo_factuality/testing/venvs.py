@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nemo_factuality.stopping import proc_stat
 from nemo_factuality.testing.paths import REPO_ROOT
 
 log = logging.getLogger(__name__)
@@ -135,14 +136,6 @@ def descendants(pid: int) -> list[int]:
         frontier = [c for p in frontier for c in children.get(p, [])]
         out += frontier
     return out
-
-
-def proc_stat(pid: int | str) -> list[str] | None:
-    """``/proc/<pid>/stat`` fields after the command name: [state, ppid, pgrp, ...]; None when gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
 
 
 def run_in_venv(venv: Path, args: list[str], *, env: dict[str, str], nproc: int = 1, timeout: float = 300,

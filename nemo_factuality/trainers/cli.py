@@ -1,5 +1,5 @@
-"""``nemo-factuality train {grpo,ppo,kto} --config-name NAME [--preset PRESET] [key=value ...]`` and the stages'
-``python -m`` entry.
+"""``nemo-factuality train {grpo,ppo,kto} --config-name NAME [--preset PRESET] [key=value ...]`` (also reached as
+``python -m nemo_factuality.trainers.<stage>``, whose entry block goes through ``nemo_factuality.cli.run_as_module``).
 
 parse config → build actor (and critic), reward, data → run the stage's trainer → clean up.
 """
@@ -109,11 +109,15 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
     pairs = load_pairs(cfg.data.general_pairs) if stage == "kto" and cfg.data.general_pairs else []
     check_model_paths(stage, cfg)
     if cfg.rollout.engine == "vllm":  # before the policy loads (with_rollout_engine checks again for other callers)
-        from nemo_factuality.trainers.engines.vllm_rollout import check_untied_output_layer
+        from nemo_factuality.trainers.engines.vllm_engine import engine_python, require_vllm
 
-        check_untied_output_layer(cfg.model.path)
+        # the engine's Python imports vLLM: a seconds-long probe, where the refusal used to come after the weights loaded
+        require_vllm(engine_python(cfg.rollout.vllm))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_dir = Path(cfg.exp_manager.explicit_log_dir)
+    from nemo_factuality.trainers.resume import check_resume, write_run_config
+
+    resumed = check_resume(run_dir, cfg)  # a checkpoint of another model: one line, before anything loads
     # torch and the backends load only now: a config or input error above reaches the user without their import
     from nemo_factuality.config import to_yaml
     from nemo_factuality.trainers.backends import BACKENDS
@@ -133,7 +137,7 @@ def run_stage(stage: str, argv: Sequence[str] | None) -> int:
         # start-up passed (models, engine, reward servers): only now does the run folder get its files
         run_dir.mkdir(parents=True, exist_ok=True)
         if writer:
-            (run_dir / "config.yaml").write_text(to_yaml(cfg), encoding="utf-8")
+            write_run_config(run_dir, to_yaml(cfg), resumed)  # a resume keeps the first config, its changes beside
         _fit(stage, cfg, actor, critic, reward, train, val, pairs, run_dir)
     except ServerUnavailableError as err:
         # the Slurm launcher requeues on this file as well as on exit 75 (srun may report a killed rank's code)
@@ -191,9 +195,3 @@ def main(argv: Sequence[str]) -> int:
         raise UsageError(f"unknown stage {argv[0]!r}; choose one of {', '.join(STAGES)} (see 'nemo-factuality train --help')")
     return run_stage(argv[0], argv[1:])
 
-
-def exit_on_user_error(stage: str) -> int:
-    """``python -m nemo_factuality.trainers.<stage>`` behind the CLI's error boundary (one line, exit 2)."""
-    from nemo_factuality.cli import run_command
-
-    return run_command(lambda argv: run_stage(stage, argv), sys.argv[1:], f"train {stage}")

@@ -13,8 +13,8 @@ and signs).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 from nemo_factuality.config import ConfigError, load_config
@@ -158,6 +158,11 @@ class GRPOAlgoConfig:
     # score each rollout micro batch in a worker as soon as it is generated, compute log-probs while the rewards
     # are in flight, wait only for the advantages (false: generate → reward → log-probs, one after the other)
     overlap_reward: bool = True
+    # async GRPO: 0 = on-policy, each step generates then trains its own rollouts; k >= 1 = the engine generates the
+    # next step's rollouts (scored as they arrive) while this step trains, from weights at most k updates old: it is
+    # refit at a step boundary only when the next rollouts would be older. Needs rollout.engine=vllm and
+    # rollout.vllm.tis_cap; overlaps on GPUs with rollout.vllm.placement=separate (docs/cluster/vllm.md#async-grpo)
+    max_staleness: int = 0
 
 
 @dataclass
@@ -172,6 +177,7 @@ class PPOAlgoConfig:
     kl_estimator: str = "k3"  # RLFH uses k3; Aligner's default is abs
     truncated: str = "keep"  # RLFH penalises a missing EOS in the reward instead of masking
     overlap_reward: bool = True  # as grpo.overlap_reward (the critic's values are computed while the reward runs)
+    max_staleness: int = 0  # as grpo.max_staleness: the critic's values and the KL are the trainer's, at train time
 
 
 @dataclass
@@ -193,6 +199,10 @@ class KTOAlgoConfig:
     # per iteration and split over data-parallel ranks (FactAlign precomputes them); false: the z0 pairs' reference
     # forward (a cpu_weight_swap on the aligner backend) at every optimiser step, as before
     precompute_reference: bool = True
+    # only 0: an iteration samples from its starting policy, which is also its reference; samples of an older policy
+    # would be labelled and trained against another policy's reference, with no importance weight in KTO's loss to
+    # correct for it (its generation already overlaps its labelling: overlap_reward)
+    max_staleness: int = 0
 
 
 @dataclass
@@ -255,10 +265,24 @@ class VLLMEngineConfig:
     refit: str = "file"
     max_model_len: int | None = None  # null = the checkpoint's
     start_timeout_s: float = 600.0  # an engine that does not answer within this is an error naming its log
-    # one generate / refit request; with the restarts, the window the other ranks wait in a collective is
-    # request_timeout_s + restarts × (start_timeout_s + 2 × request_timeout_s), inside trainer.distributed_timeout_s
-    request_timeout_s: float = 900.0
+    # one generate request (a chunk of model.rollout_micro_batch_size prompts); an engine silent this long is dead
+    request_timeout_s: float = 600.0
+    # every other reply: health, a file refit's reload, joining the refit group (with its warm-up broadcast), a
+    # broadcast refit's stream (its deadline) and its close. With the restarts, the longest a replica's source can
+    # keep the other ranks waiting is trainers.config.wait_windows' sum, which must fit in trainer.distributed_timeout_s
+    reply_timeout_s: float = 200.0
     restarts: int = 2  # times a dead engine is restarted (and refit) in a run before the stage checkpoints, exits 75
+    # where a file refit writes the policy's weights for the engine each step (a full copy: 65 GB at 32B in bf16);
+    # null = <run dir>/vllm/rank<r>/weights, beside the checkpoints. Node-local scratch spares the shared filesystem
+    weights_dir: str | None = None
+    # vLLM without CUDA graphs (enforce_eager): null = eager on CPU only, graphs on GPUs (vLLM's default: decode is
+    # several times faster with them); true / false force it
+    enforce_eager: bool | None = None
+    # a seed per request (the trainer's sampling stream): a resumed step samples the same rollouts. vLLM's sampler
+    # draws a seeded request's noise one request at a time and skips FlashInfer's top-k/top-p kernel for the batch,
+    # so null = seeded on CPU only (where the resume tests check the rollouts bit for bit and it costs nothing
+    # measurable); on GPUs the engine's own generator, seeded at start, samples the batch
+    seeded: bool | None = None
     # vLLM's engine core (scheduler + model runner) inside the engine's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     # or in processes of its own beside it (vLLM's default). null = inside on CPU (one vLLM import instead of three:
     # the tiny policy's engine answered in 11 s instead of 27, and no busy-polling process takes cores from the
@@ -432,6 +456,7 @@ _COUNTS = {
     "model.length_params.max_length": 1, "model.optim.sched.warmup_steps": 0,
     "grpo.num_prompts_per_step": 1, "grpo.num_rollouts_per_prompt": 1, "grpo.num_epochs": 1,
     "ppo.num_prompts_per_step": 1, "ppo.num_epochs": 1, "ppo.critic_warmup_steps": 0,
+    "grpo.max_staleness": 0, "ppo.max_staleness": 0, "kto.max_staleness": 0,
     "kto.num_iterations": 1, "kto.prompts_per_iteration": 1, "kto.samples_per_prompt": 1, "kto.epochs_per_iteration": 1,
     "critic.micro_batch_size": 1, "critic.tensor_model_parallel_size": 1, "critic.pipeline_model_parallel_size": 1,
     "data.max_prompt_tokens": 1, "exp_manager.save_top_k": 1,
@@ -548,12 +573,39 @@ def _rollout_engine_problems(cfg: GRPOConfig | PPOConfig | KTOConfig) -> list[st
     tis = cfg.rollout.vllm.tis_cap
     if tis is not None and not tis >= 1.0:
         problems.append(f"rollout.vllm.tis_cap={tis}: the truncation of π_trainer / π_engine must be >= 1 (or null: off)")
+    problems += _staleness_problems(cfg)
     if cfg.model.hf_generation == "compiled" and (cfg.trainer.backend != "hf" or cfg.rollout.engine != "megatron"):
         problems.append(f"model.hf_generation=compiled is the hf backend's own generate (trainer.backend=hf, "
                         f"rollout.engine=megatron); here trainer.backend={cfg.trainer.backend}, rollout.engine="
                         f"{cfg.rollout.engine}: leave it eager")
     if cfg.rollout.engine == "trtllm" and cfg.trainer.backend != "aligner":
         problems.append("rollout.engine=trtllm is NeMo-Aligner's TensorRT-LLM generation: it needs trainer.backend=aligner")
+    return problems
+
+
+def _staleness_problems(cfg: GRPOConfig | PPOConfig | KTOConfig) -> list[str]:
+    """``<stage>.max_staleness`` >= 1 (async GRPO / PPO): what it needs, each a setting to change — an engine process
+    of its own and the importance-sampling correction. Unlike NeMo-RL's async GRPO on vLLM, a colocated engine is
+    allowed: ours stays resident beside the trainer (NeMo-RL's colocated engine sleeps while the policy trains), so
+    it can generate meanwhile, sharing the GPU (``RolloutsAhead`` warns; ``placement=separate`` is the setting that
+    overlaps)."""
+    if isinstance(cfg, KTOConfig):
+        k = cfg.kto.max_staleness
+        return [f"kto.max_staleness={k}: KTO samples each iteration from its starting policy, which is also the "
+                "iteration's reference, and its loss has no importance weight to correct for an older one; set "
+                "kto.max_staleness=0 (its generation already overlaps its labelling: kto.overlap_reward)"] if k else []
+    key = "grpo" if isinstance(cfg, GRPOConfig) else "ppo"
+    k = getattr(cfg, key).max_staleness
+    if k < 1:
+        return []
+    v, problems = cfg.rollout.vllm, []
+    if cfg.rollout.engine != "vllm":
+        problems.append(f"{key}.max_staleness={k} needs rollout.engine=vllm: the next step's rollouts generate in the "
+                        f"engine's own process while this step trains (rollout.engine={cfg.rollout.engine} generates "
+                        "with the trainer's weights, in its process)")
+    if v.tis_cap is None:
+        problems.append(f"{key}.max_staleness={k} trains on rollouts of weights up to {k} update(s) old: set "
+                        "rollout.vllm.tis_cap (e.g. 2.0), the truncated importance weight that corrects for them")
     return problems
 
 
@@ -587,20 +639,36 @@ def _megatron_problems(cfg: Any) -> list[str]:
     return problems
 
 
+# an engine restart's stop: SIGTERM → SIGKILL, then its processes gone (trainers/engines/vllm_engine.py's KILL_GRACE_S +
+# REAP_WAIT_S; kept here so the check needs no engine import, and tested equal)
+ENGINE_STOP_S = 40.0
+
+
 def wait_windows(cfg: Any) -> list[tuple[str, float]]:
-    """The longest time one rank can spend on a server or an engine while the job's other ranks wait for it in a
-    collective, for each such wait the config has, as (the keys it is made of, seconds):
+    """The longest time one rank can spend on a server, an engine or a judge while the job's other ranks wait for it
+    in a collective, for each such wait the config has, as (what it is made of, seconds). Each counts every attempt
+    with its reply and join:
 
     * a served reward (every backend's replica source calls it) or the aligner backend's critic server: a first
       request that times out, the retry window, and a last request sent just before the window closes;
-    * a vLLM engine (``rollout.engine=vllm``): one request, then per restart the engine's start and the refit and
-      the repeated request (the source rank talks to the engine, its replica waits in a broadcast, the other
-      replicas in the step's agreement).
+    * a vLLM engine (``rollout.engine=vllm``; its replica waits in a broadcast, the other replicas in the step's
+      agreement): ``1 + restarts`` attempts at the step's requests — ``file``: the reload (``reply_timeout_s``) and a
+      generate (``request_timeout_s``); ``broadcast``: the stream to its deadline and its close (2 ×
+      ``reply_timeout_s``) and a generate — each of which may end just before its timeout, and per restart the
+      engine's stop (``ENGINE_STOP_S``), its start (``start_timeout_s``), its health reply, then ``file``: the reload
+      of the current weights, ``broadcast``: joining the refit group (the group, its warm-up, the reply: 3 ×
+      ``reply_timeout_s``). At ``<stage>.max_staleness`` >= 1 a rank also waits for its engine's rollouts in flight
+      (when a step takes them, before a checkpoint, when a fault cancels them): the same requests, bounded alike,
+      on the flight's thread — the same window;
+    * an in-process reward's judges (``reward:`` blocks with a ``base_url``, and a remote general RM): per judge,
+      every attempt timing out with the backoffs between (``(1 + max_retries) × timeout_s`` + the waits), the judges
+      called one after another. A reward call with more requests than a judge's ``concurrency`` waits for them in
+      turns, which this does not count: keep ``trainer.distributed_timeout_s`` above that too.
 
     >>> cfg = GRPOConfig(); cfg.remote_rm.url = "http://rm:5555"; cfg.rollout.engine = "vllm"
     >>> wait_windows(cfg)  # doctest: +NORMALIZE_WHITESPACE
     [('2 × remote_rm.timeout_s + remote_rm.retry.max_wait_s', 1800.0),
-     ('rollout.vllm.request_timeout_s + rollout.vllm.restarts × (rollout.vllm.start_timeout_s + 2 × rollout.vllm.request_timeout_s)', 5700.0)]
+     ('(1 + rollout.vllm.restarts) × (rollout.vllm.reply_timeout_s + rollout.vllm.request_timeout_s) + rollout.vllm.restarts × (40 s to stop + rollout.vllm.start_timeout_s + 2 × rollout.vllm.reply_timeout_s)', 4480.0)]
     """
     windows = []
     servers = [("remote_rm", cfg.remote_rm)] if cfg.remote_rm.resolved_url() else []
@@ -608,12 +676,55 @@ def wait_windows(cfg: Any) -> list[tuple[str, float]]:
         servers.append(("critic", cfg.critic))
     for key, server in servers:
         windows.append((f"2 × {key}.timeout_s + {key}.retry.max_wait_s", 2 * server.timeout_s + server.retry.max_wait_s))
-    v = cfg.rollout.vllm
     if cfg.rollout.engine == "vllm":
-        windows.append(("rollout.vllm.request_timeout_s + rollout.vllm.restarts × (rollout.vllm.start_timeout_s + "
-                        "2 × rollout.vllm.request_timeout_s)",
-                        v.request_timeout_s + v.restarts * (v.start_timeout_s + 2 * v.request_timeout_s)))
+        windows.append(_engine_window(cfg.rollout.vllm))
+    judges = _judge_windows(getattr(cfg, "reward", None))
+    if judges:
+        windows.append((f"the in-process reward's judges one after another ({', '.join(k for k, _ in judges)}): "
+                        "(1 + max_retries) × timeout_s + the backoffs each", sum(s for _, s in judges)))
     return windows
+
+
+def _engine_window(v: VLLMEngineConfig) -> tuple[str, float]:
+    r, c, k = "rollout.vllm.", v.reply_timeout_s, ENGINE_STOP_S
+    if v.refit == "broadcast":
+        attempt, restart = 2 * c + v.request_timeout_s, k + v.start_timeout_s + 4 * c
+        keys = (f"(1 + {r}restarts) × (2 × {r}reply_timeout_s + {r}request_timeout_s) + {r}restarts × ({k:g} s to stop "
+                f"+ {r}start_timeout_s + 4 × {r}reply_timeout_s)")
+    else:
+        attempt, restart = c + v.request_timeout_s, k + v.start_timeout_s + 2 * c
+        keys = (f"(1 + {r}restarts) × ({r}reply_timeout_s + {r}request_timeout_s) + {r}restarts × ({k:g} s to stop + "
+                f"{r}start_timeout_s + 2 × {r}reply_timeout_s)")
+    return keys, (1 + v.restarts) * attempt + v.restarts * restart
+
+
+def _judge_windows(reward: Any, path: str = "reward") -> list[tuple[str, float]]:
+    """(key, seconds) per judge block of an in-process ``reward:`` dict (a mapping with ``base_url``; a remote general
+    RM's ``timeout_s``), its unset keys from the reward's shared ``judge`` block, then ``JudgeConfig``'s defaults."""
+    from nemo_factuality.pipeline import JudgeConfig
+
+    if not isinstance(reward, Mapping):
+        return []
+    shared = reward.get("judge") if isinstance(reward.get("judge"), Mapping) else {}
+    found: list[tuple[str, float]] = []
+
+    def walk(node: Any, key: str) -> None:
+        if not isinstance(node, Mapping):
+            return
+        if "base_url" in node or (key.rsplit(".", 1)[-1].endswith("judge") and node):
+            j = {**asdict(JudgeConfig()), **dict(shared), **dict(node)}
+            retries, backoff = int(j["max_retries"]), float(j["backoff_s"])
+            # each wait is backoff · 2^k scaled by at most 1.5 (judge/client.py's jitter)
+            found.append((key, (1 + retries) * float(j["timeout_s"]) + 1.5 * backoff * (2 ** retries - 1)))
+            return
+        if key.endswith("general_rm") and node.get("kind") == "remote":
+            found.append((key, float(node.get("timeout_s", 60.0))))
+            return
+        for child_key, child in node.items():
+            walk(child, f"{key}.{child_key}")
+
+    walk(reward, path)
+    return found
 
 
 def _window_problems(cfg: Any) -> list[str]:

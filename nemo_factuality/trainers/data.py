@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from nemo_factuality.fileio import input_file
 from nemo_factuality.jsonl import iter_jsonl
 from nemo_factuality.registry import Registry
 from nemo_factuality.types import FactualityInputError
@@ -179,6 +180,7 @@ def load_factalign(path: Path) -> list[PromptRecord]:
 
 def load_pairs(path: str | Path) -> list[PreferencePair]:
     """General preference pairs ``{"prompt", "chosen", "rejected"}`` (FactAlign mixes them into KTO)."""
+    path = input_file(path, "data file", suffixes=(".jsonl",), hint="point data.general_pairs at the pairs' JSONL file")
     return [PreferencePair(_require(o, "prompt", w), _require(o, "chosen", w), _require(o, "rejected", w), w)
             for w, o in iter_jsonl(path)]
 
@@ -194,9 +196,8 @@ def load_prompts(path: str | Path | None, fmt: str) -> list[PromptRecord]:
     """Records of ``path`` in format ``fmt``; a missing or empty file is an input error naming it."""
     if path is None:
         raise FactualityInputError("data.train is not set; point it at a prompt file (data.train=prompts.jsonl)")
-    p = packaged_path(str(path))
-    if not p.is_file():
-        raise FactualityInputError(f"data file {p} does not exist (data.train / data.validation)")
+    p = input_file(packaged_path(str(path)), "data file", suffixes=(".jsonl", ".json", ".parquet"),
+                   hint="point data.train / data.validation at the prompt file itself")
     records = LOADERS.get(fmt)(p)
     if not records:
         raise FactualityInputError(f"data file {p} has no records")

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,14 @@ from nemo_factuality.algorithms import (
     ppo_policy_loss,
     response_mask,
 )
-from nemo_factuality.algorithms.off_policy import logprob_gap, truncated_importance_weights
+from nemo_factuality.algorithms.off_policy import importance_weight_stats, logprob_gap, truncated_importance_weights
 from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.config import GRPOConfig
 from nemo_factuality.trainers.data import PromptRecord, PromptSampler
 from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
+from nemo_factuality.trainers.resume import model_identity
+from nemo_factuality.trainers.rollouts_ahead import PENDING_FILE, RolloutsAhead, write_pending
 from nemo_factuality.trainers.runtime import (
     Checkpointer,
     EarlyStopping,
@@ -70,7 +73,6 @@ from nemo_factuality.trainers.runtime import (
 from nemo_factuality.trainers.scoring import RolloutScorer, rollout_rows
 from nemo_factuality.types import RewardBatch
 
-log = logging.getLogger(__name__)
 Validate = Callable[[int], Mapping[str, float]]
 
 
@@ -87,6 +89,11 @@ class GRPOTrainer:
     stage = "grpo"
     critic: Any = None  # PPO sets one; checkpoints save and restore it with the actor
 
+    @property
+    def log(self) -> logging.Logger:
+        """The stage's own logger: ``nemo_factuality.trainers.ppo`` for PPO, which runs this loop too."""
+        return logging.getLogger(f"nemo_factuality.trainers.{self.stage}")
+
     def __init__(self, cfg: GRPOConfig, actor: PolicyActor, reward: Any, train_data: Sequence[PromptRecord], *,
                  run_dir: Path, validate: Validate | None = None, val_data: Sequence[PromptRecord] | None = None) -> None:
         self.cfg, self.actor, self.reward, self.data = cfg, actor, reward, list(train_data)
@@ -102,7 +109,8 @@ class GRPOTrainer:
                                           other_micro_batch_sizes=self._other_micro_batch_sizes())
         if problems:
             raise ConfigError("invalid training config for data parallelism: " + "; ".join(problems))
-        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k, self.parallel)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k, self.parallel,
+                                         identity=model_identity(cfg))
         self.early = EarlyStopping(cfg.trainer.early_stopping)
         self.logger = RunLogger(self.run_dir, cfg.exp_manager, cfg, enabled=self.parallel.is_writer)
         self.step = 0
@@ -110,6 +118,8 @@ class GRPOTrainer:
         m = cfg.model
         self.sampling = SamplingParams(m.length_params.max_length, m.sampling_params.temperature, m.sampling_params.top_p,
                                        m.sampling_params.top_k, m.sampling_params.use_greedy)
+        # <stage>.max_staleness >= 1: the next step's rollouts generate while this one trains (trainers/rollouts_ahead.py)
+        self.ahead = RolloutsAhead(self) if self._algo().max_staleness else None
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> list[dict[str, float]]:
@@ -121,9 +131,9 @@ class GRPOTrainer:
                    disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer))
         stop_reason = "max_steps"
         invalid = InvalidSteps(self.cfg.trainer.max_invalid_steps)
-        with PreemptionFlag() as preempted:
+        with PreemptionFlag() as preempted, self._rollouts_stopped():
             while self.step < self.cfg.trainer.max_steps:
-                with checkpoint_if_server_gone(self._save, step=self.step, start=StepStart(self.sampler, self.critic)):
+                with checkpoint_if_server_gone(self._save, step=self.step, start=self._step_start()):
                     metrics = self.train_one_step()
                 self.step += 1
                 stalled = invalid.update(metrics.get("valid_frac", 1.0) > 0)
@@ -132,13 +142,13 @@ class GRPOTrainer:
                     stop = self._after_step(metrics)  # validation scores with the reward too
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
-                log.info("step %d: reward %.4f kl %.5f loss %.4f (%.2f s)", self.step, metrics.get("reward/score", math.nan),
+                self.log.info("step %d: reward %.4f kl %.5f loss %.4f (%.2f s)", self.step, metrics.get("reward/score", math.nan),
                          metrics.get("kl", math.nan), metrics.get("loss/policy", math.nan), metrics.get("time/step", math.nan))
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('reward/score', math.nan):.3f}", kl=f"{metrics.get('kl', math.nan):.4f}")
                 if self.parallel.any_rank(bool(preempted)):  # the signal reaches the ranks at different moments
                     self._save()
-                    log.warning("stopped by %s at step %d; checkpoint written, rerun to resume",
+                    self.log.warning("stopped by %s at step %d; checkpoint written, rerun to resume",
                                 preempted.signal or "a signal to another rank", self.step)
                     stop_reason = preempted.signal or "preempted"
                     break
@@ -162,7 +172,9 @@ class GRPOTrainer:
         and the log-probs are computed while the rewards are in flight (``trainers/scoring.py``); the step waits
         for them only for the advantages (``time/reward_exposed`` of ``time/reward``). Under data parallelism
         each rank runs this on its slice of the step's prompts and returns the step's global metrics (reduced
-        over ranks, the same on every rank)."""
+        over ranks, the same on every rank). With ``<stage>.max_staleness`` >= 1: ``train_one_step_ahead``."""
+        if self.ahead is not None:
+            return self.train_one_step_ahead()
         timer = PhaseTimer()
         with timer("step"):
             picked = self.parallel.shard(self.sampler.take(self._prompts_per_step()))
@@ -175,22 +187,67 @@ class GRPOTrainer:
                     chunks = self.parallel.agreed(lambda: self._generate([self.prompt_ids[i] for i in picked
                                                                           for _ in range(n)], scorer))
                 rollout = assemble_rollout(chunks, self.actor.pad_id)
-                if not scorer.overlap:
-                    scorer.submit(rollout_rows(rollout))  # generate → reward → log-probs, one after the other
-                with timer("logprobs"):  # PPO's critic values too: a server call that can fail on one replica
-                    logprobs = self.parallel.agreed(lambda: self._logprobs(rollout))
-                rewards = scorer.result()
-            with timer("advantages"):
-                experience, metrics = self._experience(rollout, rewards, logprobs)
-            with timer("train"):
-                metrics.update(self._update(experience))
+                metrics, rewards = self._score_and_train(rollout, scorer, timer)
+        return self._step_metrics(metrics, rewards, rollout, timer, scorer)
+
+    def _score_and_train(self, rollout: Rollout, scorer: RolloutScorer, timer: PhaseTimer) -> tuple[dict[str, float], Any]:
+        """The step after its rollouts: log-probs while the rewards are in flight, then advantages and the update;
+        (the metrics so far, the rewards)."""
+        if not scorer.overlap:
+            scorer.submit(rollout_rows(rollout))  # generate → reward → log-probs, one after the other
+        with timer("logprobs"):  # PPO's critic values too: a server call that can fail on one replica
+            logprobs = self.parallel.agreed(lambda: self._logprobs(rollout))
+        rewards = scorer.result()
+        with timer("advantages"):
+            experience, metrics = self._experience(rollout, rewards, logprobs)
+        with timer("train"):
+            metrics.update(self._update(experience))
+        return metrics, rewards
+
+    def _step_metrics(self, metrics: dict[str, float], rewards: Any, rollout: Rollout, timer: PhaseTimer,
+                      scorer: RolloutScorer, ahead: Mapping[str, float] | None = None) -> dict[str, float]:
+        """The step's global metrics (reduced over ranks): the update's, the rewards', the rollout's, the phases'
+        times, the rollouts generated ahead (``ahead``) and the engine's refit."""
         metrics.update(rewards.log_dict("reward"))
         metrics.update(response_stats(rollout))
         metrics.update(timer.times)
         metrics.update({"time/reward": scorer.reward_s, "time/reward_exposed": scorer.exposed_s})
+        metrics.update(ahead or {})
         if self.engine_sampled():
-            metrics.update(self.actor.engine_metrics())  # the refit before this step's generation
+            metrics.update(self.actor.engine_metrics())  # the refit before this (async: the next) step's generation
         return self.parallel.reduce_metrics(metrics)
+
+    def train_one_step_ahead(self) -> dict[str, float]:
+        """The async step (``<stage>.max_staleness`` >= 1, ``trainers/rollouts_ahead.py``): take this step's rollouts
+        (generated, and mostly scored, while the last step trained), refit the engine when due and launch the next
+        step's, then log-probs → rewards → advantages (the truncated importance weights correct for the older
+        weights that sampled them) → update, while the engine generates. Every rank, the same collectives in the
+        same order as ``train_one_step``'s, plus the agreements of the take and the launch."""
+        ahead, timer = self.ahead, PhaseTimer()
+        with timer("step"):
+            with timer("generate_exposed"):  # how long the step waited for its rollouts
+                current, chunks = ahead.take()
+            self.step_prompts = current.picked
+            with timer("launch"):
+                ahead.launch_next()
+            rollout = assemble_rollout([c.chunk for c in chunks], self.actor.pad_id)
+            metrics, rewards = self._score_and_train(rollout, current.scorer, timer)
+            self.actor.policy_version = self.step + 1  # the weights the next refit names
+        return self._step_metrics(metrics, rewards, rollout, timer, current.scorer, ahead.metrics(current, chunks, rollout))
+
+    def _step_start(self) -> StepStart:
+        """What an abandoned step puts back (``checkpoint_if_server_gone``): the sampler and RNG, and with rollouts
+        generated ahead, the step's own (``rollouts_ahead.AheadStepStart``)."""
+        return self.ahead.step_start() if self.ahead is not None else StepStart(self.sampler, self.critic)
+
+    @contextmanager
+    def _rollouts_stopped(self) -> Iterator[None]:
+        """No rollout flight outlives ``fit`` (the command closes the engine next)."""
+        try:
+            yield
+        finally:
+            if self.ahead is not None:
+                self.ahead.close()
 
     def _generate(self, prompt_ids: list[list[int]], scorer: RolloutScorer) -> list[RolloutChunk]:
         """The step's rollouts in micro batches, each handed to the scorer as it comes when overlapping."""
@@ -252,6 +309,8 @@ class GRPOTrainer:
         if cap is not None:
             weights = truncated_importance_weights(old_logprobs, rollout.logprobs, mask, cap)
             metrics["rollout/tis_weight_mean"] = masked_mean(weights, mask).item() if mask.any() else 1.0
+            if self.ahead is not None:  # off-policy by design: how far the weights went
+                metrics.update(importance_weight_stats(old_logprobs, rollout.logprobs, mask, cap))
             advantages = advantages * weights
         return advantages, metrics
 
@@ -383,7 +442,10 @@ class GRPOTrainer:
             if not mine:
                 return []
             greedy = SamplingParams(self.sampling.max_new_tokens, use_greedy=True)
-            rollout = self.actor.generate([ids[i] for i in mine], greedy)
+            # in the rollouts' chunks (model.rollout_micro_batch_size): one batch of every validation prompt would need
+            # its own KV cache and, with hf_generation=compiled, its own compiled graph and static cache
+            rollout = assemble_rollout(list(self.actor.generate_chunks([ids[i] for i in mine], greedy)),
+                                       self.actor.pad_id)
             records = [self.val_data[i] for i in mine]
             return [self.parallel.on_model_parallel_source(
                 lambda: score_rollout(self.reward, rollout, records, self.actor.tokenizer, self.actor.eos_id))[0]]
@@ -397,6 +459,8 @@ class GRPOTrainer:
         t = self.cfg.trainer
         stop = False
         if self.validate is not None and t.val_check_interval and self.step % t.val_check_interval == 0:
+            if self.ahead is not None:
+                self.ahead.settle()  # the validation's rollouts use the engine too
             val = self.parallel.reduce_metrics(self.validate(self.step))  # one early-stopping decision on every rank
             metrics.update(val)
             improved, stop = self.early.update(self.step, val)
@@ -412,7 +476,11 @@ class GRPOTrainer:
                 "best": self.checkpointer.best}
 
     def _save(self, force: bool = False) -> Path:
-        return self.checkpointer.save(self.step, self.actor, self.critic, self._state(), force=force)
+        extra = None
+        if self.ahead is not None:  # the rollouts generated for the next step are part of the checkpoint
+            self.ahead.settle()
+            extra = partial(write_pending, self.parallel.gather(self.ahead.state()), self.ahead.k)
+        return self.checkpointer.save(self.step, self.actor, self.critic, self._state(), extra, force=force)
 
     def _maybe_resume(self) -> None:
         latest = self.checkpointer.latest() if self.cfg.exp_manager.resume_if_exists else None
@@ -423,8 +491,13 @@ class GRPOTrainer:
         self.sampler.load_state_dict(state["sampler"])
         self.early.load_state_dict(state["early_stopping"])
         self.checkpointer.best = state.get("best")
+        if self.ahead is not None:
+            self.ahead.load(latest)
+        elif (latest / PENDING_FILE).exists():
+            self.log.warning("%s holds rollouts generated ahead for step %d (max_staleness >= 1); this run is on-policy "
+                             "and draws the prompts after them", latest, self.step + 1)
         self.logger.truncate_after(self.step)
-        log.info("resumed from %s (step %d)", latest, self.step)
+        self.log.info("resumed from %s (step %d)", latest, self.step)
 
     def _finish(self, reason: str) -> None:
         es = self.cfg.trainer.early_stopping
@@ -432,11 +505,11 @@ class GRPOTrainer:
         restored = bool(es.monitor and es.restore_best and best and best != f"step_{self.step:06d}")
         if restored:
             # the exported policy is the best validated one, whether training stopped early or ran out of steps
-            log.info("%s at step %d; restoring the best weights (%s)", reason, self.step, best)
+            self.log.info("%s at step %d; restoring the best weights (%s)", reason, self.step, best)
             self.actor.load_weights(self.checkpointer.root / best)
         self._save(force=restored)  # a step the save interval just wrote is not written (nor logged) again
         self.actor.export(self.run_dir / "final")
-        log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
+        self.log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
 
     def _invalid_reason(self, metrics: Mapping[str, float]) -> str:
         """Why the last step had no valid sample, from its metrics: failed/abstained rewards or truncation."""
@@ -447,7 +520,7 @@ class GRPOTrainer:
         return why
 
 
-if __name__ == "__main__":  # `python -m nemo_factuality.trainers.grpo`: the command, as `nemo-factuality train grpo`
-    from nemo_factuality.trainers.cli import exit_on_user_error
+if __name__ == "__main__":  # `python -m nemo_factuality.trainers.grpo`: `nemo-factuality train grpo`, through the
+    from nemo_factuality.cli import run_as_module  # commands' one boundary (it imports no stage: no circle)
 
-    raise SystemExit(exit_on_user_error("grpo"))
+    run_as_module("train", "grpo")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -53,6 +54,7 @@ from nemo_factuality.trainers.config import KTOConfig
 from nemo_factuality.trainers.data import PreferencePair, PromptRecord, PromptSampler
 from nemo_factuality.trainers.interfaces import PolicyActor, Rollout, RolloutChunk, SamplingParams, assemble_rollout
 from nemo_factuality.trainers.parallel import DataParallel, data_parallel_problems
+from nemo_factuality.trainers.resume import model_identity
 from nemo_factuality.trainers.runtime import (
     Checkpointer,
     PhaseTimer,
@@ -160,11 +162,13 @@ class KTOTrainer:
                                           None, cfg.model.global_batch_size, cfg.model.micro_batch_size)
         if problems:
             raise ConfigError("invalid training config for data parallelism: " + "; ".join(problems))
-        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k, self.parallel)
+        self.checkpointer = Checkpointer(self.run_dir, cfg.exp_manager.save_top_k, self.parallel,
+                                         identity=model_identity(cfg))
         self.logger = RunLogger(self.run_dir, cfg.exp_manager, cfg, enabled=self.parallel.is_writer)
         self.step = self.iteration = self.position = 0  # optimiser steps; iteration; minibatch index in the iteration
         self.data: dict[str, torch.Tensor] | None = None
         self._pending: dict[str, float] = {}
+        self.desirable_frac = math.nan  # the current iteration's share of desirable labelled samples (its step lines)
         self.last_data: dict[str, torch.Tensor] | None = None
         m = cfg.model
         self.sampling = SamplingParams(m.length_params.max_length, m.sampling_params.temperature, m.sampling_params.top_p,
@@ -182,7 +186,8 @@ class KTOTrainer:
                            overlap=self.cfg.kto.overlap_reward) as scorer:
 
             def generate() -> None:
-                for start in tqdm(range(0, len(prompt_rows), _GEN_CHUNK), desc=f"kto iter {self.iteration}: sample+label",
+                desc = f"kto iteration {self.iteration + 1}/{self.cfg.kto.num_iterations}: sample+label"
+                for start in tqdm(range(0, len(prompt_rows), _GEN_CHUNK), desc=desc,
                                   disable=not (self.cfg.trainer.progress_bar and self.parallel.is_writer)):
                     rows = list(range(start, min(start + _GEN_CHUNK, len(prompt_rows))))
                     chunks.append(RolloutChunk(rows, self.actor.generate([self.prompt_ids[prompt_rows[r]] for r in rows],
@@ -392,6 +397,7 @@ class KTOTrainer:
         while self.position < total:
             if self.step >= self.cfg.trainer.max_steps:
                 return False
+            started = time.perf_counter()
             epoch, index = divmod(self.position, per_epoch)
             idx = self._minibatch(n, epoch, index)
             # every rank holds the same data and draws the same global minibatch, then trains on its rows of it
@@ -417,8 +423,14 @@ class KTOTrainer:
             self.step += 1
             self.position += 1
             self.logger.log(self.step, metrics)
+            log.info("step %d/%d (iteration %d/%d, minibatch %d/%d): loss/kto %.4f loss/fkto %.4f z0 %.4f; the "
+                     "iteration's samples %.0f%% desirable (%.2f s)", self.step, self.cfg.trainer.max_steps,
+                     self.iteration + 1, k.num_iterations, self.position, total, metrics.get("loss/kto", math.nan),
+                     metrics.get("loss/fkto", math.nan), z0, 100 * self.desirable_frac, time.perf_counter() - started)
             stopping = self.parallel.any_rank(bool(preempted))  # the signal reaches the ranks at different moments
-            if stopping or (self.cfg.trainer.save_interval and self.step % self.cfg.trainer.save_interval == 0):
+            # the iteration's last step is checkpointed by fit at the iteration's end (one checkpoint of that step)
+            interval = self.cfg.trainer.save_interval and self.step % self.cfg.trainer.save_interval == 0
+            if stopping or (interval and self.position < total):
                 self._save()
             if stopping:
                 preempted.signal = preempted.signal or "a signal to another rank"
@@ -426,10 +438,16 @@ class KTOTrainer:
         return True
 
     def fit(self) -> None:
+        """``kto.num_iterations`` iterations, or fewer when ``trainer.max_steps`` optimiser steps come first (an
+        iteration that would start at ``max_steps`` is not sampled); SIGUSR1 checkpoints and returns."""
         self._maybe_resume()
         k = self.cfg.kto
+        reason = "kto.num_iterations"
         with PreemptionFlag() as preempted:
             while self.iteration < k.num_iterations:
+                if self.step >= self.cfg.trainer.max_steps:  # before sampling: no judge calls for steps never taken
+                    reason = "max_steps"
+                    break
                 if self.data is None:
                     self.actor.reset_reference()  # reference = this iteration's starting policy
                     timer = PhaseTimer()
@@ -443,27 +461,31 @@ class KTOTrainer:
                         raise TrainingStalledError(f"{err}; checkpoint {self._save()} is written: fix the reward and "
                                                    "rerun the same command to resume") from None
                     self._pending = {**stats, **timer.times}  # logged with the iteration's first optimiser step
+                    self.desirable_frac = stats["kto/desirable_frac"]
                     self.position = 0
                 if not self.train_iteration_batches(preempted):
                     if preempted:
                         log.warning("stopped by %s at step %d; checkpoint written, rerun to resume", preempted.signal, self.step)
                         self.logger.close()
                         return
-                    break  # max_steps
+                    reason = "max_steps"
+                    break
                 self.last_data = self.data  # kept for inspection (tests, reports) after the iteration ends
                 self.iteration, self.data = self.iteration + 1, None
                 if self.validate is not None:
                     self.logger.log(self.step, self.parallel.reduce_metrics(dict(self.validate(self.step))))
                 self._save()
-        self._save()
+        self._save()  # not written (nor logged) again when the iteration's end just wrote this step
         self.actor.export(self.run_dir / "final")
+        log.info("training finished at step %d (%s); final policy in %s", self.step, reason, self.run_dir / "final")
         self.logger.close()
 
     def _state(self) -> dict[str, Any]:
         # pending: the collected iteration's statistics, not yet logged (with its first optimiser step): a run stopped
         # between collecting and that step logged them nowhere once resumed
         return {"step": self.step, "iteration": self.iteration, "position": self.position,
-                "sampler": self.sampler.state_dict(), "has_data": self.data is not None, "pending": self._pending}
+                "sampler": self.sampler.state_dict(), "has_data": self.data is not None, "pending": self._pending,
+                "desirable_frac": self.desirable_frac}
 
     def _save(self) -> Path:
         return self.checkpointer.save(self.step, self.actor, None, self._state(), extra=self._save_data)
@@ -483,6 +505,7 @@ class KTOTrainer:
         state = self.checkpointer.load(latest, self.actor, None)
         self.step, self.iteration, self.position = state["step"], state["iteration"], state["position"]
         self._pending = state.get("pending", {})  # absent from checkpoints written before it was kept
+        self.desirable_frac = state.get("desirable_frac", math.nan)
         self.sampler.load_state_dict(state["sampler"])
         if state["has_data"]:
             from safetensors.torch import load_file
@@ -501,7 +524,7 @@ def _as_rollout(data: Mapping[str, torch.Tensor]) -> Rollout:
                    torch.ones(data["tokens"].shape[0], dtype=torch.bool))
 
 
-if __name__ == "__main__":  # `python -m nemo_factuality.trainers.kto`: the command, as `nemo-factuality train kto`
-    from nemo_factuality.trainers.cli import exit_on_user_error
+if __name__ == "__main__":  # `python -m nemo_factuality.trainers.kto`: `nemo-factuality train kto`, through the
+    from nemo_factuality.cli import run_as_module  # commands' one boundary (it imports no stage: no circle)
 
-    raise SystemExit(exit_on_user_error("kto"))
+    run_as_module("train", "kto")

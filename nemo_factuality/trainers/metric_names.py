@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 GRPO, PPO, KTO = "grpo", "ppo", "kto"
 ALL = (GRPO, PPO, KTO)
+ASYNC = "rollout.engine=vllm, grpo.max_staleness (ppo.max_staleness) >= 1"
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("response_length/max", (GRPO, PPO), "longest response in tokens"),
     Metric("is_end_frac", (GRPO, PPO), "share of responses that ended with EOS within `model.length_params.max_length`"),
     # time
-    Metric("time/generate", (GRPO, PPO), "seconds generating rollouts"),
+    Metric("time/generate", (GRPO, PPO), "seconds generating rollouts (at `max_staleness` >= 1: the engine's wall "
+           "time on this step's rollouts, generated while the previous step trained; NaN for rollouts a checkpoint "
+           "saved)"),
     Metric("time/reward", ALL, "wall seconds of the reward (labeller) calls, overlapped or not"),
     Metric("time/reward_exposed", ALL, "the part of `time/reward` the step waited for (0 when fully overlapped)"),
     Metric("time/logprobs", (GRPO, PPO), "seconds computing old/reference log-probs (and PPO's values)"),
@@ -95,6 +98,22 @@ METRICS: tuple[Metric, ...] = (
            "how far the engine that sampled is from the trainer", condition="rollout.engine=vllm"),
     Metric("rollout/tis_weight_mean", (GRPO, PPO), "mean truncated importance weight min(π_trainer / π_engine, "
            "rollout.vllm.tis_cap) the advantages were multiplied by", condition="rollout.engine=vllm, rollout.vllm.tis_cap set"),
+    # async GRPO / PPO (<stage>.max_staleness >= 1: the next step's rollouts generate while this one trains)
+    Metric("rollout/staleness", (GRPO, PPO), "mean over the step's rollouts of the trainer's step minus the weight "
+           "version that generated them (0: on-policy; at most `max_staleness`)", condition=ASYNC),
+    Metric("rollout/staleness_max", (GRPO, PPO), "the step's largest staleness", condition=ASYNC),
+    Metric("rollout/tis_ratio_min", (GRPO, PPO), "smallest untruncated π_trainer / π_engine over the response tokens",
+           condition=ASYNC),
+    Metric("rollout/tis_ratio_max", (GRPO, PPO), "largest untruncated π_trainer / π_engine over the response tokens",
+           condition=ASYNC),
+    Metric("rollout/tis_clipped_frac", (GRPO, PPO), "share of response tokens whose importance ratio exceeded "
+           "`rollout.vllm.tis_cap` (their weight truncated to it)", condition=ASYNC),
+    Metric("time/generate_exposed", (GRPO, PPO), "seconds the step waited for its rollouts (the part of generation "
+           "the previous step's training did not hide)", condition=ASYNC),
+    Metric("time/launch", (GRPO, PPO), "seconds refitting the engine (when due) and launching the next step's "
+           "rollouts", condition=ASYNC),
+    Metric("time/engine_idle", (GRPO, PPO), "seconds the engine had nothing to generate: from its last answer for "
+           "this step's rollouts to the next step's launch (NaN at the last step)", condition=ASYNC),
     Metric("time/collect", (KTO,), "seconds sampling and labelling an iteration's examples"),
     Metric("time/reference_points", (KTO,), "seconds computing the iteration's reference log-probs once"),
     # validation

@@ -151,14 +151,17 @@ class DataParallel:
         the worst failure any rank had (a server gone past its window: every rank checkpoints and exits 75). For the
         calls that can fail on some ranks only — a replica's reward, its critic values, its validation scoring —
         which, decided per rank, would leave one rank in the step's all-reduce and another in the checkpoint's
-        barrier until the NCCL watchdog ends the job. Without an actor that agrees (world 1) it is ``fn()``."""
+        barrier until the NCCL watchdog ends the job. Only a failure the job outlives is agreed: any other (CUDA's
+        out-of-memory error inside a tensor-parallel forward, whose peers wait in that forward's collectives) is
+        logged and raised at once on its rank, entering no collective (``collectives.agree_on_failure``), so the
+        launcher ends the job in seconds. Without an actor that agrees (world 1) it is ``fn()``."""
         agree = getattr(self.actor, "agree_on_failure", None)
         if agree is None:
             return fn()
         try:
             value = fn()
         except Exception as err:
-            agree(err)  # raises on every rank
+            agree(err)  # a server gone: raises on every rank; anything else: raises here at once
             raise
         agree(None)
         return value

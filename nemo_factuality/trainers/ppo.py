@@ -206,8 +206,7 @@ def _accumulate(totals: dict[str, float], result: Mapping[str, float], n_micro: 
         totals[k] = totals.get(k, 0.0) + v * (n_micro if k.startswith("loss/") else 1)
 
 
-if __name__ == "__main__":  # `python -m nemo_factuality.trainers.ppo`: the command, as `nemo-factuality train ppo`
-    from nemo_factuality.trainers.cli import exit_on_user_error
+if __name__ == "__main__":  # `python -m nemo_factuality.trainers.ppo`: `nemo-factuality train ppo`, through the
+    from nemo_factuality.cli import run_as_module  # commands' one boundary (it imports no stage: no circle)
 
-    raise SystemExit(exit_on_user_error("ppo"))
-
+    run_as_module("train", "ppo")

@@ -165,8 +165,12 @@ class Checkpointer:
     after that keeps every rank from going on (or resuming) before the checkpoint is complete.
     """
 
-    def __init__(self, run_dir: Path, keep: int, parallel: DataParallel | None = None) -> None:
+    def __init__(self, run_dir: Path, keep: int, parallel: DataParallel | None = None,
+                 identity: Mapping[str, Any] | None = None) -> None:
+        """``identity``: the model the stage trains (``resume.model_identity``), recorded in every checkpoint so a
+        rerun of another model into this folder is refused before anything loads (``resume.check_resume``)."""
         self.root, self.keep = run_dir / "checkpoints", max(1, keep)
+        self.identity = dict(identity or {})
         self.parallel = parallel or DataParallel(None)
         self.best: str | None = None  # a checkpoint early stopping wants kept
         self._written: tuple[int, str] | None = None  # (step, trainer state) of the last checkpoint this run wrote
@@ -222,7 +226,8 @@ class Checkpointer:
                 extra(tmp)
         par.barrier()  # every rank's files are in tmp
         if par.is_writer:
-            (tmp / "trainer_state.json").write_text(json.dumps({**state, "rng": _rng_to_json(rng)}), encoding="utf-8")
+            (tmp / "trainer_state.json").write_text(json.dumps({**state, "rng": _rng_to_json(rng), "model": self.identity}),
+                                                    encoding="utf-8")
             respect_umask(tmp)  # safetensors files come out 0600 otherwise
             # a re-save of the same step: the old one moves aside and is deleted only once the new one is in place
             aside = self.root / f".{name}.replaced"

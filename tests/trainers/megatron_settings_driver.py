@@ -25,6 +25,10 @@ comes out in the HF checkpoint's names whatever the layout (``<out>/<tag>.<run>.
 * ``--scale-loss F``: multiply every run's loss but the reference's by F (by hand: a gradient-scale bug must fail).
 * ``--unfixed sp-norm``: the norms of the local spec unmarked for SP (by hand: SP's gradient check must fail).
 * ``--check-te``: ``model.megatron.transformer_engine=true`` without TE is refused in one line; the spec choice.
+* ``--check-graph-configs``: every megatron preset's settings (each stage) with rollouts on Megatron's dynamic engine
+  on a GPU (its decode steps as CUDA graphs, ``inference_cuda_graphs``' default) through ``configure_provider`` on this
+  tiny model's provider: Megatron-Core's own ``TransformerConfig`` validation — the config a GPU builds — and what
+  reached it; and the same settings given to the provider as before the fix (full recompute set before validation).
 """
 
 from __future__ import annotations
@@ -317,6 +321,49 @@ def check_transformer_engine(args) -> dict:
     return out
 
 
+def check_graph_configs(args) -> dict:
+    """Per ``preset/stage``: ``{"ok", "error", "recompute", "graphs", "before"}`` (module docstring)."""
+    from megatron.bridge import AutoBridge
+
+    from nemo_factuality.config import REPO_ROOT, load_config
+    from nemo_factuality.trainers import config as schemas
+    from nemo_factuality.trainers.backends.megatron import build as megatron_build
+    from nemo_factuality.trainers.backends.memory import ParallelLayout
+    from nemo_factuality.trainers.presets import load_preset
+
+    stages = {"grpo": schemas.GRPOConfig, "ppo": schemas.PPOConfig, "kto": schemas.KTOConfig}
+    bridge = AutoBridge.from_hf_pretrained(str(megatron_build.in_installed_config_layout(args.hf)))
+    out = {}
+    for path in sorted((REPO_ROOT / "conf" / "train" / "megatron").glob("*.yaml")):
+        for stage, schema in stages.items():
+            overrides, _ = load_preset("megatron", path.stem, stage)
+            cfg = load_config(schema, None, [*overrides, f"model.path={args.hf}", "rollout.engine=megatron",
+                                             "model.megatron.inference_engine=dynamic"], group="train")
+            # this tiny model's heads split over 2 ranks at most; the TE spec is not here (neither changes the check)
+            settings = replace(megatron_build.Settings.of(cfg.model, on_gpu=True), transformer_engine=False)
+            layout = ParallelLayout(min(cfg.model.tensor_model_parallel_size, 2), 1, 1)
+            result = {"graphs": settings.cuda_graphs, "preset_recompute": settings.recompute}
+            for when in ("before", "now") if stage == "grpo" else ("now",):  # "before" once a preset
+                provider = bridge.to_megatron_provider(load_weights=False)  # a new provider (config) each time
+                try:
+                    if when == "before":  # the settings as configure_provider gave them until the fix
+                        provider.recompute_granularity, provider.recompute_method = "full", "uniform"
+                        provider.recompute_num_layers, provider.cuda_graph_impl = 1, "local"
+                        provider.tensor_model_parallel_size = layout.tp
+                        provider.sequence_parallel = settings.sequence_parallel
+                        provider.finalize()
+                    else:
+                        megatron_build.configure_provider(provider, layout, settings)
+                    result[when] = None
+                except AssertionError as err:
+                    result[when] = str(err)
+                if when == "now":
+                    result["recompute"] = provider.recompute_granularity
+                    result["cuda_graph_impl"] = provider.cuda_graph_impl
+            out[f"{path.stem}/{stage}"] = result
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("command", choices=["first-step"])
@@ -332,6 +379,7 @@ def main() -> int:
     ap.add_argument("--scale-loss", type=float, default=1.0)
     ap.add_argument("--unfixed", choices=["sp-norm"], default=None)
     ap.add_argument("--check-te", action="store_true")
+    ap.add_argument("--check-graph-configs", action="store_true")
     args = ap.parse_args()
     install_probes()
     if args.unfixed:
@@ -344,6 +392,8 @@ def main() -> int:
         results["resume"] = resume(args)
     if args.check_te:
         results["te"] = check_transformer_engine(args)
+    if args.check_graph_configs:
+        results["graph_configs"] = check_graph_configs(args)
     rank = torch.distributed.get_rank()
     (Path(args.out) / f"{args.tag}.rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.barrier()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,7 @@ def smoke(megatron_venv, tmp_path_factory) -> tuple[dict, str, Path]:
     cmd = ["bash", "tools/gpu_smoke.sh", "--cpu", "--backend", "megatron", "--skip-trl", "--out", str(out), "--steps", "2"]
     res = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    (out / "stderr.log").write_text(res.stderr)
     return json.loads((out / "smoke.json").read_text()), (out / "smoke.md").read_text(), out
 
 
@@ -68,6 +70,13 @@ def test_generation_at_16_and_at_the_largest_batch_then_grpo_steps_with_the_spli
     assert m["states_lower_bound_gib"] == pytest.approx(20 * 139_840 / 2**30, rel=1e-12)
     assert "megatron backend (Megatron-Core 0.16.1 + Bridge 0.3.1, float32, local spec)" in report
     assert "rollout batch 48" in report and "Transformer Engine in use: False" in report
+    # issue 54 item 6: before, "out of memory at none" and "peak GPU memory ... | nan |" on this CPU path
+    assert re.search(r"\bnan\b", report) is None and "out of memory at" not in report, report
+    assert "the CPU path's cap" in report
+    assert "| peak GPU memory, GiB, rollout batch 16 (no formula yet) | not on a GPU | — |" in report
+    # and the ~15 Apex / Transformer Engine / deprecation warnings of Megatron-Core's import and run are not shown
+    stderr = (out / "stderr.log").read_text()
+    assert [ln for ln in stderr.splitlines() if "Warning:" in ln or "is deprecated" in ln] == [], stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 from nemo_factuality.trainers.backends.hf import compiled
 from nemo_factuality.trainers.backends.hf.actor import HFActor
@@ -51,3 +52,39 @@ def test_compiled_is_the_hf_backends_own_generate_only():
     with pytest.raises(Exception, match="model.hf_generation=compiled is the hf backend's own generate"):
         load_train_config(GRPOConfig, None, ["model.path=/nonexistent", "trainer.backend=megatron",
                                              "model.hf_generation=compiled", "remote_rm.url=http://127.0.0.1:9"])
+
+
+def test_validation_generates_in_the_rollouts_chunks_and_traces_no_graph_of_its_own(tiny_policy, tmp_path, monkeypatch,
+                                                                                    caplog):
+    """Issue 50, item 8: validation generated every validation prompt in one batch — with hf_generation=compiled a
+    batch shape of its own, so a new compiled graph and static cache beside the rollouts' (on a GPU, a second graph
+    pool held through training). Now it generates in chunks of model.rollout_micro_batch_size: 10 validation prompts
+    in chunks of 4 trace only 4-row graphs, as the step's rollouts do (before: one for 10 rows)."""
+    from nemo_factuality.testing.training import good_fraction, grpo_test_config, prompts
+    from nemo_factuality.trainers.grpo import GRPOTrainer
+
+    monkeypatch.setattr(compiled, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()  # graphs an earlier test traced for the same shapes would be reused, and none logged here
+    cfg = grpo_test_config(tiny_policy, tmp_path / "run", steps=2, **{
+        "model.hf_generation": "compiled", "model.rollout_micro_batch_size": 4, "grpo.num_prompts_per_step": 2,
+        "grpo.num_rollouts_per_prompt": 4, "model.global_batch_size": 8, "trainer.val_check_interval": 1,
+        "data.apply_chat_template": False})
+    actor = HFActor(cfg.model, max_steps=2)
+    shapes = []
+    generate = actor.generate
+    actor.generate = lambda ids, sampling: shapes.append(len(ids)) or generate(ids, sampling)
+    trainer = GRPOTrainer(cfg, actor, good_fraction, prompts(4), run_dir=tmp_path / "run", val_data=prompts(10))
+    records = []  # on the module's logger itself: an earlier test may have stopped nemo_factuality's propagating
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    graph_log = logging.getLogger("nemo_factuality.trainers.backends.hf.compiled")
+    graph_log.addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=graph_log.name):
+            history = trainer.fit()
+    finally:
+        graph_log.removeHandler(handler)
+    assert len(history) == 2 and all("val/reward" in m for m in history)
+    assert max(shapes) == 4 and len(shapes) > 4, shapes  # every call a chunk of at most 4 prompts, validation's too
+    traced = [r.getMessage() for r in records if "traced" in r.getMessage()]
+    assert traced and all(" for 4 rows × " in t for t in traced), traced  # sampling's and greedy's, both 4 rows

@@ -43,7 +43,7 @@ BF16_LOGPROBS = 0.05  # bf16 weights and activations against fp32 (measured 0.01
 
 # tag: (processes, driver arguments); dp2 resumes tp2dp2's bf16 combination at another layout
 RUNS = {
-    "tp1": (1, ["--runs=reference,bf16,recompute-full,recompute-selective", "--check-te"]),
+    "tp1": (1, ["--runs=reference,bf16,recompute-full,recompute-selective", "--check-te", "--check-graph-configs"]),
     "tp2": (2, ["--tp=2", "--runs=sp"]),
     "tp2dp2": (4, ["--tp=2", "--runs=exact,preset", "--train=exact,preset"]),
     "dp2": (2, ["--runs=distopt", "--resume={root}/tp2dp2.preset"]),
@@ -221,3 +221,21 @@ def test_transformer_engine_without_te_is_refused_in_one_line_and_the_spec_follo
     assert te["refusal"] is not None and "\n" not in te["refusal"]
     assert "model.megatron.transformer_engine" in te["refusal"]
     assert te["te_spec_is_megatrons"] and te["local_spec_is_the_block_spec"]
+
+
+def test_every_presets_settings_pass_megatrons_own_config_check_with_the_dynamic_engines_graphs(ranks):
+    """Issue 50, item 5: every megatron preset sets full recompute, and on a GPU the dynamic engine's decode steps are
+    CUDA graphs (``cuda_graph_impl="local"``, ``inference_cuda_graphs``' default 16); Megatron-Core 0.16.1's
+    ``TransformerConfig`` validation asserts full recompute goes only with full-iteration graphs, so the first GPU build
+    of any preset with the dynamic engine failed. Checked with Megatron's own validation on each preset's settings as
+    a GPU builds them: the settings as the build gave them before fail it ("before"), the build's now pass, with full
+    recompute kept for the training forward and the graphs on for inference."""
+    checks = ranks["tp1"][0]["graph_configs"]
+    presets = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "train" / "megatron").glob("*.yaml"))
+    assert sorted(checks) == sorted(f"{p}/{s}" for p in presets for s in ("grpo", "ppo", "kto"))
+    for name, check in checks.items():
+        assert check["graphs"] and check["preset_recompute"] == "full", (name, check)
+        assert check["now"] is None, (name, check)
+        assert (check["recompute"], check["cuda_graph_impl"]) == ("full", "local"), (name, check)
+        if name.endswith("/grpo"):
+            assert check["before"] == "full recompute is only supported with full iteration CUDA graph.", (name, check)

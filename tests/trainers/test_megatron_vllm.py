@@ -29,10 +29,9 @@ def policy(megatron_venv, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("tp, refit, tied", [
     (1, "file", False),
-    # found by this case: vLLM's in-place reload leaves a tied output layer at its starting weights (log-probs 2.5
-    # apart after the 3 steps); rollout.engine=vllm refuses tied policies (``check_untied_output_layer``). Strict: when
-    # vLLM's reload keeps the tie, this passes, fails as XPASS, and the refusal can go
-    pytest.param(2, "file", True, marks=pytest.mark.xfail(strict=True, reason="vLLM's reload unties the output layer")),
+    # found by this case: vLLM's in-place reload left a tied output layer at its starting weights (log-probs 2.5 apart
+    # after the 3 steps) until the engine re-tied it after every reload (``vllm_worker.retie_output_layers``)
+    (2, "file", True),
     (2, "broadcast", False)])
 def test_vllm_rollouts_equal_the_native_engines_before_and_after_3_steps(megatron_venv, vllm_python, policy, tmp_path, tp,
                                                                           refit, tied):

@@ -14,7 +14,9 @@ independent sources:
 * every phase's bytes (``_derived``): the element sizes from torch's dtypes, Adam's state from what torch's AdamW
   keeps, the activations kept under full recompute and one layer's working set from a per-tensor table (Korthikanti
   et al. 2022, Table 2: each tensor a layer keeps for its backward, split over TP or not), the logits of the loss
-  and of the log-prob forward from the copies each op makes, a save from what each rank writes.
+  and of the log-prob forward from the copies each op makes, a save from what each rank writes, and the GPU peaks with
+  the engine's share and its process's CUDA context (on the trainer's GPU when colocated, on the engine's when
+  separate).
 
 Each check is shown to catch a wrong or missing term (the negative controls at the end): every term of the
 derivation, taken out, breaks the agreement, and so does the arithmetic with one of its terms wrong.
@@ -198,7 +200,11 @@ def _activations(p, s: int, b: int, term) -> float:
 
 
 TERMS = ("weights", "grads", "adam", "critic", "reference", "kept", "working set", "loss logits", "forward logits",
-         "overhead", "staged weights", "staged adam", "host reference", "engine weights", "kv")
+         "overhead", "staged weights", "staged adam", "host reference", "engine weights", "kv", "engine CUDA context")
+#: the colocated vLLM engine's process has its own CUDA context on the trainer's GPU, outside the share vLLM sizes as
+#: gpu_memory_utilization × the GPU's memory (the context exists before vLLM measures anything): PyTorch's about
+#: 0.5 GiB on an H100 with CUDA 12's lazy loading, plus cuBLAS and NCCL — an estimate of 0.8 GiB
+ENGINE_CUDA_CONTEXT = 0.8 * GIB
 
 
 def _derived(data: dict, method: str, without: str = "") -> dict[str, float]:
@@ -231,19 +237,24 @@ def _derived(data: dict, method: str, without: str = "") -> dict[str, float]:
     engine_weights = term("engine weights", BF16 * _gpu_parameters(_hf_model_of(items), p.engine.tp, 1))
     kv = share - engine_weights - mm.ENGINE_OVERHEAD_GIB * GIB
     per_token = term("kv", _kv_bytes_per_token(_hf_model_of(items), p.engine.tp))
+    # the engine's share and its process's CUDA context sit beside the trainer (colocated) or on the engine's own GPU
+    engine = share + term("engine CUDA context", ENGINE_CUDA_CONTEXT)
+    colocated = p.engine.placement == "colocated"
     return {"train": train, "logprobs": forward, "save_gpu": resident + overhead, "save_host": host,
             "save_node": p.tasks_per_node * host, "engine_weights": engine_weights,
             "sequences": math.floor(kv / (per_token * p.engine.seq_len)) if per_token else math.inf,
-            "trainer_peak": max(train, forward, resident + overhead)
-            + (share if p.engine.placement == "colocated" else 0.0)}
+            "trainer_peak": max(train, forward, resident + overhead) + (engine if colocated else 0.0),
+            "engine_peak": 0.0 if colocated else engine}
 
 
 def _arithmetic(data: dict, method: str) -> dict[str, float]:
     p = plan(data, method)
     phases, save, eng = mm.trainer_bytes(p), mm.save_bytes(p), mm.engine_bytes(p.arch, p.engine)
+    peaks = mm.gpu_peaks(p)
     return {"train": phases["train"]["total"], "logprobs": phases["logprobs"]["total"], "save_gpu": save["gpu"]["total"],
             "save_host": save["host"]["total"], "save_node": save["host_node"]["total"],
-            "engine_weights": eng["weights"], "sequences": eng["sequences"], "trainer_peak": mm.gpu_peaks(p)["trainer"]}
+            "engine_weights": eng["weights"], "sequences": eng["sequences"], "trainer_peak": peaks["trainer"],
+            "engine_peak": peaks["engine"]}
 
 
 def _disagreements(data: dict, method: str, derived: dict[str, float] | None = None) -> list[str]:
@@ -307,7 +318,7 @@ def test_every_derived_term_is_needed_for_the_agreement():
 def test_the_arithmetic_with_a_wrong_term_disagrees(monkeypatch):
     """The bug put back, one at a time: the P/(TP·PP) split used before (norms and a critic's first-stage embedding
     missed), no gradient buffer, no working set, the working set split over TP without sequence parallelism, 12 bytes
-    per log-prob logit instead of 14, Adam's states whole on every DP rank."""
+    per log-prob logit instead of 14, Adam's states whole on every DP rank, the engine's CUDA context not counted."""
     data = yaml.safe_load((REPO_ROOT / "conf/train/megatron/qwen2.5-32b.yaml").read_text())
     no_sp = _variant(data, False, "full")
     mutations = {
@@ -320,6 +331,7 @@ def test_the_arithmetic_with_a_wrong_term_disagrees(monkeypatch):
         "12 B per log-prob logit": (mm, "LOGPROB_BYTES_PER_LOGIT", 12),
         "Adam not sharded over DP": (mm, "parameter_states", lambda n, lay: {
             **shared.parameter_states(n, lay), "optimizer": 12.0 * n}),
+        "no engine CUDA context": (mm, "ENGINE_CUDA_CONTEXT_GIB", 0.0),
     }
     for label, (owner, attr, value) in mutations.items():
         with monkeypatch.context() as m:

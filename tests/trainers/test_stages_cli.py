@@ -106,41 +106,30 @@ def test_in_process_reward_with_judges_down_fails_at_start_naming_url_and_key(ti
     assert not (tmp_path / "run").exists()
 
 
-def test_vllm_rollouts_without_vllm_are_refused_in_one_line_naming_the_key_and_the_recipe(tiny_policy, tmp_path, capsys):
-    """Issue 43: before, a 37-line ModuleNotFoundError traceback from the engine's log, after the model had loaded."""
+def test_vllm_rollouts_without_vllm_are_refused_in_one_line_before_the_policy_loads(tiny_policy, tmp_path):
+    """Issue 43: before, a 37-line ModuleNotFoundError traceback from the engine's log, after the model had loaded.
+    Issue 54 item 5: the engine's Python is checked before anything loads — before, the one line came after the
+    policy's weights had loaded (a "Loading weights" progress bar on stderr first; minutes at 32B): now stderr is that
+    line alone and the process never built a torch module."""
     import sys
 
-    from nemo_factuality.cli import main as cli
+    from nemo_factuality.config import REPO_ROOT
 
-    code = cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"),
-                f"data.train={_klcf_data(tmp_path)}", "rollout.engine=vllm", f"rollout.vllm.python={sys.executable}"])
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    # the count walks every object (warnings off: touching a deprecated alias of torch.distributed warns)
+    probe = ("import gc, sys, warnings\nfrom nemo_factuality.cli import main\ncode = main(sys.argv[1:])\nimport torch\n"
+             "warnings.simplefilter('ignore')\nprint(code, sum(isinstance(o, torch.nn.Module) for o in gc.get_objects()))")
+    args = ["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tiny_policy, tmp_path / "run"),
+            f"data.train={_klcf_data(tmp_path)}", "rollout.engine=vllm", f"rollout.vllm.python={sys.executable}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("NEMO_FACTUALITY_DEBUG", None)
+    res = subprocess.run([sys.executable, "-c", probe, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert res.stdout.split() == ["2", "0"], (res.stdout, res.stderr[-2000:])  # exit 2, no torch module built
+    errors = res.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("nemo-factuality train: error: "), res.stderr[-2000:]
     assert f"{sys.executable} cannot import vllm; point rollout.vllm.python" in errors[0]
     assert "bash tools/setup_stack_env.sh vllm" in errors[0]
     assert not (tmp_path / "run").exists()  # nothing written before start-up passed
-
-
-def test_a_tied_policy_with_vllm_rollouts_is_refused_before_it_loads(tiny_policy, tmp_path, capsys):
-    """vLLM's in-place reload leaves a tied output layer at its starting weights (test_megatron_vllm.py's tied case):
-    one line naming the setting and the way out, before the policy loads or anything is written."""
-    import json
-    import shutil
-
-    from nemo_factuality.cli import main as cli
-
-    tied = tmp_path / "tied"
-    shutil.copytree(tiny_policy, tied)
-    config = json.loads((tied / "config.json").read_text())
-    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    code = cli(["train", "grpo", "--config-name", "tiny_cpu_klcf", *_common(tied, tmp_path / "run"),
-                f"data.train={_klcf_data(tmp_path)}", "rollout.engine=vllm"])
-    err = capsys.readouterr().err
-    errors = [line for line in err.splitlines() if "error:" in line]
-    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
-    assert "ties its output layer to its embedding (tie_word_embeddings)" in errors[0]
-    assert "rollout.engine=megatron" in errors[0] and not (tmp_path / "run").exists()
 
 
 def _failing_judge(req: dict) -> Reply:
@@ -207,13 +196,25 @@ def test_knowrl_grpo(tiny_policy, tiny_nli, judge, kb, tmp_path):
     assert metrics[0]["reward/format"] == -1.0
 
 
-def test_rlfh_ppo(tiny_policy, judge, tmp_path):
+def test_rlfh_ppo(tiny_policy, judge, tmp_path, caplog, capfd):
+    import logging
+
+    caplog.set_level(logging.INFO)
     data = write_jsonl(tmp_path / "hotpot.jsonl", [{"question": f"When was Ada Varga born ({i})?", "titles": ["Ada Varga"],
                                                     "materials": [FACTS[0][3]], "extra_materials": []} for i in range(8)])
     assert train_main(["ppo", "--config-name", "tiny_cpu_rlfh", *_common(tiny_policy, tmp_path / "run"), f"data.train={data}",
                        f"reward.judge.base_url={judge.url}"]) == 0
     metrics = _check_run(tmp_path / "run", 3)
     assert all(math.isfinite(m["loss/value"]) for m in metrics)
+    # issue 54 item 6: PPO's lines under its own logger (before: nemo_factuality.trainers.grpo, whose loop it runs)
+    stage_lines = {(r.name, r.getMessage().split(":")[0]) for r in caplog.records
+                   if r.getMessage().startswith(("step ", "training finished"))}
+    final = tmp_path / "run" / "final"
+    assert stage_lines == {("nemo_factuality.trainers.ppo", f"step {i}") for i in (1, 2, 3)} | {
+        ("nemo_factuality.trainers.ppo", f"training finished at step 3 (max_steps); final policy in {final}")}
+    # and the critic made from the policy loads without transformers' LOAD REPORT table (value head MISSING, lm_head
+    # UNEXPECTED: by design), on file descriptor 2, where transformers' own handler writes
+    assert "LOAD REPORT" not in capfd.readouterr().err
 
 
 def test_factalign_kto(tiny_policy, judge, kb, tmp_path):
@@ -228,6 +229,37 @@ def test_factalign_kto(tiny_policy, judge, kb, tmp_path):
     assert len(metrics) == 2 * 3
     assert metrics[0]["kto/labelled"] + metrics[0]["kto/dropped_unlabelled"] == 8
     assert all(math.isfinite(m["loss/kto"]) for m in metrics)
+
+
+def test_kto_prints_its_steps_and_samples_no_iteration_it_will_not_train(tiny_policy, judge, kb, tmp_path, capsys, caplog):
+    """Issue 54 item 1, through the command: per-step lines and the closing line GRPO and PPO print; with
+    trainer.max_steps on an iteration's last step the next iteration is not sampled nor labelled, and that step's
+    checkpoint is written (and logged) once. Before: no step line, no closing line, iteration 1 sampled and labelled
+    (its judge calls thrown away), step_000003 saved three times."""
+    import logging
+
+    from nemo_factuality.cli import main as cli
+
+    caplog.set_level(logging.INFO)
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Write a bio of Ada Varga ({i}).", "topic": "Ada Varga"}
+                                                    for i in range(4)])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Say hi.", "chosen": "Hi there.", "rejected": "No."}])
+    run_dir = tmp_path / "run"
+    # 4 prompts × 2 samples + one pair (2 rows) = 10 examples: 3 minibatches of 4, so step 3 ends iteration 0
+    assert cli(["train", "kto", "--config-name", "tiny_cpu_factalign", *_common(tiny_policy, run_dir),
+                f"data.train={data}", f"data.general_pairs={pairs}", f"reward.judge.base_url={judge.url}",
+                f"reward.pipeline.evidence.store_path={kb}", "trainer.max_steps=3", "trainer.save_interval=3",
+                "trainer.progress_bar=true"]) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "nemo_factuality.trainers.kto"]
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[1] for line in steps] == ["1/3", "2/3", "3/3"], lines
+    assert all("(iteration 1/2, minibatch" in line and "loss/kto" in line and "% desirable" in line for line in steps)
+    assert lines[-1] == f"training finished at step 3 (max_steps); final policy in {run_dir / 'final'}", lines
+    bars = capsys.readouterr().err
+    assert "kto iteration 1/2: sample+label" in bars and "kto iteration 2/2" not in bars, bars[-2000:]
+    saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint saved")]
+    assert saved == [f"checkpoint saved: {run_dir / 'checkpoints' / 'step_000003'}"], saved
+    assert [m["step"] for m in read_metrics(run_dir)] == [1, 2, 3] and (run_dir / "final" / "config.json").exists()
 
 
 def test_grpo_through_the_pytriton_reward_server(tiny_policy, kb, tmp_path):
@@ -263,6 +295,10 @@ def test_bad_configs_fail_at_start_naming_the_key(tiny_policy, tmp_path, capsys)
     with pytest.raises(ConfigError, match="no reward"):
         train_main(["grpo", "--config-name", "tiny_cpu_klcf", *base, "reward=null"])
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x", "checklist": []}])
+    # issue 54 item 2: an in-process reward's store that is a directory (before: "does not exist")
+    with pytest.raises(FactualityInputError, match=rf"knowledge store {tmp_path} is a directory, not a file"):
+        train_main(["kto", "--config-name", "tiny_cpu_factalign", *base, f"data.train={data}",
+                    f"reward.pipeline.evidence.store_path={tmp_path}"])
     from nemo_factuality.testing.ports import free_ports
 
     (port,) = free_ports(1)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from nemo_factuality.types import ServerUnavailableError
+from nemo_factuality.types import FactualityInputError, ServerUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +41,41 @@ def max_over_ranks(value: int) -> int:
     return int(out.item())
 
 
+def outlivable(err: BaseException) -> bool:
+    """Whether the job can outlive ``err``: a reward / critic server or rollout engine gone past its window (every rank
+    checkpoints and exits 75, the requeued job resumes). Only such a failure is agreed over the ranks; any other one —
+    CUDA's out-of-memory error, a bug, a device fault — ends its rank at once (``stop_this_rank``)."""
+    return isinstance(err, ServerUnavailableError)
+
+
+def relayable(err: BaseException) -> bool:
+    """Whether a source rank broadcasts ``err`` to its group's ranks (which wait for it in that broadcast): a failure the
+    job outlives, or a user-facing one (a ``FactualityInputError``: one line on every rank, e.g. a refit file the disk
+    had no room for). Never a device or program error: after CUDA's out-of-memory or a device fault even the broadcast
+    may fail or hang, so that rank stops at once and the launcher ends its peers."""
+    from nemo_factuality.config import ConfigError
+
+    return outlivable(err) or isinstance(err, (FactualityInputError, ConfigError))
+
+
+def stop_this_rank(err: BaseException) -> None:
+    """Log ``err`` with its traceback on this rank, now — before any clean-up that could wait — saying that this rank
+    stops without entering a collective; the caller re-raises it. Its peers may be inside a collective of this very
+    forward (tensor-parallel all-reduces) or the stage's agreement: none of them can be met, so the only way to end
+    the job in seconds is for this rank to exit and the launcher (torchrun, ``srun --kill-on-bad-exit``) to end the
+    others, instead of waiting out ``trainer.distributed_timeout_s``."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    log.error("rank %d failed with %s: %s; stopping this rank now without entering any collective (the launcher ends "
+              "the other ranks)", rank, type(err).__name__, err, exc_info=err)
+
+
 def relay_kind(err: Exception) -> str:
-    """How another rank re-raises a source rank's error: a server gone past its retry window stays one (the stage
-    checkpoints on every rank alike), with its ``checkpoint_safe``; anything else is a failure of that rank."""
+    """How another rank re-raises a source rank's error (only ``relayable`` ones are relayed): a server gone past its
+    retry window stays one (the stage checkpoints on every rank alike), with its ``checkpoint_safe``; a user-facing
+    error is raised as that one line."""
     if isinstance(err, ServerUnavailableError):
         return "unavailable" if getattr(err, "checkpoint_safe", True) else "unavailable-no-checkpoint"
-    return "error"
+    return "input"
 
 
 def relayed_result(status: str, value: Any, source: int) -> Any:
@@ -57,21 +86,26 @@ def relayed_result(status: str, value: Any, source: int) -> Any:
         relayed = ServerUnavailableError(f"{value} (on rank {source})")
         relayed.checkpoint_safe = status == "unavailable"
         raise relayed
-    raise RuntimeError(f"rank {source} failed: {value}")
+    raise FactualityInputError(f"{value} (on rank {source})")
 
 
 # how bad a rank's outcome is; the job acts on the worst (a crash anywhere beats a checkpoint, and a checkpoint
 # that would be inconsistent anywhere is written nowhere)
-_SEVERITY = {"ok": 0, "unavailable": 1, "unavailable-no-checkpoint": 2, "error": 3}
+_SEVERITY = {"ok": 0, "unavailable": 1, "unavailable-no-checkpoint": 2}
 
 
 def agree_on_failure(error: Exception | None) -> None:
     """One decision for the whole job after a call that can fail on some ranks only (a replica's reward or critic
-    server gone, its validation scoring): returns when no rank failed; otherwise raises on every rank the worst
+    server gone, its engine past its restarts): returns when no rank failed; otherwise raises on every rank the worst
     failure — its own error where this rank had that one, else the failing rank's, relayed (``relayed_result``).
 
-    Every rank calls it at the same point, so the job's next collective is the same on every rank: all go on, all
-    checkpoint and exit 75, or all stop. One int64 all-reduce when nothing failed; a gather of the reports else."""
+    Every rank calls it at the same point, so the job's next collective is the same on every rank: all go on, or all
+    checkpoint and exit 75. One int64 all-reduce when nothing failed; a gather of the reports else. A failure the job
+    cannot outlive (``outlivable``) never reaches the all-reduce: it is logged and raised at once on its rank
+    (``stop_this_rank``), since its peers may be waiting in another collective."""
+    if error is not None and not outlivable(error):
+        stop_this_rank(error)
+        raise error
     if not distributed_world():
         if error is not None:
             raise error
@@ -97,9 +131,10 @@ def any_rank(flag: bool) -> bool:
 
 def on_group_source(fn: Callable[[], Any], group: Any) -> Any:
     """``fn()`` on ``group``'s first rank (``None``: the default group, whose first rank is global rank 0), its result —
-    or its error, raised on every rank of the group, so no rank waits forever in the broadcast — on the group's other
-    ranks; ``fn()`` alone without a group of several. The one source-rank relay: every backend's ``on_..._source``
-    is this over its group."""
+    or its error when ``relayable``, raised on every rank of the group, so no rank waits forever in the broadcast — on
+    the group's other ranks; ``fn()`` alone without a group of several. The one source-rank relay: every backend's
+    ``on_..._source`` is this over its group. Any other error of ``fn`` stops the source at once (``stop_this_rank``),
+    broadcasting nothing: its peers wait in the broadcast until the launcher ends them."""
     if not torch.distributed.is_initialized():
         return fn()
     group = torch.distributed.group.WORLD if group is None else group
@@ -111,9 +146,12 @@ def on_group_source(fn: Callable[[], Any], group: Any) -> Any:
     if torch.distributed.get_rank() == ranks[0]:
         try:
             box = [("ok", fn())]
-        except Exception as err:  # re-raised below, on every rank of the group
-            error = err
-            box = [(relay_kind(err), f"{type(err).__name__}: {err}")]
+        except Exception as err:
+            if not relayable(err):
+                stop_this_rank(err)
+                raise
+            error = err  # re-raised below, on every rank of the group
+            box = [(relay_kind(err), f"{type(err).__name__}: {err}" if outlivable(err) else str(err))]
     torch.distributed.broadcast_object_list(box, src=ranks[0], group=group)
     status, value = box[0]
     if error is not None:

@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from typing import Any
 
 import torch
 
+from nemo_factuality.stopping import stop_process_group
 from nemo_factuality.trainers.config import VLLMEngineConfig
 from nemo_factuality.trainers.engines import vllm_worker
 from nemo_factuality.trainers.engines.vllm_server import KEY_ENV
@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 PYTHON_ENV = "NEMO_FACTUALITY_VLLM_PYTHON"
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"  # vLLM's switch: 0 = the engine core in the LLM's process
+
+
+KILL_GRACE_S = 10.0  # SIGTERM → SIGKILL for the engine's process group: vLLM's workers free their GPU memory on SIGTERM
+REAP_WAIT_S = 30.0  # after SIGKILL, how long its processes may take to be gone (a CUDA context's teardown)
 
 
 class EngineUnavailable(ServerUnavailableError):
@@ -88,6 +92,7 @@ class VLLMEngine:
         self.log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="vllm_engine_"))
         self.restarts_left = cfg.restarts
         self.weights_dir: Path | None = None  # the last refit's weights: a restarted engine is refit with them
+        self.weights_version: int | None = None  # the trainer step they are (async GRPO names it), told to a restart
         self._key = secrets.token_bytes(32)
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
@@ -101,8 +106,10 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> VLLMEngine:
-        """Start the engine on its devices and wait until it answers a health request (``start_timeout_s``); an engine
-        that exits first is an error naming its log."""
+        """Start the engine on its devices and wait until it answers a health request (``start_timeout_s``); under
+        ``refit=broadcast`` it also joins the refit group now (the builds' versions compared first, then a warm-up
+        broadcast within ``reply_timeout_s``), so a group that cannot form fails here, before the first step. An
+        engine that exits or stops answering first is an ``EngineStartError`` naming its log."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         ready = self.log_dir / f"engine{self.starts}.port"
         ready.unlink(missing_ok=True)
@@ -110,7 +117,8 @@ class VLLMEngine:
         cmd = [engine_python(self.cfg), "-m", "nemo_factuality.trainers.engines.vllm_server",
                "--model", self.model_dir, "--ready-file", str(ready), "--dtype", self.dtype, "--seed", str(self.seed),
                "--tensor-parallel-size", str(self.cfg.tensor_parallel_size),
-               "--gpu-memory-utilization", str(self.cfg.gpu_memory_utilization)]
+               "--gpu-memory-utilization", str(self.cfg.gpu_memory_utilization),
+               "--enforce-eager", _tri_state(self.cfg.enforce_eager), "--seeded", _tri_state(self.cfg.seeded)]
         if self.cfg.max_model_len:
             cmd += ["--max-model-len", str(self.cfg.max_model_len)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHONHOME", "VIRTUAL_ENV"))}
@@ -121,10 +129,20 @@ class VLLMEngine:
         with open(log_path, "ab") as out:
             self._proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.starts += 1
-        self._group = None  # a new engine's workers form a new refit group (on first use)
-        self._connect(ready, log_path)
-        # loaded and serving: the stage's step 1 waits for this on every replica
-        self.engine_versions = self._ask({"op": "health"}).get("versions") or {}
+        self._group = None  # a new engine's workers form a new refit group
+        try:
+            self._connect(ready, log_path)
+            # loaded and serving: the stage's step 1 waits for this on every replica
+            self.engine_versions = self._ask({"op": "health"}).get("versions") or {}
+            if self.cfg.refit == "broadcast":
+                self._join()
+        except TRANSPORT_ERRORS as err:
+            self.close()
+            raise EngineStartError(f"the vLLM engine stopped answering while starting ({type(err).__name__}: {err}); "
+                                   f"its log ({log_path}) ends with: {root_cause(_tail(log_path))}") from err
+        except BaseException:  # a refusal (the refit group's builds), an interrupt: no engine outlives its start
+            self.close()
+            raise
         log.info("vLLM engine ready: pid %d answered its health check %.1f s after it started%s", self._proc.pid,
                  time.monotonic() - started, "" if self.devices is None else f", on GPUs {','.join(self.devices)}")
         return self
@@ -160,7 +178,7 @@ class VLLMEngine:
         return env
 
     def close(self) -> None:
-        """Ask the engine to stop, then kill its process group (its workers with it)."""
+        """Ask the engine to stop, then stop its whole process group (its workers with it)."""
         if self._conn is not None:
             try:
                 self._conn.send_bytes(json.dumps({"op": "shutdown"}).encode())
@@ -169,22 +187,19 @@ class VLLMEngine:
                 pass
             self._conn.close()
             self._conn = None
-        self._kill(grace_s=10)
+        self._kill()
 
-    def _kill(self, grace_s: float = 0.0) -> None:
-        """Kill the engine's process group, after ``grace_s`` for it to exit on its own."""
-        if self._proc is not None and self._proc.poll() is None:
-            try:
-                self._proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-                self._proc.wait()
-        if self._proc is not None:
-            try:  # vLLM's engine-core and worker processes share the group; none outlives the run
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self._proc = None
+    def _kill(self) -> None:
+        """Stop the engine's process group and wait until every process of it is gone (``stopping.stop_process_group``:
+        SIGTERM, ``KILL_GRACE_S``, SIGKILL, ``REAP_WAIT_S``), not only its main process: a restarted engine on the same
+        GPUs needs the memory its old workers hold."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        left = stop_process_group(proc, term_grace_s=KILL_GRACE_S, kill_wait_s=REAP_WAIT_S)
+        if left:
+            log.warning("the vLLM engine's processes %s were still there %g s after SIGKILL; their GPU memory may not "
+                        "be free yet", sorted(left), REAP_WAIT_S)
 
     @property
     def pid(self) -> int | None:
@@ -211,8 +226,10 @@ class VLLMEngine:
         self._conn.send_bytes(json.dumps(msg).encode())
 
     def _reply(self, op: str) -> dict[str, Any]:
-        if not self._conn.poll(self.cfg.request_timeout_s):
-            raise TimeoutError(f"no answer within rollout.vllm.request_timeout_s={self.cfg.request_timeout_s:g} s")
+        key = "request_timeout_s" if op == "generate" else "reply_timeout_s"
+        timeout = getattr(self.cfg, key)
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"no answer to {op} within rollout.vllm.{key}={timeout:g} s")
         reply = json.loads(self._conn.recv_bytes())
         if not reply.get("ok"):
             raise EngineError(f"the vLLM engine refused {op}: {reply.get('error')}")
@@ -232,25 +249,37 @@ class VLLMEngine:
             self._conn.close()
             self._conn = None
         self._kill()
-        self.start()
+        free_trainer_cuda_cache(self.devices)
+        try:
+            self.start()
+        except EngineStartError as failed:  # mid-run it is the engine or its node, not the config: checkpoint, requeue
+            self.close()
+            raise EngineUnavailable(f"the vLLM engine {what}, and its restart failed: {failed}") from failed
         if self.cfg.refit == "broadcast":
             self.needs_weights = self.streamed
         elif self.weights_dir is not None:
-            self._ask({"op": "refit", "path": str(self.weights_dir)})
+            self._ask(_versioned({"op": "refit", "path": str(self.weights_dir)}, self.weights_version))
 
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                 greedy: bool, eos_id: int, seed: int) -> list[dict[str, Any]]:
-        """Per prompt ``{"tokens", "logprobs", "ended"}`` (see ``vllm_server.generate``)."""
-        return self.request({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens,
-                             "temperature": temperature, "top_k": top_k, "top_p": top_p, "greedy": greedy,
-                             "eos_id": eos_id, "seed": seed})["rows"]
+    def generate(self, prompts: list[list[int]], **sampling: Any) -> list[dict[str, Any]]:
+        """Per prompt ``{"tokens", "logprobs", "ended"}`` (see ``vllm_server.generate``); ``sampling``: those of
+        ``generate_versioned``."""
+        return self.generate_versioned(prompts, **sampling)[0]
 
-    def refit(self, weights_dir: Path) -> float:
-        """Load the safetensors files in ``weights_dir`` (the checkpoint's tensor names); returns the engine's seconds."""
+    def generate_versioned(self, prompts: list[list[int]], *, max_new_tokens: int, temperature: float, top_k: int,
+                           top_p: float, greedy: bool, eos_id: int, seed: int) -> tuple[list[dict[str, Any]], int]:
+        """``generate``'s rows and the weight version the engine generated them with (``vllm_server.serve``)."""
+        reply = self.request({"op": "generate", "prompts": prompts, "max_new_tokens": max_new_tokens,
+                              "temperature": temperature, "top_k": top_k, "top_p": top_p, "greedy": greedy,
+                              "eos_id": eos_id, "seed": seed})
+        return reply["rows"], int(reply.get("version", 0))
+
+    def refit(self, weights_dir: Path, version: int | None = None) -> float:
+        """Load the safetensors files in ``weights_dir`` (the checkpoint's tensor names), which are the trainer's
+        weights after step ``version`` when it says; returns the engine's seconds."""
         if not any(weights_dir.glob("*.safetensors")):
             raise FactualityInputError(f"refit: {weights_dir} holds no safetensors files")
-        self.weights_dir = weights_dir
-        return float(self.request({"op": "refit", "path": str(weights_dir)})["seconds"])
+        self.weights_dir, self.weights_version = weights_dir, version
+        return float(self.request(_versioned({"op": "refit", "path": str(weights_dir)}, version))["seconds"])
 
 
     # ------------------------------------------------------------------ refit=broadcast (trainer = rank 0 of the group)
@@ -270,9 +299,12 @@ class VLLMEngine:
             raise GroupError(f"the refit group failed ({type(err).__name__}: {str(err)[:300]})") from err
 
     def _join(self) -> None:
-        """Form this engine start's refit group: the engine's workers join it (a request that blocks in their
-        ``collective_rpc``) while this process builds its rank 0; both sides wait at most ``request_timeout_s``."""
-        timeout = self.cfg.request_timeout_s
+        """Form this engine start's refit group (at its start): the builds' versions compared first, then the engine's
+        workers join (a request that blocks in their ``collective_rpc``) while this process builds its rank 0, and a
+        warm-up broadcast — bounded like every stream broadcast, by ``reply_timeout_s`` and the engine being alive —
+        forms the communicator (NCCL builds it lazily, inside the first collective); both sides wait at most
+        ``reply_timeout_s`` for the group."""
+        timeout = self.cfg.reply_timeout_s
         problem = vllm_worker.versions_problem(self.group_backend, vllm_worker.collective_versions(), self.engine_versions)
         if problem:  # NCCL refuses the communicator: a GroupError, restarts, exit 75, requeue, forever — say it now
             raise RefitGroupMismatch(f"rollout.vllm.refit=broadcast: the refit group cannot form across these builds "
@@ -285,25 +317,26 @@ class VLLMEngine:
         prefix = f"refit{self.starts}/"  # a restarted engine forms a new group on the same store
         self._send({"op": "join_group", "host": "127.0.0.1", "port": self._store.port, "prefix": prefix,
                     "world": world, "backend": self.group_backend, "timeout_s": timeout})
-        group = self._collective(vllm_worker.make_group, self._store, prefix, 0, world, self.group_backend, timeout,
-                                 self._group_device())
+        self._group = self._collective(vllm_worker.make_group, self._store, prefix, 0, world, self.group_backend,
+                                       timeout, self._group_device())
+        self._send_header(vllm_worker.WARM_UP, 0)
         self._reply("join_group")
-        self._group = group
 
     @property
     def streaming(self) -> bool:
         """A stream is open (``open_stream`` sent its request; neither ``close_stream`` nor ``abort_stream`` yet)."""
         return self._stream is not None
 
-    def open_stream(self, manifest: list[tuple[str, str, list[int]]]) -> None:
+    def open_stream(self, manifest: list[tuple[str, str, list[int]]], version: int | None = None) -> None:
         """Start a refit: the request with the manifest (``[name, dtype, shape]`` per tensor, what ``send_tensor``
-        will send, in any order); joins the refit group first after each engine start."""
+        will send, in any order) and the trainer step the weights are (``version``, when it says); joins the refit
+        group first after each engine start."""
         start = time.perf_counter()
         if self._group is None:
             self._join()
-        self._send({"op": "refit_stream", "manifest": [list(entry) for entry in manifest]})
+        self._send(_versioned({"op": "refit_stream", "manifest": [list(entry) for entry in manifest]}, version))
         self._stream = {"index": {name: i for i, (name, _, _) in enumerate(manifest)}, "manifest": manifest,
-                        "sent": set(), "start": start, "deadline": time.monotonic() + self.cfg.request_timeout_s}
+                        "sent": set(), "start": start, "deadline": time.monotonic() + self.cfg.reply_timeout_s}
 
     def send_tensor(self, name: str, tensor: torch.Tensor) -> None:
         """Broadcast one tensor of the open stream (its header, then it, in the manifest's dtype on the group's
@@ -327,9 +360,9 @@ class VLLMEngine:
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
         """One collective of the open stream, bounded on the host by the stream's deadline (``open_stream`` +
-        ``request_timeout_s``) and by the engine process being alive; a failure aborts this start's group (NCCL's
+        ``reply_timeout_s``; the join's warm-up: ``reply_timeout_s`` from now) and by the engine process being alive; a failure aborts this start's group (NCCL's
         communicator would otherwise hang on the dead peer until the watchdog kills the trainer)."""
-        deadline = self._stream["deadline"] if self._stream else time.monotonic() + self.cfg.request_timeout_s
+        deadline = self._stream["deadline"] if self._stream else time.monotonic() + self.cfg.reply_timeout_s
         alive = lambda: self._proc is not None and self._proc.poll() is None  # noqa: E731
         try:
             self._collective(lambda: vllm_worker.broadcast(self._group, tensor, deadline=deadline, peer_alive=alive))
@@ -382,6 +415,26 @@ class VLLMEngine:
             raise failure
         self._restart(failure)
         return True
+
+
+def free_trainer_cuda_cache(devices: Sequence[str] | None) -> None:
+    """Before a restarted engine claims its share of GPUs it shares with this trainer (``placement=colocated``):
+    return the trainer's cached, unused blocks to the driver. The caching allocator keeps the step's peak reserved,
+    and vLLM sizes its KV cache from the memory free when it starts (``gpu_memory_utilization``), so without this
+    a restart on a colocated GPU finds the memory it started with the first time taken."""
+    if devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _versioned(msg: dict[str, Any], version: int | None) -> dict[str, Any]:
+    """``msg`` with the weight version it loads, when the trainer names one (the on-policy loop does not: its
+    requests stay as they were)."""
+    return msg if version is None else {**msg, "version": int(version)}
+
+
+def _tri_state(value: bool | None) -> str:
+    """A ``bool | None`` setting as the engine's command line takes it: ``auto`` (the engine decides by its device)."""
+    return "auto" if value is None else str(bool(value)).lower()
 
 
 def engine_python(cfg: VLLMEngineConfig) -> str:

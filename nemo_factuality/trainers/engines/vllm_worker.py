@@ -12,8 +12,13 @@ execute the code the GPU runs.
 One refit, after the JSON request that carries the manifest (``[name, dtype, shape]`` per tensor): per tensor a
 header ``int64[2] = [manifest index, 0]`` then the tensor itself (manifest shape and dtype), both broadcast from rank 0;
 ``[-1, tensors sent]`` ends the stream, ``[-2, 0]`` aborts it (the trainer's export failed: the workers raise and the
-engine keeps its previous weights only as far as nothing was loaded yet). The index lets the actor yield in its own
+engine keeps its previous weights only as far as nothing was loaded yet). Joining the group ends with one warm-up
+header ``[-3, 0]``: NCCL builds its communicator lazily, inside the first collective, so the join's own broadcast —
+bounded on the trainer's side like every stream broadcast — is where an engine that dies while joining shows. The index lets the actor yield in its own
 order (Bridge's export order is not the checkpoint's) while every tensor's layout is known before it arrives.
+
+Every reload, streamed or from the refit file, ends with ``retie_output_layers``: a tied output layer (SmolLM2,
+Qwen2.5 0.5B–3B, Llama-3.2 1B/3B) is re-derived from the reloaded embedding and checked against it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 import torch
 
-END, ABORT = -1, -2
+END, ABORT, WARM_UP = -1, -2, -3
 
 
 def collective_versions() -> dict[str, str | None]:
@@ -92,7 +97,7 @@ def broadcast(group: Any, tensor: torch.Tensor, *, deadline: float | None = None
         if peer_alive is not None and not peer_alive():
             raise RuntimeError("the engine process exited during the refit broadcast")
         if time.monotonic() > deadline:
-            raise RuntimeError("the refit broadcast did not complete before its deadline (rollout.vllm.request_timeout_s)")
+            raise RuntimeError("the refit broadcast did not complete before its deadline (rollout.vllm.reply_timeout_s)")
         time.sleep(pause)
         pause = min(2 * pause, 0.01)
     work.wait()  # raises the collective's own error, if it ended in one
@@ -129,7 +134,8 @@ def receive(group: Any, manifest: Sequence[Sequence[Any]], device: Any) -> Itera
 
 class BroadcastRefit:
     """vLLM worker extension (``worker_extension_cls``): its methods run on every engine worker through
-    ``collective_rpc``. ``join_refit_group`` once per engine start, ``receive_refit`` per refit."""
+    ``collective_rpc``. ``join_refit_group`` once per engine start, ``receive_refit`` per streamed refit,
+    ``retie_output_layers`` after every reload (``receive_refit`` calls it; the file refit asks for it)."""
 
     def join_refit_group(self, host: str, port: int, prefix: str, world: int, backend: str, timeout_s: float) -> None:
         store = torch.distributed.TCPStore(host, int(port), is_master=False,
@@ -137,6 +143,10 @@ class BroadcastRefit:
         rank = 1 + int(self.rank)  # the trainer is rank 0; vLLM's workers are 0..T-1 in its own groups
         self._refit_device = self.model_runner.device
         self._refit_group = make_group(store, prefix, rank, int(world), backend, timeout_s, self._refit_device)
+        header = torch.zeros(2, dtype=torch.int64, device=self._refit_device)
+        broadcast(self._refit_group, header)  # the warm-up: the communicator forms here, within the group's timeout
+        if int(header[0]) != WARM_UP:
+            raise RuntimeError(f"refit group: expected the warm-up header, got {header.tolist()}")
 
     def receive_refit(self, manifest: list[list[Any]]) -> int:
         """Feed the stream to ``reload_weights`` (checkpoint names and layout; ``load_weights`` fails on CPU, whose
@@ -149,4 +159,75 @@ class BroadcastRefit:
                 yield item
 
         self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        self.retie_output_layers()
         return seen[0]
+
+    def retie_output_layers(self) -> list[str]:
+        """After each reload (both refit modes): ``retie_output_layers`` on this worker's model."""
+        return retie_output_layers(self.model_runner.get_model())
+
+
+#: How far a tied output layer's logits may lie from the embedding's own matmul, relative to their largest magnitude:
+#: float32 kernels in another summation order agree to ~1e-6 (576-wide rows); a stale layer after one training step is
+#: off by the step's relative change of the embedding.
+TIE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
+TIE_TOLERANCE_HALF = 2e-2  # bfloat16 / float16: one rounding of the logits
+
+
+def tied_output_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module]]:
+    """``(name, layer, owner)`` for each vocabulary layer whose own ``weight`` is an earlier one's (vLLM's
+    ``lm_head.tie_weights(embed_tokens)``: the output layer holds the embedding's parameter), in module order. Only
+    output layers (those with ``tie_weights``: ``ParallelLMHead``) are reported; the layer they share with is any
+    earlier holder of the tensor (the embedding, ``VocabParallelEmbedding``, has no ``tie_weights`` — filtering the
+    owners by it too found no tie at all, so nothing was re-tied: vLLM 0.32, SmolLM2 and the tiny tied Qwen2)."""
+    owners: dict[int, torch.nn.Module] = {}
+    tied = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        weight = module._parameters.get("weight")
+        if weight is None:
+            continue
+        # every weight's first holder is its owner: the embedding (``VocabParallelEmbedding``, which has no
+        # ``tie_weights`` of its own) comes first; a later output layer (``ParallelLMHead``) holding it is tied
+        owner = owners.setdefault(id(weight), module)
+        if owner is not module and hasattr(module, "tie_weights"):
+            tied.append((name, module, owner))
+    return tied
+
+
+def retie_output_layers(model: torch.nn.Module) -> list[str]:
+    """Re-derive each tied output layer from the embedding it shares after an in-place reload, then check that its
+    logits are the embedding's matmul; returns the layers' names (raises when one does not follow: the refit fails
+    with the reason instead of rolling out with a stale output layer).
+
+    Why it is needed (vLLM 0.32): the reload loads the shared tensor once, into the embedding — ``AutoWeightsLoader``
+    skips ``lm_head.weight``, its alias — and the layerwise reload runs ``process_weights_after_loading`` only for
+    layers that loaded something, so the output layer's never runs again. On CPU that step is where the output layer's
+    GEMM packs its weight into a buffer of its own (``dispatch_cpu_unquantized_gemm``: a oneDNN handle for float32, the
+    sgl kernel's packed copy for bfloat16 on AMX), which it keeps computing with: the shared ``weight`` holds the new
+    values, the logits come from the starting ones. On CUDA the unquantized method leaves the weight as it is and the
+    matmul reads it, so there the tie already held and this only checks it."""
+    names = []
+    for name, layer, owner in tied_output_layers(model):
+        method = getattr(layer, "quant_method", None)
+        if type(method).__name__ != "UnquantizedEmbeddingMethod":  # its processing may not be safe to repeat
+            raise RuntimeError(f"refit: the tied output layer {name} uses {type(method).__name__}; re-tying it after a "
+                               "reload is done for unquantized output layers only")
+        method.process_weights_after_loading(layer)
+        gap = output_layer_gap(layer, owner)
+        tolerance = TIE_TOLERANCE.get(owner.weight.dtype, TIE_TOLERANCE_HALF)
+        if not gap <= tolerance:
+            raise RuntimeError(f"refit: the tied output layer {name} does not follow the reloaded embedding (logits "
+                               f"{gap:.2e} apart relative to their largest, tolerance {tolerance:g})")
+        names.append(name)
+    return names
+
+
+@torch.no_grad()
+def output_layer_gap(layer: torch.nn.Module, owner: torch.nn.Module) -> float:
+    """``max |layer(x) - x Wᵀ| / max |x Wᵀ|`` on two fixed random hidden states ``x [2, H]``, ``W [V, H]`` the
+    owner's weight: how far the output layer's kernel is from the embedding it is tied to."""
+    weight = owner.weight
+    x = torch.randn(2, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    got = layer.quant_method.apply(layer, x).float()
+    want = torch.nn.functional.linear(x, weight).float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(torch.finfo(torch.float32).tiny))

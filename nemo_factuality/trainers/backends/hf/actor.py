@@ -39,6 +39,13 @@ from nemo_factuality.trainers.interfaces import LossFn, Rollout, RolloutChunk, S
 
 log = logging.getLogger(__name__)
 
+
+class _NoLoadReport(logging.Filter):
+    """Drops transformers' LOAD REPORT table (``HFCritic``: the keys it lists are checked there instead)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in str(record.msg)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -446,8 +453,24 @@ class HFCritic(ProcessGroupDataParallel):
         self.cfg, self.device, self.gradient_clip_val = cfg, torch.device(device), gradient_clip_val
         config = from_pretrained(AutoConfig.from_pretrained, path, key, num_labels=1)
         config.classifier_dropout = 0.0  # transformers' default 0.1 would make values noisy in train mode
-        self.model = from_pretrained(AutoModelForTokenClassification.from_pretrained, path, key, config=config,
-                                     dtype=_DTYPES[dtype])
+        # transformers' LOAD REPORT table calls the value head a missing weight and the policy's lm_head unexpected,
+        # which a critic made from the policy has by design: the table is left out of this load (a filter, not the
+        # logger's level, which transformers 5.24 reads as "verify the tensor-parallel plan" and warns again), and
+        # what differs from that is said below in one line
+        loader = logging.getLogger("transformers.modeling_utils")
+        quiet = _NoLoadReport()
+        loader.addFilter(quiet)
+        try:
+            self.model, info = from_pretrained(AutoModelForTokenClassification.from_pretrained, path, key, config=config,
+                                               dtype=_DTYPES[dtype], output_loading_info=True)
+        finally:
+            loader.removeFilter(quiet)
+        by_design = ({"score."}, {"lm_head."}) if cfg.path is None else (set(), set())
+        surprises = [k for kind, prefixes in zip(("missing_keys", "unexpected_keys"), by_design, strict=True)
+                     for k in info.get(kind, ()) if not k.startswith(tuple(prefixes))]
+        if surprises:
+            log.warning("critic from %s (%s): %d weights missing or unexpected beyond the value head: %s", path, key,
+                        len(surprises), ", ".join(sorted(surprises)[:8]))
         if cfg.path is None:
             with torch.no_grad():
                 for p in self.model.score.parameters():

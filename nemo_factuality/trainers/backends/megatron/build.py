@@ -248,6 +248,20 @@ def local_block_spec(config: Any, vp_stage: int | None = None) -> Any:
 _RECOMPUTE = {"none": (None, None, None), "full": ("full", "uniform", 1), "selective": ("selective", None, None)}
 
 
+def check_heads_split(heads: int, kv_heads: int, tp: int) -> None:
+    """Megatron-Core 0.16's own rule for TP, checked before its config raises a traceback: TP divides the attention
+    heads, and the KV heads (query groups) are a multiple of TP or a divisor of it (then the ranks sharing a KV head
+    all-gather the QKV projection). SmolLM2's 9 heads / 3 KV heads: TP 1, 3 or 9, never 2."""
+    def fits(n: int) -> bool:
+        return heads % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)
+
+    if not fits(tp):
+        raise ConfigError(f"the checkpoint's {heads} attention heads / {kv_heads} KV heads do not split over "
+                          f"model.tensor_model_parallel_size={tp} (Megatron-Core needs TP to divide the heads, and the "
+                          f"KV heads to be a multiple or a divisor of TP): choose one of "
+                          f"{[n for n in range(1, heads + 1) if fits(n)]}")
+
+
 def configure_provider(provider: Any, layout: ParallelLayout, settings: Settings) -> Any:
     """Bridge's ``GPTModelProvider`` at ``layout`` with ``settings`` and this backend's loss accounting: the TE layer
     spec, or Megatron-Core's local one (``local_block_spec``) with the fusions that need Apex/TE/CUDA kernels off."""
@@ -256,8 +270,14 @@ def configure_provider(provider: Any, layout: ParallelLayout, settings: Settings
     provider.sequence_parallel = settings.sequence_parallel
     provider.params_dtype = provider.autocast_dtype = provider.pipeline_dtype = settings.dtype
     provider.bf16, provider.fp16 = settings.bf16, False
-    granularity, method, layers = _RECOMPUTE[settings.recompute]
-    provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = granularity, method, layers
+    recompute = _RECOMPUTE[settings.recompute]
+    # Megatron-Core 0.16 asserts that full recompute goes only with full-iteration CUDA graphs; here the graphs are the
+    # dynamic engine's decode steps (inference, where TransformerBlock never recomputes) and full recompute is the
+    # training forward's (TransformerBlock.forward reads config.recompute_granularity then, with self.training): each
+    # where it applies, the recompute settings given after the config's validation
+    deferred = settings.cuda_graphs and recompute[0] == "full"
+    provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = \
+        (None, None, None) if deferred else recompute
     # the stage's losses are normalised by the global counts: the schedule must neither divide a micro batch's loss by
     # the number of micro batches nor DDP average over data-parallel ranks (both skip that with this flag, and this
     # backend never hands the schedule a token count to divide by)
@@ -281,7 +301,10 @@ def configure_provider(provider: Any, layout: ParallelLayout, settings: Settings
         for fusion in ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
                        "bias_dropout_fusion", "apply_rope_fusion", "persist_layer_norm"):
             setattr(provider, fusion, False)
+    check_heads_split(provider.num_attention_heads, provider.num_query_groups or provider.num_attention_heads, layout.tp)
     provider.finalize()
+    if deferred:
+        provider.recompute_granularity, provider.recompute_method, provider.recompute_num_layers = recompute
     if provider.vocab_size % layout.tp:
         raise ConfigError(f"the checkpoint's vocabulary ({provider.vocab_size}) does not split over "
                           f"model.tensor_model_parallel_size={layout.tp}")

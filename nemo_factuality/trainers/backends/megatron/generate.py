@@ -255,6 +255,21 @@ def cuda_graphs_on(model: Any, enabled: bool) -> Iterator[None]:
         toggle_cuda_graphs(model, set_to="none", reset_cuda_graphs=False)
 
 
+def drop_cuda_graphs(model: Any) -> None:
+    """Forget every CUDA graph ``model``'s layers captured (Megatron-Core's ``delete_cuda_graphs``: the graphs and
+    their memory pool) and each layer's graph lookup: a graph manager finds its runner by the padded batch size, so
+    after the dynamic engine is rebuilt with a new context an old runner would replay its decode step into the old KV
+    buffer. The managers stay (the ones ``toggle_cuda_graphs`` caches): the next decode step captures anew."""
+    from megatron.core.transformer.cuda_graphs import CudaGraphManager, delete_cuda_graphs
+
+    delete_cuda_graphs()
+    for module in model.modules():
+        manager = getattr(module, "cudagraph_manager", None)
+        if isinstance(manager, CudaGraphManager):
+            manager.cudagraph_runners.clear()
+            manager.inference_cudagraphs_lookup_table.clear()
+
+
 class DynamicGenerator:
     """Megatron-Core's ``DynamicInferenceEngine`` on ``model`` (the bare ``GPTModel`` of this rank's pipeline stage),
     built once and reused by every generate call of the run: its inference context (the paged KV buffer, the request
@@ -292,6 +307,8 @@ class DynamicGenerator:
             hidden_size=model.config.hidden_size, params_dtype=model.config.params_dtype,
             inference_batch_times_seqlen_threshold=-1, padded_vocab_size=model.vocab_size,
             inference_max_requests=requests, inference_max_seq_length=capacity)
+        if self._engine is not None and self._settings is not None and self._settings[-1]:
+            drop_cuda_graphs(model)  # the old graphs replay into the old context's KV buffer
         self._engine = self._controller = None  # the old context's buffers go before the new one's are allocated
         context = _dynamic_context(model, requests, capacity, buffer_gb, block_tokens, max_step_tokens, cuda_graphs,
                                    sequence)

@@ -19,8 +19,9 @@ here:
   policy's activations without the vocabulary logits, so it peaks below the policy's step at the same micro batch.
 * **The engine** takes ``gpu_memory_utilization × 79 GiB`` of each of its GPUs for its life (vLLM reserves its share
   at start): its weights ``2P/TP_e``, ``ENGINE_OVERHEAD_GIB``, and the KV cache in the rest
-  (``2·L·⌈kv/TP_e⌉·d·2 B`` per token). ``colocated``: that share sits on the replica's GPUs beside the trainer, so a
-  GPU holds the trainer's peak plus the share; ``separate``: the engine's GPUs hold only the share.
+  (``2·L·⌈kv/TP_e⌉·d·2 B`` per token); its process's CUDA context, ``ENGINE_CUDA_CONTEXT_GIB``, comes on top of the
+  share. ``colocated``: share and context sit on the replica's GPUs beside the trainer, so a GPU holds the trainer's
+  peak plus both; ``separate``: the engine's GPUs hold only the share and the context.
 * **A checkpoint save** (``save_bytes``; the presets' ``model.megatron.optimizer_checkpoint=dp_reshardable``): each
   rank writes the states it holds, so the GPU holds its resident states and nothing more (no activations, nothing
   gathered); Megatron's writer copies everything a rank writes to host memory first — its optimizer shard
@@ -54,9 +55,14 @@ from nemo_factuality.trainers.backends.memory import (
     training_bytes,
 )
 
-# vLLM's memory inside its share that is not KV cache: the CUDA context, the activations of its profiling forward
-# (max_num_batched_tokens) and the sampler's logits. An estimate, not measured here (no GPU in the session that wrote it)
+# vLLM's memory inside its share that is not KV cache: the activations of its profiling forward
+# (max_num_batched_tokens), the sampler's logits, NCCL's buffers. An estimate, not measured here (no GPU in the session
+# that wrote it)
 ENGINE_OVERHEAD_GIB = 2.0
+# the engine process's CUDA context, outside its share: vLLM sizes the share as gpu_memory_utilization × the GPU's
+# memory and takes its KV cache from what its own allocations leave of it, but the context exists before vLLM measures
+# anything (about 0.5 GiB for PyTorch on an H100 with CUDA 12's lazy loading; cuBLAS and NCCL add to it). An estimate
+ENGINE_CUDA_CONTEXT_GIB = 0.8
 # fewest full-length sequences an engine's KV cache must hold at once for a preset to count as sized (vLLM queues the
 # rest, so fewer would not fail, only generate slowly)
 MIN_ENGINE_SEQUENCES = 32
@@ -203,10 +209,10 @@ def gpu_peaks(p: Plan) -> dict[str, float]:
     colocated: plus the engine's share on the GPUs that hold one) and ``engine`` (a separate engine's GPU; 0 when
     colocated)."""
     trainer = trainer_peak(p)
-    share = engine_bytes(p.arch, p.engine)["total"]
+    engine = engine_bytes(p.arch, p.engine)["total"] + ENGINE_CUDA_CONTEXT_GIB * GIB
     if p.engine.placement == "colocated":
-        return {"trainer": trainer + share, "engine": 0.0}
-    return {"trainer": trainer, "engine": share}
+        return {"trainer": trainer + engine, "engine": 0.0}
+    return {"trainer": trainer, "engine": engine}
 
 
 def largest_forward_micro_batch(p: Plan, cap: int = 16) -> int:
@@ -255,9 +261,11 @@ def section_lines(p: Plan, method: str) -> list[str]:
         f"engine ({e.placement}, TP={e.tp}): {e.gpu_memory_utilization} × {H100_GIB:g} = {eng['total'] / GIB:.1f} per GPU = "
         f"weights {eng['weights'] / GIB:.1f} + overhead {eng['overhead'] / GIB:.1f} + KV cache {eng['kv_cache'] / GIB:.1f}",
         f"  KV cache: {eng['sequences']} sequences of {e.seq_len} tokens at once",
-        (f"per GPU: trainer {trainer / GIB:.1f} + engine {eng['total'] / GIB:.1f} = {peaks['trainer'] / GIB:.1f} "
+        (f"per GPU: trainer {trainer / GIB:.1f} + engine {eng['total'] / GIB:.1f} + its CUDA context "
+         f"{ENGINE_CUDA_CONTEXT_GIB:.1f} = {peaks['trainer'] / GIB:.1f} "
          if e.placement == "colocated" else
-         f"per GPU: trainer {peaks['trainer'] / GIB:.1f}, engine {peaks['engine'] / GIB:.1f} ")
+         f"per GPU: trainer {peaks['trainer'] / GIB:.1f}, engine {eng['total'] / GIB:.1f} + its CUDA context "
+         f"{ENGINE_CUDA_CONTEXT_GIB:.1f} = {peaks['engine'] / GIB:.1f} ")
         + f"(budget {H100_BUDGET_GIB:.1f})",
         f"checkpoint (the job's, GB): weights {ckpt['weights'] / 1e9:.1f} + optimizer {ckpt['optimizer'] / 1e9:.1f} + "
         f"reference {ckpt['reference'] / 1e9:.1f} + critic {ckpt['critic'] / 1e9:.1f} = {ckpt['total'] / 1e9:.1f}; "
