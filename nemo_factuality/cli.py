@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("nemo_factuality.launch.cli:main", "render / submit Slurm jobs from configs"),
     "train": ("nemo_factuality.trainers.cli:main", "run a training stage: grpo (KLCF/FSPO/KnowRL), ppo (RLFH), kto (FactAlign)"),
     "lab": ("nemo_factuality.lab.cli:main", "factuality lab: synthetic world, tiny policy, RL, before/after report"),
+    "models": ("nemo_factuality.model_zoo:main", "real pretrained models, offline: get a known model's HF folder"),
 }
 
 
@@ -176,6 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     if "--debug" in argv[: argv.index(command)]:
         rest.append("--debug")
     return run_command(func, rest, command)
+
+
+def run_as_module(*command: str) -> NoReturn:
+    """``python -m <a command's module>`` (a training stage's, as the Slurm launcher runs it): ``nemo-factuality
+    <command> <this process's arguments>`` through ``main``, so the same boundary, logging and exit codes. The
+    dispatcher finds the command's module by name (``COMMANDS``), so a module calling this imports nothing that
+    imports it back."""
+    raise SystemExit(main([*command, *sys.argv[1:]]))
 
 
 if __name__ == "__main__":  # `python -m nemo_factuality.cli`: use the package module, so its error types are the ones raised

@@ -4,6 +4,13 @@
 ``conf/serve/klcf.yaml`` on top of ``Schema()`` and applies Hydra-style ``key=value``
 overrides. A YAML may start with ``defaults: [other]`` to build on ``conf/<group>/other.yaml``. Unknown keys anywhere raise ``ConfigError`` naming the key and the file, so a typo
 never runs silently with a default.
+
+A component block (``COMPONENT_BLOCKS``: a method reward, a pipeline part — the blocks a registry builds by ``name``)
+is a choice, as a Hydra config group is: an override choosing another component (``reward.pipeline.verifier.name=
+kb_exact``) replaces the block with ``{name: kb_exact}`` and the options the command line gives that block (before or
+after the choice), so the old component's options do not reach the new one; a whole-block override
+(``'reward.pipeline.verifier={name: kb_exact, store_path: kb.sqlite}'``) replaces the block too. Any other override
+sets its key, and a mapping value merges into the block there.
 """
 
 from __future__ import annotations
@@ -62,14 +69,14 @@ def load_config(
         if config_name:
             path = resolve_config_path(config_name, group)
             source = str(path)
-            merged = OmegaConf.merge(merged, _load_with_defaults(path, group, ()))
+            merged = merge_layers(merged, _load_with_defaults(path, group, ()))
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ConfigError(f"Overrides must look like key=value, got {bad}")
         base_source = source
-        for override in overrides:  # one at a time, so an error names the override it comes from
+        for i, override in enumerate(overrides):  # one at a time, so an error names the override it comes from
             source = f"override {override!r}"
-            merged = OmegaConf.merge(merged, parse_override(override))
+            merged = apply_override(merged, override, overrides[:i])
         source = f"{base_source} with the command-line overrides" if overrides else base_source
         return OmegaConf.to_object(merged)  # type: ignore[return-value]
     except ConfigKeyError as err:  # a typo in a key: name it and the closest valid keys
@@ -83,6 +90,64 @@ def load_config(
         reason = str(getattr(err, "msg", None) or err).splitlines()[0]
         key = getattr(err, "full_key", None)
         raise ConfigError(f"Invalid config from {source}: {f'{key}: ' if key else ''}{reason}") from err
+
+
+#: The free-form blocks a registry builds by ``name`` (registry.py: REWARDS, SEGMENTERS, EXTRACTORS, EVIDENCE,
+#: VERIFIERS), by their key: choosing another component replaces the block (``apply_override``).
+COMPONENT_BLOCKS = frozenset({"reward", "segmenter", "extractor", "evidence", "verifier"})
+
+
+def apply_override(merged: DictConfig, override: str, earlier: Sequence[str] = ()) -> DictConfig:
+    """``merged`` with one ``key=value`` override applied (``earlier``: the overrides applied before it).
+
+    Choosing another component of a ``COMPONENT_BLOCKS`` block replaces that block: ``X.name=other`` with
+    ``{name: other}`` plus what the ``earlier`` overrides set inside ``X``, ``X={...}`` with that mapping. Anything else
+    merges in (OmegaConf's rules: a typed key checked against its schema)."""
+    parsed = parse_override(override)
+    key = override.split("=", 1)[0].lstrip("+")
+    block_key, _, leaf = key.rpartition(".")
+    if leaf == "name" and _is_component_block(merged, block_key):
+        new_name = OmegaConf.select(parsed, key)
+        if new_name != OmegaConf.select(merged, block_key).get("name"):
+            OmegaConf.update(merged, block_key, {"name": new_name}, merge=False)
+            for prior in earlier:  # what the command line set inside the block stays, in its order
+                prior_key = prior.split("=", 1)[0].lstrip("+")
+                if prior_key.startswith(f"{block_key}.") and prior_key != key:
+                    merged = OmegaConf.merge(merged, parse_override(prior))
+            return merged
+    value = OmegaConf.select(parsed, key)
+    if isinstance(value, DictConfig) and _is_component_block(merged, key):
+        OmegaConf.update(merged, key, value, merge=False)
+        return merged
+    return OmegaConf.merge(merged, parsed)
+
+
+def merge_layers(base: DictConfig, top: DictConfig) -> DictConfig:
+    """``top`` merged over ``base`` (a YAML over its ``defaults:``, a YAML over the schema), with the override rule for
+    component blocks: a block of ``top`` that names another component than ``base``'s replaces it."""
+    for key, name in _named_blocks(OmegaConf.to_container(top, resolve=False)):
+        if _is_component_block(base, key) and OmegaConf.select(base, key).get("name") != name:
+            OmegaConf.update(base, key, {}, merge=False)
+    return OmegaConf.merge(base, top)
+
+
+def _named_blocks(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, component name) of each ``COMPONENT_BLOCKS`` block in ``tree`` (a plain container) naming one."""
+    out = []
+    for key, value in tree.items() if isinstance(tree, dict) else ():
+        if isinstance(value, dict):
+            if key in COMPONENT_BLOCKS and "name" in value:
+                out.append((f"{prefix}{key}", value["name"]))
+            out += _named_blocks(value, f"{prefix}{key}.")
+    return out
+
+
+def _is_component_block(merged: DictConfig, key: str) -> bool:
+    """``key`` names a free-form (untyped) block of ``COMPONENT_BLOCKS`` present in ``merged``."""
+    if key.rpartition(".")[2] not in COMPONENT_BLOCKS:
+        return False
+    node = OmegaConf.select(merged, key, throw_on_missing=False)
+    return isinstance(node, DictConfig) and OmegaConf.get_type(node) is dict
 
 
 def parse_override(override: str) -> DictConfig:
@@ -120,8 +185,8 @@ def _load_with_defaults(path: Path, group: str | None, chain: tuple[Path, ...]) 
         bases = [bases]
     merged = OmegaConf.create({})
     for base in bases:
-        merged = OmegaConf.merge(merged, _load_with_defaults(resolve_config_path(str(base), group), group, chain + (path,)))
-    return OmegaConf.merge(merged, node)
+        merged = merge_layers(merged, _load_with_defaults(resolve_config_path(str(base), group), group, chain + (path,)))
+    return merge_layers(merged, node)
 
 
 def _close_keys(err: ConfigKeyError) -> str:

@@ -4,14 +4,20 @@
 so a result renamed into place keeps a private mode whatever the umask. Every command's outputs
 (eval's reports and plot, a stage's ``final/`` policy, checkpoints) go through here instead: under
 umask 022 they are 0644 (directories 0755), as any other file the user writes.
+
+Reading inputs: ``input_file`` is the one check of a file a command reads (a knowledge store, a prompt, pairs or
+passages file), so a directory given where a file belongs is said to be one, with what to pass, instead of "does not
+exist"; ``output_file`` the check of a file a command is about to write, before any work.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from nemo_factuality.types import FactualityInputError
 
 
 def current_umask() -> int:
@@ -51,3 +57,35 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def input_file(path: str | Path, what: str, *, hint: str = "", suffixes: Sequence[str] = ()) -> Path:
+    """``path`` when it is a file to read; else one ``FactualityInputError`` saying what it is instead — missing, a
+    directory (naming the files ending in ``suffixes`` it holds: the ones likely meant), something else — then
+    ``hint``, what to pass.
+
+    >>> input_file(Path(__file__).parent, "data file", hint="pass one of its files", suffixes=[".py"])
+    Traceback (most recent call last):
+    ...
+    nemo_factuality.types.FactualityInputError: data file .../nemo_factuality is a directory, not a file (it holds __init__.py, cli.py, config.py, …); pass one of its files
+    """
+    p = Path(path)
+    if p.is_file():
+        return p
+    tail = f"; {hint}" if hint else ""
+    if p.is_dir():
+        held = sorted(f.name for f in p.iterdir() if f.is_file() and f.name.endswith(tuple(suffixes))) if suffixes else []
+        inside = f" (it holds {', '.join(held[:3])}{', …' if len(held) > 3 else ''})" if held else ""
+        raise FactualityInputError(f"{what} {p} is a directory, not a file{inside}{tail}")
+    if p.exists():
+        raise FactualityInputError(f"{what} {p} is not a regular file{tail}")
+    raise FactualityInputError(f"{what} {p} does not exist{tail}")
+
+
+def output_file(path: str | Path, what: str, example_name: str) -> Path:
+    """``path`` when a file can be written there (nothing there yet, or a file to replace); a directory is one
+    ``FactualityInputError`` naming a file path inside it (``example_name``), before the command does any work."""
+    p = Path(path)
+    if p.is_dir():
+        raise FactualityInputError(f"{what} {p} is a directory; pass the file to write, e.g. {what} {p / example_name}")
+    return p

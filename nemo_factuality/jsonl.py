@@ -31,9 +31,10 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 # without its line break: the parser's column is then the line's (an unclosed object ends at the
                 # end of its own line, not at column 1 of a line after it)
                 obj = json.loads(text.rstrip("\r\n"))
-            except json.JSONDecodeError as err:
-                raise FactualityInputError(f"{where}: invalid JSON ({err.msg} at column {err.colno}); each line must be "
-                                           "one complete JSON object") from None
+            except json.JSONDecodeError as err:  # some messages end in "at" ("Unterminated string starting at")
+                at = "" if err.msg.endswith(" at") else " at"
+                raise FactualityInputError(f"{where}: invalid JSON ({err.msg}{at} column {err.colno}); each line must "
+                                           "be one complete JSON object") from None
             except RecursionError:
                 raise FactualityInputError(f"{where}: JSON nested too deeply to read; flatten this record") from None
             except ValueError:  # the only other ValueError json raises: an integer over Python's digit limit

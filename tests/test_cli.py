@@ -20,7 +20,7 @@ from nemo_factuality.config import REPO_ROOT
 ENV = dict(os.environ, PYTHONPATH=str(REPO_ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
 ENV.pop("NEMO_FACTUALITY_DEBUG", None)
 FILES = ["bad.yaml", "empty.jsonl", "existing.txt", "hf_corrupt", "kb.sqlite", "kb.sqlite.bm25", "labelled.jsonl",
-         "no_documents.db", "not_sqlite.db", "unclosed.jsonl", "unlabelled.jsonl", "wrong_fields.jsonl"]
+         "no_documents.db", "not_sqlite.db", "unclosed.jsonl", "unlabelled.jsonl", "unterminated.jsonl", "wrong_fields.jsonl"]
 # a record whose closing brace is missing: Python's parser places the error at the end of the line, not column 1
 UNCLOSED = json.dumps({"id": 1, "prompt": "Tell me about Ada Varga.", "response": "Ada Varga was born in 1917."})[:-1]
 
@@ -54,6 +54,7 @@ def work(tmp_path_factory):
     (root / "hf_corrupt").mkdir()
     (root / "hf_corrupt" / "config.json").write_text('{"model_type": "qwen2", "hidden_size": ')
     (root / "unclosed.jsonl").write_text(UNCLOSED + "\n")
+    (root / "unterminated.jsonl").write_text('{"id": 1, "prompt": "Tell me\n')  # the string starts at column 21
     (root / "wrong_fields.jsonl").write_text(json.dumps({"id": 1, "question": "q"}) + "\n")
     (root / "not_sqlite.db").write_text("title,text\nAda,born 1917\n")
     with sqlite3.connect(root / "no_documents.db") as db:  # SQLite, but not FActScore's documents(title, text)
@@ -94,6 +95,9 @@ CASES = {  # name: (argv, a phrase the one line must contain)
                                         "no_documents.db is not a FActScore database (no such table: documents)"),
     "eval_unclosed_record": (["eval", "--input", "unclosed.jsonl", "--output", "out"],
                              f"unclosed.jsonl:1: invalid JSON (Expecting ',' delimiter at column {_parser_column(UNCLOSED)})"),
+    # issue 54 item 6: before, "Unterminated string starting at at column 21"
+    "eval_unterminated_string": (["eval", "--input", "unterminated.jsonl", "--output", "out"],
+                                 "unterminated.jsonl:1: invalid JSON (Unterminated string starting at column 21); each"),
     "convert_nemo_to_hf_missing": (["convert", "nemo-to-hf", "--nemo", "nope.nemo", "--out", "o"], "--nemo nope.nemo does not exist"),
     "unknown_command": (["evaluate"], "unknown command 'evaluate'"),
     # a value YAML cannot parse: one line naming the override, in every command taking overrides
@@ -125,8 +129,20 @@ CASES = {  # name: (argv, a phrase the one line must contain)
         "2 × remote_rm.timeout_s + remote_rm.retry.max_wait_s = 1800 s does not fit inside trainer.distributed_timeout_s=600 s"),
     "train_vllm_window_past_the_group_timeout": (
         ["train", "grpo", "--config-name", "tiny_cpu_klcf", "rollout.engine=vllm", "rollout.vllm.request_timeout_s=3000"],
-        "rollout.vllm.restarts × (rollout.vllm.start_timeout_s + 2 × rollout.vllm.request_timeout_s) = 16200 s does not "
-        "fit inside trainer.distributed_timeout_s=7200 s"),
+        "rollout.vllm.restarts × (40 s to stop + rollout.vllm.start_timeout_s + 2 × rollout.vllm.reply_timeout_s) = "
+        "11680 s does not fit inside trainer.distributed_timeout_s=7200 s"),
+    # issue 50 item 7: every attempt with its reply counted — the old one-timeout settings (900 s for every reply)
+    # reach 10280 s (the old formula said 5700 s and passed them); a broadcast refit's join and stream close too
+    "train_vllm_window_every_attempt_and_reply": (
+        ["train", "grpo", "--config-name", "tiny_cpu_klcf", "rollout.engine=vllm", "rollout.vllm.request_timeout_s=900",
+         "rollout.vllm.reply_timeout_s=900"], "= 10280 s does not fit inside trainer.distributed_timeout_s=7200 s"),
+    "train_vllm_broadcast_window_counts_the_join": (
+        ["train", "grpo", "--config-name", "tiny_cpu_klcf", "rollout.engine=vllm", "rollout.vllm.refit=broadcast",
+         "rollout.vllm.reply_timeout_s=400"],
+        "4 × rollout.vllm.reply_timeout_s) = 8680 s does not fit inside trainer.distributed_timeout_s=7200 s"),
+    "train_in_process_judges_window": (
+        ["train", "grpo", "--config-name", "tiny_cpu_klcf", "trainer.distributed_timeout_s=100"],
+        "the in-process reward's judges one after another"),
     # issue 43: abbreviations are off in every parser (--seed silently meant --seeds)
     "lab_abbreviated_flag": (["lab", "--seed", "3", "--out", "out"], "unrecognized arguments: --seed"),
     "eval_abbreviated_flag": (["eval", "--inp", "labelled.jsonl", "--output", "out"], "unrecognized arguments: --inp"),
@@ -148,9 +164,35 @@ CASES = {  # name: (argv, a phrase the one line must contain)
     "serve_same_port_twice": (["serve", "--config-name", "demo", "grpc_port=5555"], "grpc_port=5555 is also http_port"),
     # flags and overrides are checked before the demo store is built into --output
     "eval_demo_bad_k": (["eval", "--demo", "--output", "out", "--k", "0"], "--k values must be positive"),
-    "eval_demo_unknown_key": (["eval", "--demo", "--output", "out", "pipeline.verifer.name=x"], "unknown key(s) ['verifer']"),
+    "eval_demo_unknown_key": (["eval", "--demo", "--output", "out", "pipeline.verifer.name=x"],
+                              "unknown config key pipeline.verifer in override 'pipeline.verifer.name=x'; did you mean "
+                              "'verifier'?"),
+    # issue 54 item 6: a typo beside the ??? the config leaves was "pipeline.verifier.store_path has no value"
+    "eval_typo_beside_a_missing_value": (["eval", "--input", "unlabelled.jsonl", "--output", "out", "--config-name",
+                                          "demo_kb", "pipeline.verifer.store_path=kb.sqlite"],
+                                         "unknown config key pipeline.verifer in override "
+                                         "'pipeline.verifer.store_path=kb.sqlite'; did you mean 'verifier'?"),
     "eval_demo_unknown_option": (["eval", "--demo", "--output", "out", "pipeline.verifier.bogus=1"],
                                  "unknown option(s) ['bogus']"),
+    # issue 54 item 2: a directory where a file belongs is said to be one (kb.sqlite.bm25/ is the store's own index
+    # folder, the likely mistake); before, "does not exist" — and kb build indexed, then failed on a temporary name
+    "kb_query_directory_store": (["kb", "query", "--kb", "kb.sqlite.bm25", "born"],
+                                 "knowledge store kb.sqlite.bm25 is a directory, not a file; pass the store's SQLite file"),
+    "eval_directory_store": (["eval", "--input", "unlabelled.jsonl", "--output", "out", "--config-name", "demo_kb",
+                              "pipeline.verifier.store_path=."],
+                             "knowledge store . is a directory, not a file (it holds kb.sqlite, no_documents.db, "
+                             "not_sqlite.db); pass the store's SQLite file"),
+    "eval_directory_input": (["eval", "--input", ".", "--output", "out"],
+                             "--input . is a directory, not a file (it holds empty.jsonl, labelled.jsonl, unclosed.jsonl, "
+                             "…); --input takes the records' JSONL file"),
+    "train_directory_data": (["train", "grpo", "--config-name", "tiny_cpu_klcf", "data.train=kb.sqlite.bm25",
+                              "model.path=hf_corrupt"],
+                             "data file kb.sqlite.bm25 is a directory, not a file; point data.train / data.validation at"),
+    "kb_build_into_a_directory": (["kb", "build", "--demo", "--out", "kb.sqlite.bm25"],
+                                  "--out kb.sqlite.bm25 is a directory; pass the file to write, e.g. --out "
+                                  "kb.sqlite.bm25/kb.sqlite"),
+    "kb_build_directory_passages": (["kb", "build", "--passages", "kb.sqlite.bm25", "--out", "x.sqlite"],
+                                    "--passages kb.sqlite.bm25 is a directory, not a file"),
 }
 
 
@@ -204,6 +246,19 @@ def test_the_recipes_the_errors_give_work(work, tmp_path):
     assert res.returncode == 0, res.stderr
     report = json.loads((out / "report.json").read_text())["groups"]["all"]
     assert report["n_records"] == 1 and report["label_counts"]["supported"] == 1  # Ada Varga was born in 1917
+
+
+def test_pipeline_parts_are_switched_on_the_command_line(work, tmp_path):
+    """Issue 54 item 3: safe_vllm's LLM pipeline turned into the offline one by choosing other parts. Before: kb_exact
+    got llm_judge's `style` (unknown option), safe's extractor options, and `evidence={name: none}` merged into the kb
+    block, whose store_path stayed ??? ("has no value")."""
+    out = tmp_path / "out"
+    res = _cli(["eval", "--input", str(work / "unlabelled.jsonl"), "--output", str(out), "--config-name", "safe_vllm",
+                "pipeline.extractor.name=identity", "pipeline.evidence={name: none}", "pipeline.verifier.name=kb_exact",
+                f"pipeline.verifier.store_path={work / 'kb.sqlite'}"], tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())["groups"]["all"]
+    assert report["n_records"] == 1 and report["label_counts"]["supported"] == 1
 
 
 def test_kb_query_shows_rank_and_explains_the_score(work):

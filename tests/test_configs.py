@@ -51,3 +51,37 @@ def test_schema_rejects_typos():
     with pytest.raises(ConfigError, match="htp_port"):
         load_config(ServeConfig, None, ["htp_port=1"])
     assert isinstance(load_config(EvalConfig, None, ["topic_field=title"]), EvalConfig)
+
+
+def test_choosing_another_component_replaces_its_block_and_nothing_else(tmp_path):
+    """Issue 54 item 3: a component block is a choice (Hydra's config-group way). Before: the old verifier's
+    model_path / threshold / entail_label stayed under kb_exact, and a whole-block override merged into the old block."""
+    from nemo_factuality.trainers.config import GRPOConfig, PPOConfig
+
+    def verifier(*overrides):
+        return load_config(GRPOConfig, "knowrl", list(overrides), group="train").reward["pipeline"]["verifier"]
+
+    assert verifier("reward.pipeline.verifier.name=kb_exact") == {"name": "kb_exact"}
+    # what the command line gives the block stays, whichever side of the choice it is written on
+    for order in ((0, 1), (1, 0)):
+        words = ["reward.pipeline.verifier.name=kb_exact", "reward.pipeline.verifier.store_path=kb.sqlite"]
+        assert verifier(*(words[i] for i in order)) == {"name": "kb_exact", "store_path": "kb.sqlite"}
+    assert verifier("reward.pipeline.verifier={name: kb_exact, store_path: kb.sqlite}") == {"name": "kb_exact",
+                                                                                             "store_path": "kb.sqlite"}
+    # the same component again, or an option of it: the block is kept and the key set (the file's 0.3 → 0.5)
+    assert verifier("reward.pipeline.verifier.name=nli", "reward.pipeline.verifier.threshold=0.5") == {
+        "name": "nli", "model_path": "/models/DeBERTa-v3-base-mnli-fever-anli", "threshold": 0.5,
+        "entail_label": "entailment"}
+    cfg = load_config(GRPOConfig, "knowrl", ["reward.pipeline.evidence.name=none"], group="train")
+    assert cfg.reward["pipeline"]["evidence"] == {"name": "none"} and cfg.reward["pipeline"]["verifier"]["name"] == "nli"
+    assert cfg.reward["judge"]["model"] == "gpt-4o-mini-compatible-judge"  # the blocks beside it untouched
+    # a block that is not a component (a judge, NeMo's model overrides) still merges key by key
+    cfg = load_config(GRPOConfig, "knowrl", ["reward.judge={base_url: 'http://j:1/v1'}"], group="train")
+    assert cfg.reward["judge"] == {"base_url": "http://j:1/v1", "model": "gpt-4o-mini-compatible-judge", "concurrency": 64}
+    ppo = load_config(PPOConfig, "rlfh", ["critic.model_overrides={optim: {name: sgd, lr: 0.1}}",
+                                          "critic.model_overrides.optim.name=adamw"], group="train")
+    assert ppo.critic.model_overrides["optim"] == {"name": "adamw", "lr": 0.1}
+    # the same rule where a YAML goes over its `defaults:` (before: the lab reward got knowrl's judge and pipeline)
+    (tmp_path / "mine.yaml").write_text("defaults: [knowrl]\nreward: {name: lab_knowrl, store_path: kb.sqlite}\n")
+    cfg = load_config(GRPOConfig, str(tmp_path / "mine.yaml"), [], group="train")
+    assert cfg.reward == {"name": "lab_knowrl", "store_path": "kb.sqlite"} and cfg.grpo.num_rollouts_per_prompt == 10

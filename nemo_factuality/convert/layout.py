@@ -39,6 +39,10 @@ def check_parallelism(spec: ModelSpec, tp: int, pp: int) -> None:
     if tp < 1 or pp < 1:
         raise FactualityInputError(f"tensor/pipeline parallel sizes must be >= 1, got TP={tp} PP={pp}")
     problems = []
+    if spec.heads % tp:
+        problems.append(f"num_attention_heads={spec.heads} is not divisible by TP={tp}")
+    # whole KV heads a rank: NeMo-Aligner's Megatron-Core 0.12 requires it (0.16 also lets TP ranks share one KV
+    # head when TP is a multiple of them; this layout does not store that case)
     if spec.kv_heads % tp:
         problems.append(f"num_key_value_heads={spec.kv_heads} is not divisible by TP={tp}")
     if spec.ffn % tp:
@@ -48,7 +52,7 @@ def check_parallelism(spec: ModelSpec, tp: int, pp: int) -> None:
     if spec.padded_vocab % tp:
         problems.append(f"padded vocabulary {spec.padded_vocab} is not divisible by TP={tp}")
     if problems:
-        raise FactualityInputError("cannot pre-shard for this layout: " + "; ".join(problems))
+        raise FactualityInputError(f"Megatron-Core cannot split this model at TP={tp} PP={pp}: " + "; ".join(problems))
 
 
 def split_layer_key(key: str) -> tuple[str, int | None]:

@@ -123,7 +123,9 @@ def hf_logits(hf_dir: str, tokens: torch.Tensor, vocab: int, reward: bool = Fals
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     cls = AutoModelForSequenceClassification if reward else AutoModelForCausalLM
-    model = cls.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
+    from nemo_factuality.local_models import dtype_keyword
+
+    model = cls.from_pretrained(hf_dir, **{dtype_keyword(): torch.float32}).eval()
     with torch.no_grad():
         logits = model(tokens).logits
     return logits if reward else logits[..., :vocab]
@@ -135,18 +137,20 @@ def reward_from_hidden(hidden: torch.Tensor, head_weight: torch.Tensor, head_bia
     return reward if head_bias is None else reward + head_bias.float()
 
 
-def check_inputs(hf_dir: str, nemo: str) -> None:
+def check_inputs(hf_dir: str, nemo: str, tp: int = 1, pp: int = 1) -> None:
     """Both inputs readable, without Megatron (whose import warns about Transformer Engine and Apex): the HF
     reference (config, every safetensors header) and the checkpoint (an extracted one's configs; a file must be a
-    tar). ``convert verify`` runs this once before it starts a process per rank, so an error is one line."""
+    tar), and a layout Megatron can split the model into (SmolLM2's 9 heads / 3 KV heads: not TP=2). ``convert
+    verify`` runs this once before it starts a process per rank, so an error is one line."""
     import tarfile
     from pathlib import Path
 
+    from nemo_factuality.convert.layout import check_parallelism
     from nemo_factuality.convert.mapping import spec_from_hf_config
     from nemo_factuality.convert.nemo_format import HFCheckpoint, read_nemo_config
     from nemo_factuality.types import FactualityInputError
 
-    spec_from_hf_config(HFCheckpoint(hf_dir).config)
+    check_parallelism(spec_from_hf_config(HFCheckpoint(hf_dir).config, tp=tp), tp, pp)
     if Path(nemo).is_dir():
         read_nemo_config(Path(nemo))
     elif not tarfile.is_tarfile(nemo):
@@ -156,12 +160,11 @@ def check_inputs(hf_dir: str, nemo: str) -> None:
 def _start_megatron(tp: int, pp: int) -> Any:
     """Megatron's process groups at ``tp`` × ``pp`` (gloo on CPU); returns ``parallel_state``. Its import warnings
     about Transformer Engine and Apex are expected here (the local layer spec needs neither) and not shown."""
-    import warnings
-
     import torch.distributed as dist
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed")
+    from nemo_factuality.stack_warnings import expected_warnings_ignored
+
+    with expected_warnings_ignored():
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -187,7 +190,7 @@ def run(hf_dir: str, nemo: str, tp: int, tol: float, seq: int = 16, pp: int = 1)
     from nemo_factuality.convert.mapping import spec_from_hf_config
     from nemo_factuality.convert.nemo_format import check_manifest, opened_nemo, read_nemo_config
 
-    check_inputs(hf_dir, nemo)  # the reference and the checkpoint must be readable before Megatron starts
+    check_inputs(hf_dir, nemo, tp, pp)  # the reference and the checkpoint must be readable before Megatron starts
     parallel_state = _start_megatron(tp, pp)
     with opened_nemo(nemo) as root:
         nemo_cfg, hf_config = read_nemo_config(root)
@@ -241,7 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                         description="compare Megatron-Core logits (from the .nemo) with the HF model, one process per rank")
     add_verify_arguments(ap)
     args = ap.parse_args(argv)
-    result = run(args.hf, args.nemo, args.tp, args.tol, pp=args.pp)
+    from nemo_factuality.stack_warnings import expected_warnings_ignored
+
+    with expected_warnings_ignored():  # Megatron-Core's and torch.distributed's about this CPU path: its one line alone
+        result = run(args.hf, args.nemo, args.tp, args.tol, pp=args.pp)
     if "max_abs_diff" in result:  # the reporting rank (last pipeline stage, TP rank 0)
         print(json.dumps(result), flush=True)
         return exit_codes.OK if result["ok"] else exit_codes.FAILURE  # the logits differ past --tol

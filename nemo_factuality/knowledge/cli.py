@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from nemo_factuality.cli import ArgumentParser, UsageError, positive_int
+from nemo_factuality.fileio import input_file, output_file
 
 SCORE_NOTE = {
     "bm25": "# rank 1 = best match. score = BM25 relevance (higher is better; it only compares passages for the "
@@ -57,8 +58,8 @@ def build_parser() -> ArgumentParser:
 
 
 def _require_file(path: Path | None, flag: str) -> None:
-    if path is not None and not path.is_file():
-        raise UsageError(f"{flag} {path} does not exist or is not a file")
+    if path is not None:
+        input_file(path, flag, suffixes=(".jsonl", ".db", ".sqlite"), hint=f"{flag} takes a file")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -76,6 +77,7 @@ def main(argv: Sequence[str]) -> int:
         passages = args.passages
         for path, flag in ((args.passages, "--passages"), (args.facts, "--facts"), (args.factscore_db, "--factscore-db")):
             _require_file(path, flag)
+        output_file(args.out, "--out", "kb.sqlite")  # before indexing: a directory failed only at the rename
         if args.demo:
             data = Path(__file__).resolve().parents[1] / "data"
             passages, args.facts = data / "demo_passages.jsonl", data / "demo_facts.jsonl"

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from nemo_factuality.fileio import input_file
 from nemo_factuality.jsonl import iter_jsonl
 from nemo_factuality.knowledge import bm25_index
 from nemo_factuality.types import FactualityInputError
@@ -114,10 +115,9 @@ class KnowledgeStore:
 
     def __init__(self, path: str | Path, *, verify: bool = True, max_df_frac: float = 0.3,
                  min_passages_for_pruning: int = 1000) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"knowledge store {self.path} does not exist; build it with "
-                                    "'nemo-factuality kb build --passages F.jsonl --out kb.sqlite'")
+        self.path = input_file(path, "knowledge store", suffixes=(".sqlite", ".db"),
+                               hint="pass the store's SQLite file, as built by 'nemo-factuality kb build --passages "
+                                    "F.jsonl --out kb.sqlite'")
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
         self._pool = None

@@ -70,8 +70,14 @@ def test_a_file_with_no_passage_is_refused_not_built_into_an_empty_store(tmp_pat
 
 
 def test_missing_or_corrupt_store_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="kb build"):
+    # a missing path or a directory: one FactualityInputError line saying which, and how a store is built
+    with pytest.raises(FactualityInputError, match=r"nope\.sqlite does not exist; .*'nemo-factuality kb build"):
         KnowledgeStore(tmp_path / "nope.sqlite")
+    (tmp_path / "stores").mkdir()
+    (tmp_path / "stores" / "kb.sqlite").write_bytes(b"")
+    with pytest.raises(FactualityInputError, match=r"stores is a directory, not a file \(it holds kb\.sqlite\); "
+                                                   r".*'nemo-factuality kb build"):
+        KnowledgeStore(tmp_path / "stores")
     (tmp_path / "junk.sqlite").write_bytes(b"not a database at all" * 100)
     with pytest.raises(FactualityInputError, match="not a readable SQLite"):
         KnowledgeStore(tmp_path / "junk.sqlite")
