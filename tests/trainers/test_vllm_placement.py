@@ -259,7 +259,7 @@ def test_a_refit_stream_reaches_both_workers_of_an_engine_at_tensor_parallel_2(t
     def reply(op: str) -> dict:  # the engine's answer once its workers returned: what each took
         for t in threads:
             t.join(timeout=30)
-        return {"received": [len(received.get(r, [])) for r in (1, 2)]}
+        return {"received": [len(received.get(r, [])) for r in (1, 2)], "retied": []}
 
     engine._send, engine._reply = sent.append, reply
     try:

@@ -91,5 +91,6 @@ def test_a_refit_tied_policys_engine_rollouts_are_the_trainers(refit_engine, smo
     assert gap < LOGPROB_TOLERANCE, gap
     if refit_engine.cfg.refit == "broadcast":
         assert not (tmp_path / "weights").exists() and refit_engine.streamed
-    else:  # the engine says which layer it re-tied to the reloaded embedding
-        assert refit_engine.request({"op": "refit", "path": str(tmp_path / "weights")})["retied"] == ["lm_head"]
+    # in both modes the engine says which layer its last refit re-tied to the reloaded embedding: on this CPU the
+    # float32 output matmul reads the live weight, so the tokens alone could not show a re-tie that never ran
+    assert refit_engine.retied == ["lm_head"]

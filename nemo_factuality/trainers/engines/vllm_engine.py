@@ -99,6 +99,7 @@ class VLLMEngine:
         self.starts = 0
         self.streamed = False  # refit=broadcast: the engine was sent weights (a restarted one needs them again)
         self.needs_weights = False  # refit=broadcast: restarted since, not streamed to yet
+        self.retied: list[str] = []  # the tied output layers the last refit re-tied to the reloaded embedding
         self._store: Any = None  # the refit groups' rendezvous (TCPStore on loopback), one per engine object
         self._group: Any = None  # this engine start's refit group (rank 0: this process)
         self.engine_versions: dict[str, Any] = {}  # torch's and NCCL's in the engine's venv (its health answer)
@@ -279,7 +280,9 @@ class VLLMEngine:
         if not any(weights_dir.glob("*.safetensors")):
             raise FactualityInputError(f"refit: {weights_dir} holds no safetensors files")
         self.weights_dir, self.weights_version = weights_dir, version
-        return float(self.request(_versioned({"op": "refit", "path": str(weights_dir)}, version))["seconds"])
+        reply = self.request(_versioned({"op": "refit", "path": str(weights_dir)}, version))
+        self.retied = reply["retied"]
+        return float(reply["seconds"])
 
 
     # ------------------------------------------------------------------ refit=broadcast (trainer = rank 0 of the group)
@@ -384,7 +387,8 @@ class VLLMEngine:
             self._abort(st)
             raise FactualityInputError(f"refit: the actor did not send {len(missing)} manifest tensor(s): {missing[:5]}")
         self._send_header(vllm_worker.END, len(st["sent"]))
-        received = self._reply("refit_stream")["received"]
+        reply = self._reply("refit_stream")
+        received, self.retied = reply["received"], reply["retied"]
         if any(n != len(st["sent"]) for n in received):
             raise EngineError(f"refit: sent {len(st['sent'])} tensors, the engine's workers took {received}")
         self.streamed, self.needs_weights = True, False

@@ -81,9 +81,10 @@ def join_group(llm: Any, msg: dict) -> dict:
 
 def refit_stream(llm: Any, msg: dict) -> dict:
     start = time.perf_counter()
-    received = llm.collective_rpc("receive_refit", kwargs={"manifest": msg["manifest"]})
+    replies = llm.collective_rpc("receive_refit", kwargs={"manifest": msg["manifest"]})
     llm.reset_prefix_cache()
-    return {"seconds": time.perf_counter() - start, "received": [int(n) for n in received]}
+    return {"seconds": time.perf_counter() - start, "received": [int(r["received"]) for r in replies],
+            "retied": replies[0]["retied"]}
 
 
 def health(llm: Any, msg: dict) -> dict:

@@ -148,9 +148,9 @@ class BroadcastRefit:
         if int(header[0]) != WARM_UP:
             raise RuntimeError(f"refit group: expected the warm-up header, got {header.tolist()}")
 
-    def receive_refit(self, manifest: list[list[Any]]) -> int:
+    def receive_refit(self, manifest: list[list[Any]]) -> dict[str, Any]:
         """Feed the stream to ``reload_weights`` (checkpoint names and layout; ``load_weights`` fails on CPU, whose
-        linear weights are repacked); returns the tensors received."""
+        linear weights are repacked), then re-tie; returns the tensors received and the layers re-tied."""
         seen = [0]
 
         def counted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,8 +159,7 @@ class BroadcastRefit:
                 yield item
 
         self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
-        self.retie_output_layers()
-        return seen[0]
+        return {"received": seen[0], "retied": self.retie_output_layers()}
 
     def retie_output_layers(self) -> list[str]:
         """After each reload (both refit modes): ``retie_output_layers`` on this worker's model."""
