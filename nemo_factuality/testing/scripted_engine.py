@@ -70,6 +70,25 @@ exec {sys.executable} -m nemo_factuality.testing.scripted_engine "$@"
     return python
 
 
+def klcf_stage_argv(work: Path, judge_url: str, policy: Path | str, max_steps: int) -> tuple[list[str], Path]:
+    """``nemo-factuality train grpo`` on KLCF's tiny CPU preset with rollouts on a vLLM engine, every judge role at
+    ``judge_url``, four prompts of its own data in ``work``: the argv (``rollout.vllm.python`` left to the caller: an
+    ``engine_python`` of its script) and the run folder it writes."""
+    from nemo_factuality.testing.training import write_jsonl
+
+    work.mkdir(parents=True, exist_ok=True)
+    data = write_jsonl(work / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
+                                             for i in range(4)])
+    roles = ("judge", "checklist_judge", "pipeline.extractor.judge", "pipeline.verifier.judge")
+    run = work / "run"
+    argv = ["train", "grpo", "--config-name", "tiny_cpu_klcf", f"data.train={data}", "reward.w_rm=0",
+            "reward.general_rm=null", *[f"reward.{k}.base_url={judge_url}" for k in roles], f"model.path={policy}",
+            f"exp_manager.explicit_log_dir={run}", "model.length_params.max_length=6", f"trainer.max_steps={max_steps}",
+            "model.rollout_micro_batch_size=8", "rollout.engine=vllm", "rollout.vllm.request_timeout_s=20",
+            "rollout.vllm.reply_timeout_s=5"]
+    return argv, run
+
+
 def events(log_dir: Path) -> list[dict[str, Any]]:
     path = log_dir / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from nemo_factuality.config import ConfigError
-from nemo_factuality.testing.scripted_engine import engine_python, events, scripted_tokens
+from nemo_factuality.testing.scripted_engine import engine_python, events, klcf_stage_argv, scripted_tokens
 from nemo_factuality.testing.training import (
     good_fraction,
     good_tokens_dense,
@@ -239,18 +239,10 @@ def test_an_engine_gone_mid_flight_checkpoints_and_exits_75_then_the_rerun_regen
     2 and exits 75. The rerun regenerates step 3's rollouts with the seeds drawn for them, from the resumed weights
     (version 2: staleness 0), then goes on one step ahead."""
     from nemo_factuality.cli import main as cli_main
-    from nemo_factuality.testing.training import write_jsonl
 
-    data = write_jsonl(tmp_path / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
-                                                 for i in range(4)])
-    roles = ("judge", "checklist_judge", "pipeline.extractor.judge", "pipeline.verifier.judge")
-    run = tmp_path / "run"
-    argv = ["train", "grpo", "--config-name", "tiny_cpu_klcf", f"data.train={data}", "reward.w_rm=0",
-            "reward.general_rm=null", *[f"reward.{k}.base_url={judge.url}" for k in roles], f"model.path={tiny_policy}",
-            f"exp_manager.explicit_log_dir={run}", "model.length_params.max_length=6", "trainer.max_steps=4",
-            "model.rollout_micro_batch_size=8", "rollout.engine=vllm", "rollout.vllm.placement=separate",
-            "rollout.vllm.tis_cap=2.0", "grpo.max_staleness=1", "rollout.vllm.restarts=0",
-            "rollout.vllm.request_timeout_s=20", "rollout.vllm.reply_timeout_s=5"]
+    argv, run = klcf_stage_argv(tmp_path, judge.url, tiny_policy, max_steps=4)
+    argv += ["rollout.vllm.placement=separate", "rollout.vllm.tis_cap=2.0", "grpo.max_staleness=1",
+             "rollout.vllm.restarts=0"]
     dying = engine_python(tmp_path / "engine", {"starts": {"0": {"die_at_generate": 3}}})
     assert cli_main([*argv, f"rollout.vllm.python={dying}"]) == 75
     err = capfd.readouterr().err

@@ -26,8 +26,7 @@ import pytest
 from nemo_factuality.cli import main as cli_main
 from nemo_factuality.testing.fake_openai import ScriptedOpenAIServer
 from nemo_factuality.testing.methods import method_judge
-from nemo_factuality.testing.scripted_engine import engine_python, events
-from nemo_factuality.testing.training import write_jsonl
+from nemo_factuality.testing.scripted_engine import engine_python, events, klcf_stage_argv
 
 pytestmark = pytest.mark.slow
 
@@ -41,17 +40,9 @@ def judge():
 def _train(tmp_path, judge, policy, script: dict, *extra: str) -> tuple[int, object]:
     """``nemo-factuality train grpo`` (KLCF's tiny CPU preset) with rollouts on the scripted engine; (exit code, the
     run folder)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    data = write_jsonl(tmp_path / "klcf.jsonl", [{"prompt": f"Tell me about Ada {i}.", "checklist": ["Ada was born in 1917."]}
-                                                 for i in range(4)])
-    roles = ("judge", "checklist_judge", "pipeline.extractor.judge", "pipeline.verifier.judge")
-    run = tmp_path / "run"
-    argv = ["train", "grpo", "--config-name", "tiny_cpu_klcf", f"data.train={data}", "reward.w_rm=0",
-            "reward.general_rm=null", *[f"reward.{k}.base_url={judge.url}" for k in roles], f"model.path={policy}",
-            f"exp_manager.explicit_log_dir={run}", "model.length_params.max_length=6", "trainer.max_steps=3",
-            "trainer.save_interval=1", "model.rollout_micro_batch_size=8", "rollout.engine=vllm",
-            f"rollout.vllm.python={engine_python(tmp_path / 'engine', script)}", "rollout.vllm.start_timeout_s=60",
-            "rollout.vllm.request_timeout_s=20", "rollout.vllm.reply_timeout_s=5", *extra]
+    argv, run = klcf_stage_argv(tmp_path, judge.url, policy, max_steps=3)
+    argv += ["trainer.save_interval=1", f"rollout.vllm.python={engine_python(tmp_path / 'engine', script)}",
+             "rollout.vllm.start_timeout_s=60", *extra]
     return cli_main(argv), run
 
 
