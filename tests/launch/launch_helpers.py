@@ -82,10 +82,20 @@ def write_standin_stage(path, **overrides):
     return path
 
 
-def release_requeued(slurm, job: str) -> None:
-    """slurmctld holds a requeued batch job back (BeginTime about two minutes ahead): wait for it to be pending again
-    and start it now, so a test is quick (on a cluster the delay is harmless)."""
+def release_requeued(slurm, job: str, restarts: int, timeout_s: float = 120) -> None:
+    """slurmctld holds a requeued batch job back (BeginTime about two minutes ahead): wait until the job has been
+    requeued ``restarts`` times and is pending again, then start it now, so a test is quick (on a cluster the delay is
+    harmless). Waiting for the restart count, not for PENDING alone: a job just submitted is PENDING too, and releasing
+    it then leaves the real requeue held for its two minutes (a CI run on a loaded machine timed out that way)."""
     import subprocess
+    import time
 
-    slurm.wait(job, ("PENDING",), 60)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", job, "-o"], env=slurm.env, capture_output=True, text=True).stdout
+        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        if fields.get("JobState") == "PENDING" and int(fields.get("Restarts", "0")) >= restarts:
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"job {job} not pending after restart {restarts} within {timeout_s}s (last: {out.strip()[:400]})")

@@ -20,6 +20,7 @@ from launch_helpers import (
     expand,
     job_variables,
     load_site_stage,
+    release_requeued,
     rendered,
     site_params,
     site_value,
@@ -457,10 +458,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm, tmp_path):
     running = " | ".join(slurm.job_processes().values())  # the tracking sees this job's own processes
     assert "nemo_factuality.trainers.grpo" in running and "nemo-factuality serve" in running, running
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
-    # slurmctld holds a requeued batch job back (BeginTime about two minutes ahead); release it now so
-    # the test is quick. On a cluster the delay is harmless.
-    slurm.wait(job, ("PENDING",), 60)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    release_requeued(slurm, job, restarts=1)
     assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 240) == "COMPLETED", _sbatch_log(tmp_path, job)
     trainer = _log(tmp_path, job, "trainer")
     saved = int(trainer.split("stopped by SIGUSR1 at step ")[1].split(";")[0])  # the real GRPO stage checkpointed
@@ -478,8 +476,7 @@ def test_exit_75_requeues_the_job(slurm, tmp_path):
     deadline = time.time() + 120
     while "requeueing job" not in _sbatch_log(tmp_path, job) and time.time() < deadline:
         time.sleep(0.3)
-    slurm.wait(job, ("PENDING",), 60)  # requeued (held back about two minutes by slurmctld: release it now)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
+    release_requeued(slurm, job, restarts=1)
     assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 120) == "COMPLETED", _sbatch_log(tmp_path, job)
     log = _sbatch_log(tmp_path, job)
     assert "trainer finished with exit code 75" in log and "reward server gone past its retry window" in log

@@ -104,14 +104,14 @@ def test_cpu_standin_runs_requeues_and_resumes_through_nemo_run(nemorun_venv, sl
     assert res.returncode == 0, res.stdout + res.stderr
     job = res.stdout.strip().splitlines()[-1]
     assert job.isdigit(), res.stdout
-    release_requeued(slurm, job)  # start 0: exit 75 -> requeued
+    release_requeued(slurm, job, restarts=1)  # start 0: exit 75 -> requeued
     deadline = time.time() + 180
     while "step 10:" not in _logs(tmp_path, job)[1] and time.time() < deadline:
         time.sleep(0.5)
     batch, log = _logs(tmp_path, job)
     assert "step 10:" in log, batch[-3000:] + log[-3000:]
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm.env, check=True)
-    release_requeued(slurm, job)  # start 1: USR1 -> checkpoint -> requeued
+    release_requeued(slurm, job, restarts=2)  # start 1: USR1 -> checkpoint -> requeued
     assert slurm.wait(job, ("COMPLETED", "FAILED", "CANCELLED"), 240) == "COMPLETED", _logs(tmp_path, job)[0][-4000:]
     batch, log = _logs(tmp_path, job)
     assert "reward server gone past its retry window" in batch and "a server stayed away; requeueing job" in batch
