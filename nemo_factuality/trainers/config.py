@@ -65,6 +65,11 @@ class MegatronModelConfig:
     # fully_reshardable = each shard's state gathered on its first data-parallel rank's host (~24 B per parameter of
     # the TP·PP shard there); it resumes at any TP/PP/DP. Set it for the save before a TP/PP change (docs/cluster/megatron.md)
     optimizer_checkpoint: str = "dp_reshardable"
+    # Megatron's gloo copies of the data-parallel groups (initialize_model_parallel's create_gloo_process_groups): only
+    # the distributed optimizer's fully_reshardable save uses them (its gather into host memory runs on gloo). null =
+    # built only then | true = always (a process that will save in both formats) | false = never. Across nodes gloo
+    # picks its interface from GLOO_SOCKET_IFNAME (the cluster profiles set it beside NCCL_SOCKET_IFNAME)
+    use_gloo_process_groups: bool | None = None
     # shard the activations outside attention/MLP (norms, dropout, residuals) along the sequence over the TP group;
     # needs model.tensor_model_parallel_size > 1. Rollouts generate with it off (Megatron's static engine has none)
     sequence_parallel: bool = False
@@ -625,6 +630,11 @@ def _megatron_problems(cfg: Any) -> list[str]:
     if m.megatron.use_distributed_optimizer and m.optim.name != "adamw":
         problems.append(f"model.megatron.use_distributed_optimizer=true with model.optim.name={m.optim.name}: "
                         "Megatron's distributed optimizer is Adam's only; use adamw or set it false")
+    if (m.megatron.use_gloo_process_groups is False and m.megatron.use_distributed_optimizer
+            and m.megatron.optimizer_checkpoint == "fully_reshardable"):
+        problems.append("model.megatron.use_gloo_process_groups=false with model.megatron.optimizer_checkpoint="
+                        "fully_reshardable: that save gathers the distributed optimizer's state over gloo; leave "
+                        "use_gloo_process_groups null (built when needed) or save dp_reshardable")
     if isinstance(cfg, PPOConfig):  # the critic is a second model in the PPO process, on the actor's process groups
         c, m = cfg.critic, cfg.model
         for key, size, policy in (("tensor", c.tensor_model_parallel_size, m.tensor_model_parallel_size),

@@ -23,7 +23,9 @@ against transformers on the same tiny HF checkpoint. Each command writes ``<out>
   checkpoint another layout saved is loaded first, with ``--reference-from`` one holding a reset reference last. With
   the distributed optimizer the save is watched (``LargestAllocation``: the largest tensor storage any op creates),
   and the run also saves ``<tag>_ckpt_full`` in ``optimizer_checkpoint=fully_reshardable`` (watched too); with
-  ``--refused`` that checkpoint's resume at this layout must be refused (its line is recorded). ``--fused-adam``:
+  ``--refused`` that checkpoint's resume at this layout must be refused (its line is recorded); the fully reshardable
+  save only where ``--optimizer-checkpoint=fully_reshardable`` had Megatron's gloo groups built (elsewhere its
+  refusal is recorded), and whether they were built. ``--fused-adam``:
   Megatron builds Transformer Engine's ``FusedAdam`` (the container's optimizer; ``testing/fused_adam_cpu.py``).
 """
 
@@ -370,29 +372,48 @@ def save_as(actor, path: Path, optimizer_checkpoint: str) -> None:
 
 
 def _watched_saves(actor, out: Path, tag: str) -> dict:
-    """Save ``<tag>_ckpt`` in the configured (default) format and ``<tag>_ckpt_full`` in fully_reshardable, each
-    watched, and — watched only — the format this backend wrote before (``before``: fully_reshardable all-gathered on
-    every rank, Megatron's default variant); the largest parameter's bytes are the bound a save that gathers nothing
-    stays within, the shard's the least a gather of its whole state creates."""
+    """Save ``<tag>_ckpt`` in dp_reshardable and, where the run built Megatron's gloo groups, ``<tag>_ckpt_full`` in
+    fully_reshardable (without them that save's refusal is recorded), each watched, and — watched only — the format this
+    backend wrote before (``before``: fully_reshardable all-gathered on every rank, Megatron's default variant); the
+    largest parameter's bytes are the bound a save that gathers nothing stays within, the shard's the least a gather of
+    its whole state creates."""
+    from nemo_factuality.config import ConfigError
     from nemo_factuality.trainers.backends.megatron import model as megatron_model
 
     megatron_model.OPTIMIZER_FORMATS["before"] = {"distrib_optim_sharding_type": "fully_reshardable"}
-    watched = {}
-    for fmt, where in ((actor.settings.optimizer_checkpoint, f"{tag}_ckpt"), ("fully_reshardable", f"{tag}_ckpt_full"),
+    watched, result = {}, {}
+    for fmt, where in (("dp_reshardable", f"{tag}_ckpt"), ("fully_reshardable", f"{tag}_ckpt_full"),
                        ("before", f"{tag}_ckpt_before")):
+        if fmt == "fully_reshardable" and not actor.settings.gloo_process_groups:
+            try:
+                save_as(actor, out / where, fmt)
+            except ConfigError as refusal:
+                result["full_save_refusal"] = str(refusal)
+            continue
         with LargestAllocation() as seen:
             save_as(actor, out / where, fmt)
         watched[fmt] = [seen.largest, seen.op]
-    return {"save_largest_bytes": watched,
+    return {**result, "save_largest_bytes": watched,
             "largest_parameter_bytes": max(p.numel() * p.element_size() for p in actor.model.parameters()),
             "shard_parameter_bytes": sum(p.numel() * p.element_size() for p in actor.model.parameters())}
 
 
+def gloo_groups(actor) -> dict:
+    """Whether Megatron's gloo data-parallel groups exist in this process, and whether the optimizer was given one."""
+    from nemo_factuality.trainers.backends.megatron import build
+
+    optimizers = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    return {"built": build.gloo_process_groups_built(),
+            "optimizer": [getattr(o, "data_parallel_group_gloo", None) is not None for o in optimizers]}
+
+
 def train(args) -> dict:
     actor = build_actor(args, "model.optim.name=adamw", "model.optim.lr=0.01", "trainer.gradient_clip_val=1.0",
-                        f"model.megatron.use_distributed_optimizer={args.distributed_optimizer}")
+                        f"model.megatron.use_distributed_optimizer={args.distributed_optimizer}",
+                        f"model.megatron.optimizer_checkpoint={args.optimizer_checkpoint}")
     out = Path(args.out)
-    result: dict = {"dp": actor.data_parallel_size, "initial_logprobs": actor.logprobs(as_rollout(fixed_batch())).tolist()}
+    result: dict = {"dp": actor.data_parallel_size, "initial_logprobs": actor.logprobs(as_rollout(fixed_batch())).tolist(),
+                    "gloo_groups": gloo_groups(actor)}
     if args.refused:
         from nemo_factuality.types import FactualityInputError
 
@@ -432,8 +453,10 @@ def train(args) -> dict:
     # KTO's reference: the current policy, then stored in the checkpoint (a distributed checkpoint of its own)
     actor.reset_reference()
     result["reset_reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
-    # read at another TP (--reference-from): with the distributed optimizer, in the layout-change format
-    save_as(actor, out / f"{args.tag}_refckpt", "fully_reshardable")
+    # read at another TP (--reference-from): with the distributed optimizer, in the layout-change format where the run
+    # can write it (its gloo groups built)
+    dp_only = args.distributed_optimizer and not actor.settings.gloo_process_groups
+    save_as(actor, out / f"{args.tag}_refckpt", "dp_reshardable" if dp_only else "fully_reshardable")
     if args.reference_from:
         actor.load(Path(args.reference_from))
         result["loaded_reference_logprobs"] = actor.reference_logprobs(as_rollout(batch)).tolist()
@@ -454,6 +477,8 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--resume", help="train: load this checkpoint (saved at another layout) first")
     ap.add_argument("--distributed-optimizer", action="store_true", help="train: Megatron's distributed optimizer")
+    ap.add_argument("--optimizer-checkpoint", default="dp_reshardable",
+                    help="train: model.megatron.optimizer_checkpoint (fully_reshardable: Megatron's gloo groups built)")
     ap.add_argument("--fused-adam", action="store_true",
                     help="train: Megatron builds Transformer Engine's FusedAdam (the container's; testing/fused_adam_cpu.py)")
     ap.add_argument("--refused", help="train: a checkpoint whose resume at this layout must be refused (tried first)")

@@ -187,8 +187,11 @@ def make_step(actor, scale: float):
 
 
 def build(args, run: str):
+    # the runs of one process share its Megatron groups, and the distributed-optimizer runs save in both formats
+    # (train_on's .full.ckpt, resume's resave): the gloo groups that fully_reshardable save gathers on, built for all
     overrides = [*settings_of(run, args.tp), "model.optim.name=adamw", "model.optim.lr=0.01",
-                 "trainer.gradient_clip_val=1.0", "model.optim.weight_decay=0.0"]
+                 "trainer.gradient_clip_val=1.0", "model.optim.weight_decay=0.0",
+                 "model.megatron.use_gloo_process_groups=true"]
     return base.build_actor(args, *overrides)
 
 

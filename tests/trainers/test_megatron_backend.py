@@ -201,7 +201,7 @@ TRAIN_RUNS = {
     "dp2": (2, []),
     "tp2": (2, ["--tp=2"]),
     "pp2_from_tp2": (2, ["--pp=2", "--resume={root}/tp2_ckpt", "--reference-from={root}/tp2_refckpt"]),
-    "dp2_distopt": (2, ["--distributed-optimizer"]),
+    "dp2_distopt": (2, ["--distributed-optimizer", "--optimizer-checkpoint=fully_reshardable"]),
     # TE's FusedAdam (the container's optimizer: its step in the parameter groups; testing/fused_adam_cpu.py), and its
     # default-format (dp_reshardable) checkpoint resumed at another DP in a fresh process; the fully reshardable save
     # at another TP, after the default one was refused there
@@ -285,6 +285,22 @@ def test_a_dp_reshardable_checkpoint_at_another_tp_is_refused_naming_the_route(t
     line = trained["tp2_distopt_from_dp2"]["refusal"]
     assert "\n" not in line and "optimizer_checkpoint=dp_reshardable, written at TP=1 PP=1" in line, line
     assert "(this run: TP=2 PP=1)" in line and "model.megatron.optimizer_checkpoint=fully_reshardable" in line, line
+
+
+def test_gloo_groups_are_built_only_by_the_run_that_saves_on_them(trained):
+    """Only the distributed optimizer's fully_reshardable save uses Megatron's gloo data-parallel groups (each one
+    more rendezvous at start-up, and across nodes one more interface to get right): the run configured for that
+    format has them and hands them to its optimizer; every other run has none — among them the dp_reshardable
+    distributed-optimizer runs, which still resume a fully_reshardable checkpoint (tp2_distopt_from_dp2 loads
+    dp2_distopt's: test_a_checkpoint_resumes_at_another_layout) — and such a run's fully_reshardable save is refused
+    in one line naming the setting. Before, every run built them (Megatron's default)."""
+    built = {tag: run["gloo_groups"]["built"] for tag, run in trained.items()}
+    assert built == {tag: tag == "dp2_distopt" for tag in TRAIN_RUNS}, built
+    assert trained["dp2_distopt"]["gloo_groups"]["optimizer"] == [True]
+    assert trained["dp2_fused"]["gloo_groups"]["optimizer"] == [False]
+    line = trained["dp2_fused"]["full_save_refusal"]
+    assert "\n" not in line and "model.megatron.use_gloo_process_groups" in line and "fully_reshardable" in line, line
+    assert "full_save_refusal" not in trained["dp2_distopt"]
 
 
 @pytest.mark.parametrize("tag", list(TRAIN_RUNS))

@@ -36,6 +36,9 @@ def test_every_stage_accepts_the_megatron_backend():
     (["model.megatron.sequence_parallel=true"], "model.megatron.sequence_parallel=true needs model.tensor_model"),
     (["model.megatron.recompute=uniform"], "model.megatron.recompute='uniform' (choose one of none, full, selective)"),
     (["model.megatron.use_distributed_optimizer=true", "model.optim.name=sgd"], "model.optim.name=sgd"),
+    (["model.megatron.use_distributed_optimizer=true", "model.megatron.optimizer_checkpoint=fully_reshardable",
+      "model.megatron.use_gloo_process_groups=false"],
+     "model.megatron.use_gloo_process_groups=false with model.megatron.optimizer_checkpoint=fully_reshardable"),
     (["model.megatron.inference_engine=paged"],
      "model.megatron.inference_engine='paged' (choose one of static, dynamic)"),
     (["model.megatron.inference_buffer_gb=0"], "model.megatron.inference_buffer_gb must be > 0"),
@@ -71,6 +74,25 @@ def test_the_gpu_settings_pass_the_stage_cli_and_become_the_backends_settings():
     assert settings == Settings(bf16=True, sequence_parallel=True, recompute="full", transformer_engine=True,
                                 distributed_optimizer=True)
     assert settings.dtype == torch.bfloat16 and Settings.of(_megatron(GRPOConfig).model) == Settings()
+
+
+@pytest.mark.parametrize("extra, built", [
+    ([], False),
+    (["model.megatron.use_distributed_optimizer=true"], False),  # the presets: dp_reshardable saves gather nothing
+    (["model.megatron.optimizer_checkpoint=fully_reshardable"], False),  # no distributed optimizer: nothing to gather
+    (["model.megatron.use_distributed_optimizer=true", "model.megatron.optimizer_checkpoint=fully_reshardable"], True),
+    (["model.megatron.use_gloo_process_groups=true"], True),
+    (["model.megatron.use_distributed_optimizer=true", "model.megatron.use_gloo_process_groups=false"], False),
+])
+def test_gloo_groups_are_asked_for_only_where_a_save_gathers_on_them(extra, built):
+    """``model.megatron.use_gloo_process_groups`` null (the default) builds Megatron's gloo data-parallel groups only
+    for the distributed optimizer saving fully_reshardable (issue 50 item 8); true / false decide it."""
+    from nemo_factuality.trainers.backends.megatron.build import Settings
+
+    cfg = _megatron(GRPOConfig, *extra)
+    assert cfg.model.megatron.use_gloo_process_groups is {"true": True, "false": False}.get(
+        next((e.split("=")[1] for e in extra if "use_gloo_process_groups" in e), None))
+    assert Settings.of(cfg.model).gloo_process_groups is built
 
 
 def test_megatron_settings_on_another_backend_are_refused_not_ignored():

@@ -71,7 +71,8 @@ class MegatronActor(MegatronModel):
         self.settings = build.Settings.of(cfg, on_gpu=self.on_gpu)
         self.layout = build.init_process_groups(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
                                                 device, seed, distributed_timeout_s,
-                                                cudagraphable_rng=self.settings.cuda_graphs)
+                                                cudagraphable_rng=self.settings.cuda_graphs,
+                                                gloo=self.settings.gloo_process_groups)
         self.bridge, self.chunks = build.build_model(cfg.path, self.layout, self.settings, on_gpu=self.on_gpu)
         # this rank's GPTModel (one pipeline stage; no virtual pipelining), inside DDP (and Float16Module with bf16):
         # its parameter names and state dict are the checkpoints' and the reference's whatever the wrappers

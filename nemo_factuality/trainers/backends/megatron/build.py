@@ -81,6 +81,10 @@ class Settings:
     # the dynamic engine's decode steps as CUDA graphs (a GPU, inference_engine=dynamic, inference_cuda_graphs > 0):
     # the layers get Megatron's graph managers at build, switched on only while generating; the RNG graph-safe
     cuda_graphs: bool = False
+    # Megatron's gloo data-parallel groups built (model.megatron.use_gloo_process_groups; null: the distributed
+    # optimizer saving fully_reshardable, their only user). Each costs a gloo rendezvous per group at start-up and
+    # needs GLOO_SOCKET_IFNAME across nodes
+    gloo_process_groups: bool = False
 
     @classmethod
     def of(cls, model: Any, *, on_gpu: bool = False) -> Settings:
@@ -88,9 +92,12 @@ class Settings:
         graphs exist only there)."""
         m = model.megatron
         graphs = on_gpu and m.inference_engine == "dynamic" and m.inference_cuda_graphs > 0
+        gloo = m.use_gloo_process_groups
+        if gloo is None:
+            gloo = m.use_distributed_optimizer and m.optimizer_checkpoint == "fully_reshardable"
         return cls(bf16=model.dtype == "bfloat16", sequence_parallel=m.sequence_parallel, recompute=m.recompute,
                    transformer_engine=m.transformer_engine, distributed_optimizer=m.use_distributed_optimizer,
-                   optimizer_checkpoint=m.optimizer_checkpoint, cuda_graphs=graphs)
+                   optimizer_checkpoint=m.optimizer_checkpoint, cuda_graphs=graphs, gloo_process_groups=gloo)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -98,11 +105,12 @@ class Settings:
 
 
 def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, timeout_s: float, *,
-                        cudagraphable_rng: bool = False) -> ParallelLayout:
+                        cudagraphable_rng: bool = False, gloo: bool = False) -> ParallelLayout:
     """torch.distributed (gloo on CPU, NCCL on GPU; one process: a single-rank group) and Megatron-Core's groups, each
-    timing out after ``timeout_s`` (``trainer.distributed_timeout_s``; Megatron counts whole minutes, rounded up);
-    Megatron's model-parallel RNG seeded (graph-safe with ``cudagraphable_rng``: CUDA graphs replay its draws). A
-    second actor in the same process must ask for the same layout."""
+    timing out after ``timeout_s`` (``trainer.distributed_timeout_s``; Megatron counts whole minutes, rounded up), with
+    its gloo data-parallel groups only if ``gloo`` (``Settings.gloo_process_groups``); Megatron's model-parallel RNG
+    seeded (graph-safe with ``cudagraphable_rng``: CUDA graphs replay its draws). A second model in the same process
+    must ask for the same layout, and for gloo groups only if the first built them."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -129,11 +137,27 @@ def init_process_groups(tensor: int, pipeline: int, device: str, seed: int, time
         if held != (tensor, pipeline):
             raise ConfigError(f"this process already holds Megatron groups at TP×PP={held[0]}×{held[1]}; "
                               f"model.tensor_model_parallel_size / pipeline_model_parallel_size ask for {tensor}×{pipeline}")
+        if gloo and not gloo_process_groups_built():
+            raise ConfigError("this process already holds Megatron groups without gloo data-parallel groups; "
+                              "model.megatron.use_gloo_process_groups asks for them: build the first model with it")
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
-                                                 distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)))
+                                                 distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+                                                 create_gloo_process_groups=gloo)
         model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cudagraphable_rng)
     return ParallelLayout(tensor, pipeline, parallel_state.get_data_parallel_world_size())
+
+
+def gloo_process_groups_built() -> bool:
+    """Whether this process's Megatron groups include the gloo data-parallel groups (Megatron's getters assert)."""
+    from megatron.core import parallel_state
+
+    try:
+        parallel_state.get_data_parallel_group_gloo(with_context_parallel=True)
+        parallel_state.get_data_parallel_group_gloo(with_context_parallel=False)
+    except AssertionError:
+        return False
+    return True
 
 
 def contiguous_tensor_parallel_scatter() -> None:
@@ -411,7 +435,7 @@ def build_optimizer(chunks: list[Any], optim: Any, settings: Settings, *, clip_g
         config = OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, **common)  # Megatron's default momentum is 0.9
     else:
         raise ConfigError(f"model.optim.name={optim.name!r}: trainer.backend=megatron supports adamw | sgd")
-    optimizer = get_megatron_optimizer(config, chunks)
+    optimizer = get_megatron_optimizer(config, chunks, use_gloo_process_groups=settings.gloo_process_groups)
     for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
         # Megatron-Core 0.16.1 leaves SGD's state initialiser None, then calls it to build a checkpoint's loading
         # template (TypeError on every resume); SGD without momentum has no state to initialise

@@ -99,8 +99,9 @@ class MegatronCritic(MegatronModel):
         """``settings``: the policy's (``model.dtype``, ``model.megatron.*``: the critic is trained as the policy is)."""
         path = cfg.path or policy_path
         self.cfg = cfg
-        self.layout = build.init_process_groups(tensor, pipeline, device, seed, distributed_timeout_s)
         self.settings = settings or build.Settings()
+        self.layout = build.init_process_groups(tensor, pipeline, device, seed, distributed_timeout_s,
+                                                gloo=self.settings.gloo_process_groups)
         config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
         weight, bias = head_weights(int(config["hidden_size"]), zero=cfg.path is None,
                                     initializer_range=float(config.get("initializer_range", 0.02)), seed=seed)

@@ -15,7 +15,8 @@ DDP) trained by Megatron's forward/backward schedule and optimiser, and written 
   adds no GPU memory, which is what a 32B job's first checkpoint can afford — and loads at the same TP/PP with any DP
   (another TP/PP is refused in one line naming the route); ``fully_reshardable`` gathers each TP·PP shard's state on
   its first data-parallel rank's host (over gloo: Megatron's memory-efficient variant, never on the GPUs) and loads
-  at any layout.
+  at any layout. Only that save uses Megatron's gloo groups, so a run builds them only when it saves that format
+  (``model.megatron.use_gloo_process_groups``); a load reads every format without them.
 
 Importing this module imports nothing from Megatron.
 """
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from nemo_factuality.config import ConfigError
 from nemo_factuality.trainers.backends.collectives import ProcessGroupDataParallel, collective_device
 from nemo_factuality.trainers.backends.megatron import build
 from nemo_factuality.trainers.backends.memory import ParallelLayout
@@ -286,8 +288,23 @@ class MegatronModel(ProcessGroupDataParallel):
             # distributed optimizer cannot describe (AssertionError) nor load (KeyError) a state without it
             build.initialize_adam_state(self.optimizer)
         optimizer = self.optimizer.sharded_state_dict(model, is_loading=loading,
-                                                      metadata=OPTIMIZER_FORMATS[optimizer_format])
+                                                      metadata=self._optimizer_metadata(optimizer_format, loading))
         return {"model": model, "optimizer": optimizer}
+
+    def _optimizer_metadata(self, optimizer_format: str, loading: bool) -> dict[str, Any]:
+        """What Megatron's ``sharded_state_dict`` reads for ``optimizer_format``. A load gathers nothing (each rank
+        reads the whole state, then keeps its shard), so it never asks for the memory-efficient gather, which needs
+        the gloo groups: a run without them (dp_reshardable) resumes a fully_reshardable checkpoint. A save that needs
+        them where they were not built is refused before anything is written."""
+        metadata = dict(OPTIMIZER_FORMATS[optimizer_format])
+        gathers_on_gloo = metadata.get("distrib_optim_fully_reshardable_mem_efficient", False)
+        if loading:
+            metadata.pop("distrib_optim_fully_reshardable_mem_efficient", None)
+        elif gathers_on_gloo and self.settings.distributed_optimizer and not self.settings.gloo_process_groups:
+            raise ConfigError(f"model.megatron.optimizer_checkpoint={optimizer_format} gathers the distributed "
+                              "optimizer's state over gloo, and this run built no gloo groups "
+                              "(model.megatron.use_gloo_process_groups); set it null or true")
+        return metadata
 
     def _make_dirs(self, where: Path) -> None:
         if self.global_rank == 0:
