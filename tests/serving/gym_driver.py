@@ -1,6 +1,7 @@
 """NeMo-Gym's own code against the project's resources servers; run in the NeMo-Gym venv by test_gym_stack.py.
 
     python tests/serving/gym_driver.py --project-url URL --head-port PORT --rows ROWS.jsonl --out DIR
+    python tests/serving/gym_driver.py --collect-only --head-port PORT --rows ROWS.jsonl --out DIR
 
 1. NeMo-Gym's request/response models and server client (``ServerClient``, ``raise_for_status``) call the project's
    server (``nemo-factuality serve protocol=nemo_gym`` in the project's environment) at ``--project-url``: ``/seed_session``,
@@ -11,6 +12,7 @@
 3. The runner-started adapter and agent when the judge fails (the adapter's ``/verify``, the agent's ``/run``) and on
    a bad request.
 
+With ``--collect-only``, step 2 alone (the policy a real model behind ``vllm serve``: test_gym_real_policy.py).
 Writes ``DIR/driver.json`` (what the test checks) and the rollouts under ``DIR/rollouts*``.
 """
 
@@ -99,21 +101,24 @@ async def runner_failures(agent: str, outage_row: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--project-url", required=True)
+    ap.add_argument("--project-url", help="the project's own server (steps 1 and 3)")
     ap.add_argument("--head-port", type=int, required=True)
     ap.add_argument("--rows", type=Path, required=True, help="the rows to collect (one with policy_text per line)")
-    ap.add_argument("--outage-row", required=True, help="JSON: a row whose response makes the judge fail")
+    ap.add_argument("--outage-row", help="JSON: a row whose response makes the judge fail (steps 1 and 3)")
+    ap.add_argument("--collect-only", action="store_true", help="step 2 only (a real policy: no scripted outage)")
     ap.add_argument("--agent", default="nemo_factuality_simple_agent")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     # What NeMo-Gym's runner hands its child processes: the head server, from which the rest of the config comes.
     os.environ["NEMO_GYM_CONFIG_DICT"] = json.dumps({"head_server": {"host": "127.0.0.1", "port": args.head_port}})
     rows = [json.loads(line) for line in args.rows.read_text().splitlines() if line.strip()]
-    outage_row = json.loads(args.outage_row)
+    outage_row = None if args.collect_only else json.loads(args.outage_row)
     collectable = args.out / "rows.jsonl"  # rollout collection asks the policy: no policy_text in its rows
     collectable.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "policy_text"}) + "\n" for r in rows))
 
     async def run_all() -> dict:
+        if args.collect_only:
+            return {"collect": await collect(collectable, args.out, args.agent)}
         return {"project": await call_project(args.project_url, args.head_port, rows, outage_row),
                 "collect": await collect(collectable, args.out, args.agent),
                 "runner": await runner_failures(args.agent, outage_row)}
