@@ -142,9 +142,13 @@ class SlurmCluster:
             raise RuntimeError(f"sbatch failed: {res.stderr}")
         return res.stdout.strip().split(";")[0]
 
-    def job_state(self, job_id: str) -> tuple[str, str]:
+    def job_fields(self, job_id: str) -> dict[str, str]:
+        """``scontrol show job -o``'s ``Key=Value`` fields (empty once slurmctld has forgotten the job)."""
         out = subprocess.run(["scontrol", "show", "job", job_id, "-o"], env=self.env, capture_output=True, text=True).stdout
-        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def job_state(self, job_id: str) -> tuple[str, str]:
+        fields = self.job_fields(job_id)
         return fields.get("JobState", "UNKNOWN"), fields.get("ExitCode", "")
 
     def wait(self, job_id: str, states: tuple[str, ...], timeout_s: float) -> str:

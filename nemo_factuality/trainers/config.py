@@ -101,6 +101,12 @@ class MegatronModelConfig:
     # No CUDA graphs on CPU
     inference_cuda_graphs: int = 16
 
+    @property
+    def saves_over_gloo(self) -> bool:
+        """Whether this run's checkpoints gather on Megatron's gloo groups: the distributed optimizer's state saved
+        fully_reshardable (the memory-efficient gather into host memory)."""
+        return self.use_distributed_optimizer and self.optimizer_checkpoint == "fully_reshardable"
+
 
 @dataclass
 class PolicyModelConfig:
@@ -630,8 +636,7 @@ def _megatron_problems(cfg: Any) -> list[str]:
     if m.megatron.use_distributed_optimizer and m.optim.name != "adamw":
         problems.append(f"model.megatron.use_distributed_optimizer=true with model.optim.name={m.optim.name}: "
                         "Megatron's distributed optimizer is Adam's only; use adamw or set it false")
-    if (m.megatron.use_gloo_process_groups is False and m.megatron.use_distributed_optimizer
-            and m.megatron.optimizer_checkpoint == "fully_reshardable"):
+    if m.megatron.use_gloo_process_groups is False and m.megatron.saves_over_gloo:
         problems.append("model.megatron.use_gloo_process_groups=false with model.megatron.optimizer_checkpoint="
                         "fully_reshardable: that save gathers the distributed optimizer's state over gloo; leave "
                         "use_gloo_process_groups null (built when needed) or save dp_reshardable")

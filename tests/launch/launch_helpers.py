@@ -92,10 +92,10 @@ def release_requeued(slurm, job: str, restarts: int, timeout_s: float = 120) -> 
 
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        out = subprocess.run(["scontrol", "show", "job", job, "-o"], env=slurm.env, capture_output=True, text=True).stdout
-        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        fields = slurm.job_fields(job)
         if fields.get("JobState") == "PENDING" and int(fields.get("Restarts", "0")) >= restarts:
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm.env, check=True)
             return
         time.sleep(0.5)
-    raise TimeoutError(f"job {job} not pending after restart {restarts} within {timeout_s}s (last: {out.strip()[:400]})")
+    last = {k: fields.get(k) for k in ("JobState", "Restarts", "Reason", "StartTime")}
+    raise TimeoutError(f"job {job} not pending after restart {restarts} within {timeout_s}s (last: {last})")

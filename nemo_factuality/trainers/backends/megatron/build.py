@@ -92,9 +92,7 @@ class Settings:
         graphs exist only there)."""
         m = model.megatron
         graphs = on_gpu and m.inference_engine == "dynamic" and m.inference_cuda_graphs > 0
-        gloo = m.use_gloo_process_groups
-        if gloo is None:
-            gloo = m.use_distributed_optimizer and m.optimizer_checkpoint == "fully_reshardable"
+        gloo = m.saves_over_gloo if m.use_gloo_process_groups is None else m.use_gloo_process_groups
         return cls(bf16=model.dtype == "bfloat16", sequence_parallel=m.sequence_parallel, recompute=m.recompute,
                    transformer_engine=m.transformer_engine, distributed_optimizer=m.use_distributed_optimizer,
                    optimizer_checkpoint=m.optimizer_checkpoint, cuda_graphs=graphs, gloo_process_groups=gloo)
